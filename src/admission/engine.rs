@@ -1,0 +1,745 @@
+//! The fair-share decision, pure: state and time in, verdict and new state out.
+//!
+//! # The algorithm
+//!
+//! Each caller (a tenant, or an instance inside a tenant) owns three token buckets, refilled
+//! continuously per period P of its tool:
+//!
+//! * **floor** `F` — rate and depth = its own floor. Private: nobody else ever draws it, and
+//!   the tool's shared pool is sized `C − Σ floors`, so floors are reserved, never lent.
+//! * **share** `H` — rate = its nominal share `S × w / Σw`. It marks which of its non-floor
+//!   draws are within its share (they have priority over borrowing).
+//! * **ceiling** `K` — rate = ceiling − floor, depth = burst. Every non-floor draw takes it.
+//!
+//! The tool owns the **pool**: rate `S = C − Σ floors`, depth = the tool's burst. A call of
+//! cost `c` takes what it can from the caller's floor, and the rest (non-floor) from its `K`,
+//! its tenant's residual floor or `K`, and finally the pool. A draw that is beyond the share
+//! of any level is *borrowing*: it may take from a pool only while the pool is above a
+//! threshold between half-full (highest weight) and full (weight near 0), so own-share draws
+//! win over borrowers and heavier borrowers win over lighter ones. Every level also counts
+//! units per aligned window of length P: non-floor use may not pass `ceiling − floor` per
+//! window at a caller, nor `S` at the tool, which makes "at most C per period" exact even
+//! when every bucket starts full. Budgets (calendar windows) and concurrency caps are plain
+//! counters checked alongside. Nothing is written unless every check passes.
+//!
+//! Every number is an `f64` and every step is written so the Redis script can repeat it
+//! operation for operation.
+
+use std::time::Duration;
+
+use super::refusal::{Reason, Refusal, Scope};
+use crate::clock::Timestamp;
+use crate::policy::numbers::{level_numbers, LevelNumbers};
+use crate::policy::{BudgetPeriod, LevelPolicy, ToolPolicy};
+
+/// Tolerance for float comparisons: a draw passes when `have + EPS >= need`.
+pub(crate) const EPS: f64 = 1e-9;
+
+/// A budget counter: units used in the window that starts at `start` (µs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BudgetCounter {
+    /// Which calendar window.
+    pub period: BudgetPeriod,
+    /// Start of the window counted, µs since the epoch.
+    pub start: f64,
+    /// Units used in it.
+    pub used: f64,
+}
+
+/// The stored state of one level (tool, tenant or instance). A handful of numbers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeState {
+    /// False for a level never seen (or expired): its buckets are full.
+    pub live: bool,
+    /// When the buckets were last brought up to date, µs.
+    pub t: f64,
+    /// Floor bucket tokens.
+    pub floor: f64,
+    /// Share bucket tokens.
+    pub share: f64,
+    /// Ceiling bucket tokens (for the tool: the shared pool).
+    pub ceiling: f64,
+    /// The aligned window (`floor(now / P)`) the counters below belong to.
+    pub window: f64,
+    /// Units through this level in the window.
+    pub total: f64,
+    /// Non-floor units at this level in the window.
+    pub non_floor: f64,
+    /// Floor units in the window (for the tool: floor units of every caller).
+    pub floor_used: f64,
+    /// Calls in flight holding a permit at this level.
+    pub in_flight: f64,
+    /// Calendar budget counters.
+    pub budgets: Vec<BudgetCounter>,
+}
+
+/// Whether a template caller is already tracked, and how many are.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tracking {
+    /// Template callers tracked now (expired ones excluded).
+    pub count: u64,
+    /// Whether this caller is one of them.
+    pub tracked: bool,
+}
+
+/// A level of the call: its name and the policy that applies (own entry or template).
+#[derive(Copy, Clone, Debug)]
+pub struct LevelRef<'a> {
+    /// Tenant or instance name (for an untenanted caller: its client id).
+    pub name: &'a str,
+    /// The applicable policy.
+    pub policy: &'a LevelPolicy,
+}
+
+/// Everything static about one decision.
+#[derive(Copy, Clone, Debug)]
+pub struct Plan<'a> {
+    /// Now, µs since the epoch.
+    pub now: Timestamp,
+    /// Cost in the tool's unit.
+    pub cost: f64,
+    /// The tool.
+    pub tool: &'a ToolPolicy,
+    /// The tenant (or the untenanted caller, governed by the tenant template).
+    pub tenant: LevelRef<'a>,
+    /// The instance, when the tenant limits instances separately.
+    pub instance: Option<LevelRef<'a>>,
+    /// True when `tenant` is an untenanted caller.
+    pub untenanted: bool,
+}
+
+/// The stored state a decision reads.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// The tool's state.
+    pub tool: NodeState,
+    /// The tenant's state.
+    pub tenant: NodeState,
+    /// The instance's state (ignored without an instance).
+    pub instance: NodeState,
+    /// The tenant among the tool's template tenants.
+    pub tenant_tracking: Tracking,
+    /// The instance among the tenant's template instances.
+    pub instance_tracking: Tracking,
+}
+
+/// What one level charged, so the charge can be corrected or refunded later.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LevelCharge {
+    /// Whether the level took part.
+    pub present: bool,
+    /// Units taken from the floor bucket, its depth.
+    pub floor: f64,
+    /// Depth of the floor bucket.
+    pub floor_depth: f64,
+    /// Units taken from the share bucket.
+    pub share: f64,
+    /// Depth of the share bucket.
+    pub share_depth: f64,
+    /// Units taken from the ceiling bucket / pool.
+    pub ceiling: f64,
+    /// Depth of the ceiling bucket / pool.
+    pub ceiling_depth: f64,
+    /// Whether a concurrency permit was taken here.
+    pub permit: bool,
+    /// Budget windows charged: (period, window start).
+    pub budgets: Vec<(BudgetPeriod, f64)>,
+}
+
+/// What an admitted call charged: the input to correction, refund and permit release.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Charge {
+    /// The cost charged.
+    pub cost: f64,
+    /// The aligned window the call was counted in.
+    pub window: f64,
+    /// Tool, tenant, instance.
+    pub levels: [LevelCharge; 3],
+}
+
+impl Charge {
+    /// Whether any concurrency permit was taken.
+    pub fn holds_permits(&self) -> bool {
+        self.levels.iter().any(|l| l.permit)
+    }
+}
+
+/// The numbers that explain a decision at one level (for logs, headers and disputes).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct LevelView {
+    /// Weight.
+    pub weight: f64,
+    /// Floor per period.
+    pub floor: f64,
+    /// Nominal share per period (with the template callers tracked now).
+    pub share: f64,
+    /// Ceiling per period.
+    pub ceiling: f64,
+}
+
+/// The outcome of an admitted call.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    /// New tool state.
+    pub tool: NodeState,
+    /// New tenant state.
+    pub tenant: NodeState,
+    /// New instance state (meaningless without an instance).
+    pub instance: NodeState,
+    /// When each level's state may be forgotten without changing any future decision (µs):
+    /// tool, tenant, instance, provided it holds no permits.
+    pub expires: [f64; 3],
+    /// Track the tenant (a template tenant) until this time (µs), if it is one.
+    pub track_tenant_until: Option<f64>,
+    /// Track the instance (a template instance) until this time (µs), if it is one.
+    pub track_instance_until: Option<f64>,
+    /// What was charged where.
+    pub charge: Charge,
+    /// Units the caller could still take now (for the `RateLimit` header).
+    pub remaining: f64,
+    /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
+    pub quota: f64,
+    /// Microseconds until the aligned window resets.
+    pub reset_in: f64,
+    /// Pool tokens left at the tool after the call: the slack to lend.
+    pub slack: f64,
+    /// Tenant and instance numbers.
+    pub views: [LevelView; 2],
+}
+
+/// The engine's verdict.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// Admit, writing the new state.
+    Admit(Box<Admitted>),
+    /// Refuse; nothing changes.
+    Refuse(Box<Refusal>),
+}
+
+struct Bucket {
+    rate: f64,
+    depth: f64,
+}
+
+struct Level<'a> {
+    scope: Scope,
+    numbers: LevelNumbers,
+    floor_b: Bucket,
+    share_b: Bucket,
+    ceil_b: Bucket,
+    state: NodeState,
+    policy: Option<&'a LevelPolicy>,
+}
+
+fn refill(s: &mut NodeState, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
+    if !s.live {
+        s.live = true;
+        s.t = now;
+        s.floor = f.depth;
+        s.share = h.depth;
+        s.ceiling = k.depth;
+        return;
+    }
+    let dt = (now - s.t).max(0.0);
+    s.floor = (s.floor + dt * f.rate / period).min(f.depth);
+    s.share = (s.share + dt * h.rate / period).min(h.depth);
+    s.ceiling = (s.ceiling + dt * k.rate / period).min(k.depth);
+    if now > s.t {
+        s.t = now;
+    }
+}
+
+fn roll_window(s: &mut NodeState, window: f64) {
+    if s.window != window {
+        s.window = window;
+        s.total = 0.0;
+        s.non_floor = 0.0;
+        s.floor_used = 0.0;
+    }
+}
+
+fn bucket(rate: f64, depth: f64) -> Bucket {
+    let rate = rate.max(0.0);
+    Bucket {
+        rate,
+        depth: if rate > 0.0 { depth } else { 0.0 },
+    }
+}
+
+/// Time (µs) until bucket `x` holds `need`, or infinity when it never can.
+fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
+    if x + EPS >= need {
+        0.0
+    } else if need > b.depth + EPS || b.rate <= 0.0 {
+        f64::INFINITY
+    } else {
+        (need - x) * period / b.rate
+    }
+}
+
+struct Fail {
+    reason: Reason,
+    scope: Scope,
+    wait: f64,
+    window: String,
+    limit: f64,
+    used: f64,
+    reset_at: Option<f64>,
+}
+
+/// Decides one call. Pure: the same plan and snapshot always give the same verdict.
+pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
+    let tool = plan.tool;
+    let now = plan.now.as_micros() as f64;
+    let period = tool.period.as_micros() as f64;
+    let window = (now / period).floor();
+    let next_window = (window + 1.0) * period;
+    let c = plan.cost;
+
+    let refuse = |f: Fail| -> Verdict {
+        let mut r = Refusal::new(f.reason, &tool.name);
+        r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
+        r.instance = if plan.untenanted {
+            Some(plan.tenant.name.to_owned())
+        } else {
+            plan.instance.map(|i| i.name.to_owned())
+        };
+        r.scope = Some(f.scope);
+        r.window = Some(f.window);
+        r.limit = Some(f.limit);
+        r.used = Some(f.used);
+        if f.wait.is_finite() {
+            let wait = f.wait.max(1.0).ceil();
+            r.retry_after = Some(Duration::from_micros(wait as u64));
+            r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
+            r.retryable = true;
+        }
+        Verdict::Refuse(Box::new(r))
+    };
+
+    // 1. Tracked template callers: a flood of new identities stops here.
+    let t_pol = plan.tenant.policy;
+    let mut n_tenants = snap.tenant_tracking.count;
+    if t_pol.template && !snap.tenant_tracking.tracked {
+        if n_tenants >= t_pol.max_tracked {
+            return refuse(Fail {
+                reason: Reason::CapExceeded,
+                scope: Scope::Tenant,
+                wait: period,
+                window: "callers".into(),
+                limit: t_pol.max_tracked as f64,
+                used: n_tenants as f64,
+                reset_at: None,
+            });
+        }
+        n_tenants += 1;
+    }
+    let mut n_instances = snap.instance_tracking.count;
+    if let Some(i) = plan.instance {
+        if i.policy.template && !snap.instance_tracking.tracked {
+            if n_instances >= i.policy.max_tracked {
+                return refuse(Fail {
+                    reason: Reason::CapExceeded,
+                    scope: Scope::Instance,
+                    wait: period,
+                    window: "callers".into(),
+                    limit: i.policy.max_tracked as f64,
+                    used: n_instances as f64,
+                    reset_at: None,
+                });
+            }
+            n_instances += 1;
+        }
+    }
+
+    // 2. The numbers each level is owed right now.
+    let spare = tool.spare();
+    let tn = level_numbers(
+        t_pol,
+        spare,
+        tool.configured_weight
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
+    );
+    let mut levels: Vec<Level<'_>> = Vec::with_capacity(3);
+    levels.push(Level {
+        scope: Scope::Tool,
+        numbers: LevelNumbers {
+            weight: 0.0,
+            floor: 0.0,
+            own_floor: 0.0,
+            share: spare,
+            ceiling: tool.capacity,
+            share_rate: 0.0,
+            ceiling_rate: spare,
+        },
+        floor_b: bucket(0.0, 0.0),
+        share_b: bucket(0.0, 0.0),
+        ceil_b: bucket(spare, tool.burst),
+        state: snap.tool.clone(),
+        policy: None,
+    });
+    levels.push(Level {
+        scope: Scope::Tenant,
+        floor_b: bucket(tn.own_floor, tn.own_floor),
+        share_b: bucket(tn.share_rate, t_pol.burst),
+        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
+        numbers: tn,
+        state: snap.tenant.clone(),
+        policy: Some(t_pol),
+    });
+    if let Some(i) = plan.instance {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
+        let inn = level_numbers(i.policy, inner_spare, inner_weight);
+        levels.push(Level {
+            scope: Scope::Instance,
+            floor_b: bucket(inn.own_floor, inn.own_floor),
+            share_b: bucket(inn.share_rate, i.policy.burst),
+            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
+            numbers: inn,
+            state: snap.instance.clone(),
+            policy: Some(i.policy),
+        });
+    }
+    for l in levels.iter_mut() {
+        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
+        roll_window(&mut l.state, window);
+    }
+
+    // 3. Concurrency, before any rate is looked at.
+    let caps = [
+        tool.max_concurrency,
+        t_pol.max_concurrency,
+        plan.instance.and_then(|i| i.policy.max_concurrency),
+    ];
+    for (l, cap) in levels.iter().zip(caps) {
+        if let Some(cap) = cap {
+            if l.state.in_flight + 1.0 > cap as f64 {
+                return refuse(Fail {
+                    reason: Reason::ConcurrencyExceeded,
+                    scope: l.scope,
+                    wait: 1_000_000.0,
+                    window: "in_flight".into(),
+                    limit: cap as f64,
+                    used: l.state.in_flight,
+                    reset_at: None,
+                });
+            }
+        }
+    }
+
+    let mut fails: Vec<Fail> = Vec::new();
+
+    // 4. Budgets: every matching calendar window must have room.
+    let budget_lists = [
+        &tool.budgets[..],
+        &t_pol.budgets[..],
+        plan.instance.map_or(&[][..], |i| &i.policy.budgets[..]),
+    ];
+    for (l, list) in levels.iter().zip(budget_lists) {
+        for b in list {
+            let (start, end) = b.period.window(plan.now);
+            let start = start.as_micros() as f64;
+            let used = l
+                .state
+                .budgets
+                .iter()
+                .find(|x| x.period == b.period && x.start == start)
+                .map_or(0.0, |x| x.used);
+            if used + c > b.max + EPS {
+                let end = end.as_micros() as f64;
+                fails.push(Fail {
+                    reason: Reason::CapExceeded,
+                    scope: l.scope,
+                    wait: if c > b.max + EPS {
+                        f64::INFINITY
+                    } else {
+                        end - now
+                    },
+                    window: b.period.as_str().into(),
+                    limit: b.max,
+                    used,
+                    reset_at: Some(end),
+                });
+            }
+        }
+    }
+
+    // 5. The draw, from the caller up to the tool.
+    let leaf = levels.len() - 1;
+    let mut takes = [[0.0f64; 3]; 3]; // per level: floor, share, ceiling
+    let mut rem = c;
+    let mut own_chain = true;
+    let mut child_threshold = 0.5;
+    let mut path_fail: Option<Fail> = None;
+    for idx in (0..levels.len()).rev() {
+        if rem <= EPS {
+            break;
+        }
+        let l = &levels[idx];
+        let s = &l.state;
+        // The level's own floor first (a caller's floor, a tenant's residual floor).
+        let own_floor = l.numbers.own_floor;
+        if own_floor > 0.0 {
+            let x = rem.min(s.floor).min(own_floor - s.floor_used).max(0.0);
+            takes[idx][0] = x;
+            rem -= x;
+            if rem <= EPS {
+                break;
+            }
+        }
+        // Then non-floor: the level's ceiling bucket (the pool, at the tool), above the
+        // borrowing threshold unless every level below drew within its share.
+        let threshold = if idx < leaf && !own_chain {
+            child_threshold * (l.ceil_b.depth - rem).max(0.0)
+        } else {
+            0.0
+        };
+        let need = rem + threshold;
+        let cap = l.numbers.ceiling_rate;
+        let bucket_ok = s.ceiling + EPS >= need;
+        let window_ok = s.non_floor + rem <= cap + EPS;
+        if !(bucket_ok && window_ok) {
+            let mut wait = wait_for(s.ceiling, need, &l.ceil_b, period);
+            if !window_ok {
+                wait = wait.max(if rem > cap + EPS {
+                    f64::INFINITY
+                } else {
+                    next_window - now
+                });
+            }
+            // Could the whole call be served by the caller's floor later instead?
+            let lf = &levels[leaf];
+            if lf.numbers.own_floor + EPS >= c {
+                let mut fw = wait_for(lf.state.floor, c, &lf.floor_b, period);
+                if lf.state.floor_used + c > lf.numbers.own_floor + EPS {
+                    fw = fw.max(next_window - now);
+                }
+                wait = wait.min(fw);
+            }
+            path_fail = Some(Fail {
+                reason: Reason::RateLimited,
+                scope: l.scope,
+                wait,
+                window: tool.period.to_string(),
+                limit: l.numbers.ceiling,
+                used: s.total,
+                reset_at: None,
+            });
+            break;
+        }
+        takes[idx][2] = rem;
+        if idx > 0 {
+            if s.share + EPS >= rem {
+                takes[idx][1] = rem;
+            } else {
+                own_chain = false;
+            }
+            child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+        }
+    }
+    if let Some(f) = path_fail {
+        fails.push(f);
+    }
+
+    if !fails.is_empty() {
+        let mut worst = fails.remove(0);
+        for f in fails {
+            if f.wait > worst.wait {
+                worst = f;
+            }
+        }
+        return refuse(worst);
+    }
+
+    // 6. Commit.
+    let mut charge = Charge {
+        cost: c,
+        window,
+        levels: Default::default(),
+    };
+    let mut expires = [now; 3];
+    let mut floor_units = 0.0;
+    for (idx, l) in levels.iter_mut().enumerate() {
+        let [f, h, k] = takes[idx];
+        floor_units += f;
+        let s = &mut l.state;
+        s.floor -= f;
+        s.share -= h;
+        s.ceiling -= k;
+        s.total += c;
+        s.non_floor += k;
+        s.floor_used += f;
+        let permit = caps[idx].is_some();
+        if permit {
+            s.in_flight += 1.0;
+        }
+        let mut charged_budgets = Vec::new();
+        for b in budget_lists[idx] {
+            let start = b.period.window(plan.now).0.as_micros() as f64;
+            match s.budgets.iter_mut().find(|x| x.period == b.period) {
+                Some(x) if x.start == start => x.used += c,
+                Some(x) => {
+                    x.start = start;
+                    x.used = c;
+                }
+                None => s.budgets.push(BudgetCounter {
+                    period: b.period,
+                    start,
+                    used: c,
+                }),
+            }
+            charged_budgets.push((b.period, start));
+        }
+        charge.levels[idx] = LevelCharge {
+            present: true,
+            floor: f,
+            floor_depth: l.floor_b.depth,
+            share: h,
+            share_depth: l.share_b.depth,
+            ceiling: k,
+            ceiling_depth: l.ceil_b.depth,
+            permit,
+            budgets: charged_budgets,
+        };
+        expires[idx] = expiry(
+            s,
+            &l.floor_b,
+            &l.share_b,
+            &l.ceil_b,
+            now,
+            period,
+            next_window,
+        );
+    }
+    // The tool counts every floor unit drawn below it, for the window report.
+    levels[0].state.floor_used += floor_units - takes[0][0];
+
+    let lf = &levels[leaf];
+    let mut remaining = (lf.numbers.own_floor - lf.state.floor_used)
+        .min(lf.state.floor)
+        .max(0.0);
+    let mut non_floor_room = f64::INFINITY;
+    for l in &levels {
+        let room = l
+            .state
+            .ceiling
+            .min(l.numbers.ceiling_rate - l.state.non_floor)
+            .max(0.0);
+        non_floor_room = non_floor_room.min(room);
+    }
+    remaining += non_floor_room;
+
+    let view = |l: Option<&Level<'_>>| {
+        l.map_or(LevelView::default(), |l| LevelView {
+            weight: l.numbers.weight,
+            floor: l.numbers.floor,
+            share: l.numbers.share,
+            ceiling: l.numbers.ceiling,
+        })
+    };
+    let views = [view(levels.get(1)), view(levels.get(2))];
+    let quota = levels[leaf].numbers.ceiling;
+    let slack = levels[0].state.ceiling;
+    let track_until = now + period;
+    let mut it = levels.into_iter();
+    let tool_state = it.next().map(|l| l.state).unwrap_or_default();
+    let tenant_state = it.next().map(|l| l.state).unwrap_or_default();
+    let instance_state = it.next().map(|l| l.state).unwrap_or_default();
+    Verdict::Admit(Box::new(Admitted {
+        tool: tool_state,
+        tenant: tenant_state,
+        instance: instance_state,
+        expires,
+        track_tenant_until: t_pol.template.then_some(track_until),
+        track_instance_until: plan
+            .instance
+            .and_then(|i| i.policy.template.then_some(track_until)),
+        charge,
+        remaining,
+        quota,
+        reset_in: next_window - now,
+        slack,
+        views,
+    }))
+}
+
+/// When a level's state is equivalent to a fresh one: every bucket full, its window and
+/// budget counters over. (Permits held keep a state alive regardless: the store checks.)
+fn expiry(
+    s: &NodeState,
+    f: &Bucket,
+    h: &Bucket,
+    k: &Bucket,
+    now: f64,
+    period: f64,
+    next_window: f64,
+) -> f64 {
+    let mut at = now;
+    for (x, b) in [(s.floor, f), (s.share, h), (s.ceiling, k)] {
+        if b.rate > 0.0 && x < b.depth {
+            at = at.max(now + (b.depth - x) * period / b.rate);
+        }
+    }
+    if s.total > 0.0 {
+        at = at.max(next_window);
+    }
+    for b in &s.budgets {
+        if b.used > 0.0 {
+            let (_, end) = b.period.window(Timestamp(b.start as u64));
+            at = at.max(end.as_micros() as f64);
+        }
+    }
+    at
+}
+
+/// Applies a correction to one level's state: `factor` × what was charged is added to the
+/// counters and taken from the buckets (a negative factor gives back, never above a
+/// bucket's depth). `now_window`/`now` say which window and budget windows are current, so
+/// a correction never touches a window that has already closed.
+pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now: Timestamp) {
+    let lc = &charge.levels[level];
+    if !lc.present || !s.live {
+        return;
+    }
+    let give = |x: f64, amount: f64, depth: f64| -> f64 {
+        let y = x - amount * factor;
+        if factor < 0.0 {
+            y.min(depth.max(x))
+        } else {
+            y
+        }
+    };
+    s.floor = give(s.floor, lc.floor, lc.floor_depth);
+    s.share = give(s.share, lc.share, lc.share_depth);
+    s.ceiling = give(s.ceiling, lc.ceiling, lc.ceiling_depth);
+    if s.window == charge.window {
+        let delta = charge.cost * factor;
+        s.total = (s.total + delta).max(0.0);
+        s.non_floor = (s.non_floor + lc.ceiling * factor).max(0.0);
+        let floor_delta = if level == 0 {
+            (charge.cost - lc.ceiling) * factor
+        } else {
+            lc.floor * factor
+        };
+        s.floor_used = (s.floor_used + floor_delta).max(0.0);
+    }
+    for (period, start) in &lc.budgets {
+        if period.window(now).0.as_micros() as f64 != *start {
+            continue;
+        }
+        if let Some(b) = s
+            .budgets
+            .iter_mut()
+            .find(|b| b.period == *period && b.start == *start)
+        {
+            b.used = (b.used + charge.cost * factor).max(0.0);
+        }
+    }
+}
+
+/// Releases one level's concurrency permit.
+pub fn release(s: &mut NodeState) {
+    s.in_flight = (s.in_flight - 1.0).max(0.0);
+}

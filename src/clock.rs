@@ -1,0 +1,171 @@
+//! Time, injected: the admission logic never reads a clock itself.
+//!
+//! A [`Timestamp`] is microseconds since the UNIX epoch (UTC). Calendar budgets are computed
+//! from it, so a clock must be a wall clock, not a monotonic one.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Microseconds since the UNIX epoch, UTC.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Timestamp(pub u64);
+
+impl Timestamp {
+    /// The timestamp `micros` microseconds after the epoch.
+    pub const fn from_micros(micros: u64) -> Self {
+        Timestamp(micros)
+    }
+
+    /// Microseconds since the epoch.
+    pub const fn as_micros(self) -> u64 {
+        self.0
+    }
+
+    /// This instant plus `d` (saturating).
+    pub fn saturating_add(self, d: Duration) -> Self {
+        Timestamp(
+            self.0
+                .saturating_add(d.as_micros().min(u64::MAX as u128) as u64),
+        )
+    }
+
+    /// RFC 3339 text in UTC with second precision, e.g. `2026-05-22T15:00:00Z`.
+    pub fn to_rfc3339(self) -> String {
+        let secs = self.0 / 1_000_000;
+        let days = (secs / 86_400) as i64;
+        let rem = secs % 86_400;
+        let (y, m, d) = civil_from_days(days);
+        format!(
+            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+            rem / 3600,
+            (rem % 3600) / 60,
+            rem % 60
+        )
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_rfc3339())
+    }
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day). H. Hinnant's algorithm;
+/// the Redis script carries the same arithmetic.
+pub(crate) fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// (year, month, day) to days since 1970-01-01.
+pub(crate) fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let m = m as i64;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// A source of the current time.
+///
+/// Implemented by [`SystemClock`] for production and [`ManualClock`] for tests and
+/// simulations. Create a clock once and share it: clocks are cheap to clone.
+pub trait Clock: Send + Sync + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The system wall clock.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        let d = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO);
+        Timestamp(d.as_micros() as u64)
+    }
+}
+
+/// A clock that only moves when told to. Clones share the same time.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_fairshare::{Clock, ManualClock, Timestamp};
+///
+/// let clock = ManualClock::new(Timestamp::from_micros(0));
+/// let other = clock.clone();
+/// clock.advance(Duration::from_secs(2));
+/// assert_eq!(other.now(), Timestamp::from_micros(2_000_000));
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct ManualClock {
+    micros: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    /// A clock reading `start`.
+    pub fn new(start: Timestamp) -> Self {
+        ManualClock {
+            micros: Arc::new(AtomicU64::new(start.0)),
+        }
+    }
+
+    /// Moves the clock forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        self.micros
+            .fetch_add(d.as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// Sets the clock to `t` (it may go backwards; the stores tolerate that).
+    pub fn set(&self, t: Timestamp) {
+        self.micros.store(t.0, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.micros.load(Ordering::SeqCst))
+    }
+}
+
+impl<C: Clock + ?Sized> Clock for Arc<C> {
+    fn now(&self) -> Timestamp {
+        (**self).now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_known_instants() {
+        assert_eq!(Timestamp(0).to_rfc3339(), "1970-01-01T00:00:00Z");
+        // 2026-05-22T15:00:00Z
+        let days = days_from_civil(2026, 5, 22);
+        let t = Timestamp(((days * 86_400 + 15 * 3600) as u64) * 1_000_000);
+        assert_eq!(t.to_rfc3339(), "2026-05-22T15:00:00Z");
+    }
+
+    #[test]
+    fn civil_round_trips_over_centuries() {
+        for z in (-800_000i64..800_000).step_by(37) {
+            let (y, m, d) = civil_from_days(z);
+            assert_eq!(days_from_civil(y, m, d), z);
+        }
+    }
+}

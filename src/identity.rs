@@ -1,0 +1,78 @@
+//! Who is calling, and what a call costs.
+
+use std::sync::Arc;
+
+/// The caller of a tool, as established by the application's own authentication.
+///
+/// Put it in the request extensions from your auth layer (or return it from an
+/// [`Identify`](crate::Identify) implementation). Never build it from anything a client or a
+/// model can write into the request body: whoever sets the caller chooses who gets charged.
+///
+/// ```
+/// use tower_fairshare::Caller;
+/// let caller = Caller::new("acme").with_instance("report-agent").with_tier("internal");
+/// assert_eq!(caller.tenant(), Some("acme"));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Caller {
+    tenant: Option<Arc<str>>,
+    instance: Option<Arc<str>>,
+    tier: Option<Arc<str>>,
+}
+
+impl Caller {
+    /// A caller belonging to `tenant`.
+    pub fn new(tenant: impl Into<Arc<str>>) -> Self {
+        Caller {
+            tenant: Some(tenant.into()),
+            instance: None,
+            tier: None,
+        }
+    }
+
+    /// A caller without a tenant (allowed only by tools with `require_tenant = false`).
+    pub fn untenanted() -> Self {
+        Caller::default()
+    }
+
+    /// Sets the agent instance / session pool within the tenant (or, for an untenanted
+    /// caller, its client id).
+    pub fn with_instance(mut self, instance: impl Into<Arc<str>>) -> Self {
+        self.instance = Some(instance.into());
+        self
+    }
+
+    /// Sets the caller's tier, checked against a tool's `tier` / `tiers`.
+    pub fn with_tier(mut self, tier: impl Into<Arc<str>>) -> Self {
+        self.tier = Some(tier.into());
+        self
+    }
+
+    /// The tenant, if any.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
+    /// The instance, if any.
+    pub fn instance(&self) -> Option<&str> {
+        self.instance.as_deref()
+    }
+
+    /// The tier, if any.
+    pub fn tier(&self) -> Option<&str> {
+        self.tier.as_deref()
+    }
+}
+
+/// What a call costs, in the tool's unit. Without it a call costs 1.
+///
+/// Put it in the request extensions (e.g. estimated LLM tokens); put it in the response
+/// extensions to correct the charge with the actual cost once known.
+#[derive(Copy, Clone, Debug, PartialEq, PartialOrd)]
+pub struct Cost(pub f64);
+
+impl Default for Cost {
+    fn default() -> Self {
+        Cost(1.0)
+    }
+}

@@ -1,0 +1,158 @@
+//! Store keys, built in one place.
+//!
+//! Every key is `fs1{<tool>}<kind><parts>` where each part is length-prefixed
+//! (`<byte length>:<bytes>`). Length prefixes make the encoding uniquely decodable, so no two
+//! distinct (tool, tenant, instance) triples share a key whatever bytes they contain (`:`,
+//! `|`, `{`, `}`, unicode). The kind byte keeps tool, tenant, instance and untenanted keys
+//! in disjoint spaces. The `{...}` hash tag holds only the tool: every key one decision
+//! touches is in one Redis Cluster slot, so a decision stays one atomic script.
+
+/// What a key names.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum KeyKind {
+    /// The tool's own state (shared pool, window, tenant tracker).
+    Tool,
+    /// A tenant of a tool.
+    Tenant,
+    /// An instance of a tenant.
+    Instance,
+    /// A caller without a tenant (only when the tool has `require_tenant = false`).
+    Untenanted,
+}
+
+impl KeyKind {
+    fn byte(self) -> char {
+        match self {
+            KeyKind::Tool => 'T',
+            KeyKind::Tenant => 't',
+            KeyKind::Instance => 'i',
+            KeyKind::Untenanted => 'u',
+        }
+    }
+}
+
+/// The version prefix: bump it when the state layout changes so old keys are never misread.
+pub const KEY_PREFIX: &str = "fs1";
+
+fn push_part(out: &mut String, part: &str) {
+    out.push_str(itoa::Buffer::new().format(part.len()));
+    out.push(':');
+    out.push_str(part);
+}
+
+/// The key of the tool's own state.
+pub fn tool_key(tool: &str) -> String {
+    encode(tool, KeyKind::Tool, &[])
+}
+
+/// The key of `tenant`'s state under `tool`.
+pub fn tenant_key(tool: &str, tenant: &str) -> String {
+    encode(tool, KeyKind::Tenant, &[tenant])
+}
+
+/// The key of `instance` of `tenant` under `tool`.
+pub fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
+    encode(tool, KeyKind::Instance, &[tenant, instance])
+}
+
+/// The key of an untenanted caller identified by `instance` under `tool`.
+pub fn untenanted_key(tool: &str, instance: &str) -> String {
+    encode(tool, KeyKind::Untenanted, &[instance])
+}
+
+fn encode(tool: &str, kind: KeyKind, parts: &[&str]) -> String {
+    let mut out =
+        String::with_capacity(8 + tool.len() + parts.iter().map(|p| p.len() + 6).sum::<usize>());
+    out.push_str(KEY_PREFIX);
+    out.push('{');
+    push_part(&mut out, tool);
+    out.push('}');
+    out.push(kind.byte());
+    for p in parts {
+        push_part(&mut out, p);
+    }
+    out
+}
+
+/// Decodes a key built by this module: (tool, kind, parts). `None` if it is not one.
+pub fn decode(key: &str) -> Option<(String, KeyKind, Vec<String>)> {
+    let rest = key.strip_prefix(KEY_PREFIX)?.strip_prefix('{')?;
+    let (tool, rest) = take_part(rest)?;
+    let rest = rest.strip_prefix('}')?;
+    let mut chars = rest.chars();
+    let kind = match chars.next()? {
+        'T' => KeyKind::Tool,
+        't' => KeyKind::Tenant,
+        'i' => KeyKind::Instance,
+        'u' => KeyKind::Untenanted,
+        _ => return None,
+    };
+    let mut rest = chars.as_str();
+    let mut parts = Vec::new();
+    while !rest.is_empty() {
+        let (p, r) = take_part(rest)?;
+        parts.push(p.to_owned());
+        rest = r;
+    }
+    let expected = match kind {
+        KeyKind::Tool => 0,
+        KeyKind::Tenant | KeyKind::Untenanted => 1,
+        KeyKind::Instance => 2,
+    };
+    (parts.len() == expected).then(|| (tool.to_owned(), kind, parts))
+}
+
+fn take_part(s: &str) -> Option<(&str, &str)> {
+    let colon = s.find(':')?;
+    let len: usize = s[..colon].parse().ok()?;
+    let body = s.get(colon + 1..colon + 1 + len)?;
+    Some((body, &s[colon + 1 + len..]))
+}
+
+/// The Redis Cluster hash tag of a key: the bytes between the first `{` and the next `}`.
+pub fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{') {
+        if let Some(close) = key[open + 1..].find('}') {
+            if close > 0 {
+                return &key[open + 1..open + 1 + close];
+            }
+        }
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn colon_in_names_does_not_collide() {
+        assert_ne!(
+            instance_key("t", "org", "acme:report"),
+            instance_key("t", "org:acme", "report")
+        );
+        assert_ne!(tenant_key("t", "a"), untenanted_key("t", "a"));
+    }
+
+    proptest! {
+        #[test]
+        fn keys_are_injective_and_decodable(
+            tool in ".{1,12}", tenant in ".{0,12}", instance in ".{0,12}",
+            tool2 in ".{1,12}", tenant2 in ".{0,12}", instance2 in ".{0,12}",
+        ) {
+            let a = instance_key(&tool, &tenant, &instance);
+            let b = instance_key(&tool2, &tenant2, &instance2);
+            prop_assert_eq!(a == b, (&tool, &tenant, &instance) == (&tool2, &tenant2, &instance2));
+            prop_assert_eq!(decode(&a), Some((tool.clone(), KeyKind::Instance, vec![tenant.clone(), instance.clone()])));
+            // Every key of one tool shares its hash tag, whatever the names contain.
+            let tag = hash_tag(&a).to_owned();
+            prop_assert_eq!(hash_tag(&tool_key(&tool)), tag.as_str());
+            prop_assert_eq!(hash_tag(&tenant_key(&tool, &tenant)), tag.as_str());
+            prop_assert_eq!(hash_tag(&untenanted_key(&tool, &instance)), tag.as_str());
+            // Tenanted and untenanted spaces never meet.
+            prop_assert_ne!(tenant_key(&tool, &tenant), untenanted_key(&tool2, &tenant2));
+            prop_assert_ne!(tenant_key(&tool, &tenant), instance_key(&tool2, &tenant2, &instance2));
+        }
+    }
+}

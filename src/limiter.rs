@@ -1,0 +1,257 @@
+//! The limiter: policy + store + clock. Resolves who is calling what, asks the store, and
+//! turns the answer into an admission or a typed refusal. The layer is a thin shell over it.
+
+use std::sync::{Arc, RwLock};
+
+use crate::admission::{LevelRef, Plan, Reason, Refusal, Scope};
+use crate::clock::{Clock, SystemClock};
+use crate::identity::{Caller, Cost};
+use crate::policy::{OnStoreError, Policy};
+use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store};
+
+/// Decides calls against a [`Policy`], with state in a [`Store`] and time from a [`Clock`].
+///
+/// Cheap to clone: clones share policy, store and clock.
+///
+/// ```
+/// use tower_fairshare::{Caller, Cost, Limiter, Policy};
+///
+/// # tokio_test_block_on(async {
+/// let policy = Policy::from_toml_str(r#"
+///     [[tool]]
+///     name = "generate_report"
+///     unit = "calls"
+///     rate = { limit = 600, per = "1m" }
+///     [tool.default_tenant]
+///     ceiling = 3
+///     burst = 3
+/// "#).unwrap();
+/// let limiter = Limiter::new(policy);
+/// let acme = Caller::new("acme").with_instance("shared-agent");
+/// for _ in 0..3 {
+///     assert!(limiter.admit(&acme, "generate_report", Cost::default()).await.is_ok());
+/// }
+/// let refusal = limiter.admit(&acme, "generate_report", Cost::default()).await.unwrap_err();
+/// assert_eq!(refusal.reason.as_str(), "rate_limited");
+/// // Another tenant presenting the same instance id has its own, untouched allowance.
+/// let globex = Caller::new("globex").with_instance("shared-agent");
+/// assert!(limiter.admit(&globex, "generate_report", Cost::default()).await.is_ok());
+/// # });
+/// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Limiter<S = MemoryStore, C = SystemClock> {
+    inner: Arc<Inner<S, C>>,
+}
+
+impl<S, C> Clone for Limiter<S, C> {
+    fn clone(&self) -> Self {
+        Limiter {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner<S, C> {
+    policy: RwLock<Arc<Policy>>,
+    store: S,
+    clock: C,
+}
+
+/// An admitted call: what to correct, refund or release later.
+#[derive(Clone, Debug)]
+pub struct Ticket {
+    /// What the store charged; `None` when the call went through unmetered (the store was
+    /// unreachable and the tool fails open).
+    pub admission: Option<Admission>,
+    /// In shadow mode (`enforce = false`), the refusal that would have been returned.
+    pub shadow_refusal: Option<Refusal>,
+}
+
+impl Limiter<MemoryStore, SystemClock> {
+    /// A limiter with an in-process store and the system clock.
+    pub fn new(policy: Policy) -> Self {
+        Limiter::with_store(policy, MemoryStore::new(), SystemClock)
+    }
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
+    /// A limiter over `store`, reading time from `clock`.
+    pub fn with_store(policy: Policy, store: S, clock: C) -> Self {
+        Limiter {
+            inner: Arc::new(Inner {
+                policy: RwLock::new(Arc::new(policy)),
+                store,
+                clock,
+            }),
+        }
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Arc<Policy> {
+        self.inner
+            .policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces the policy. State is keyed by names, so usage so far, windows and permits
+    /// carry over; the new limits apply from the next decision.
+    pub fn set_policy(&self, policy: Policy) {
+        *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &C {
+        &self.inner.clock
+    }
+
+    /// Decides one call of `tool` by `caller`, costing `cost`, and commits it if admitted.
+    ///
+    /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
+    /// rate and budget, checked and committed atomically.
+    pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
+        let policy = self.policy();
+        let Some(tp) = policy.tool(tool) else {
+            let mut r = Refusal::new(Reason::PermissionDenied, tool);
+            r.window = Some("unknown_tool".into());
+            fill_caller(&mut r, caller);
+            return Err(r);
+        };
+        let deny = |reason: Reason, what: &str| {
+            let mut r = Refusal::new(reason, tool);
+            fill_caller(&mut r, caller);
+            r.scope = Some(Scope::Tool);
+            r.window = Some(what.to_owned());
+            r
+        };
+        if !tp.allows_tier(caller.tier()) {
+            return Err(deny(Reason::PermissionDenied, "tier"));
+        }
+        let c = cost.0;
+        if !(c.is_finite() && c >= 0.0) {
+            return Err(deny(Reason::PermissionDenied, "cost"));
+        }
+        let (tenant_name, untenanted, tenant_policy) = match caller.tenant() {
+            Some(t) => match tp.tenant(t) {
+                Some(p) => (t, false, p),
+                None => return Err(deny(Reason::PermissionDenied, "tenant")),
+            },
+            None if tp.require_tenant() => return Err(deny(Reason::UnidentifiedCaller, "tenant")),
+            None => match tp.default_tenant() {
+                Some(p) => (caller.instance().unwrap_or(""), true, p),
+                None => return Err(deny(Reason::UnidentifiedCaller, "tenant")),
+            },
+        };
+        let instance = match (untenanted, caller.instance()) {
+            (false, Some(i)) if tenant_policy.has_instances() => match tenant_policy.instance(i) {
+                Some(p) => Some(LevelRef { name: i, policy: p }),
+                None => return Err(deny(Reason::PermissionDenied, "instance")),
+            },
+            _ => None,
+        };
+        let plan = Plan {
+            now: self.inner.clock.now(),
+            cost: c,
+            tool: tp,
+            tenant: LevelRef {
+                name: tenant_name,
+                policy: tenant_policy,
+            },
+            instance,
+            untenanted,
+        };
+        let keys = CallKeys {
+            tool: Arc::from(tp.name()),
+            tenant: Arc::from(tenant_name),
+            instance: instance.map(|i| Arc::from(i.name)),
+            untenanted,
+        };
+        match self.inner.store.decide(&plan, &keys).await {
+            Ok(Decision::Admitted(a)) => Ok(Ticket {
+                admission: Some(*a),
+                shadow_refusal: None,
+            }),
+            Ok(Decision::Refused(r)) if !tp.enforce() => Ok(Ticket {
+                admission: None,
+                shadow_refusal: Some(*r),
+            }),
+            Ok(Decision::Refused(r)) => Err(*r),
+            Err(e) => match tp.on_store_error() {
+                OnStoreError::Allow => {
+                    tracing::warn!(tool, error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
+                    Ok(Ticket {
+                        admission: None,
+                        shadow_refusal: None,
+                    })
+                }
+                OnStoreError::Deny => {
+                    tracing::error!(tool, error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
+                    let mut r = deny(Reason::StoreUnavailable, "store");
+                    r.retryable = true;
+                    r.retry_after = Some(std::time::Duration::from_secs(1));
+                    Err(r)
+                }
+            },
+        }
+    }
+
+    /// Corrects an admitted call's charge to its actual cost.
+    pub async fn settle(&self, ticket: &Ticket, actual: Cost) {
+        let Some(a) = &ticket.admission else { return };
+        if a.charge.cost <= 0.0 || !actual.0.is_finite() || actual.0 < 0.0 {
+            return;
+        }
+        let factor = actual.0 / a.charge.cost - 1.0;
+        if factor != 0.0 {
+            if let Err(e) = self
+                .inner
+                .store
+                .adjust(a, factor, self.inner.clock.now())
+                .await
+            {
+                tracing::warn!(tool = %a.keys.tool, error = %e, "could not correct a charge");
+            }
+        }
+    }
+
+    /// Gives back an admitted call's whole charge. Only for calls the inner service provably
+    /// did not run.
+    pub async fn refund(&self, ticket: &Ticket) {
+        if let Some(a) = &ticket.admission {
+            if let Err(e) = self
+                .inner
+                .store
+                .adjust(a, -1.0, self.inner.clock.now())
+                .await
+            {
+                tracing::warn!(tool = %a.keys.tool, error = %e, "could not refund a charge");
+            }
+        }
+    }
+
+    /// Returns the concurrency permits an admitted call holds.
+    pub async fn release(&self, ticket: &Ticket) {
+        if let Some(a) = &ticket.admission {
+            if a.charge.holds_permits() {
+                if let Err(e) = self.inner.store.release(a).await {
+                    tracing::warn!(tool = %a.keys.tool, error = %e, "could not release a permit");
+                }
+            }
+        }
+    }
+}
+
+fn fill_caller(r: &mut Refusal, caller: &Caller) {
+    r.tenant = caller.tenant().map(str::to_owned);
+    r.instance = caller.instance().map(str::to_owned);
+}

@@ -1,0 +1,145 @@
+//! The allocation table: what each tenant and instance is owed per period.
+
+use serde::Serialize;
+
+use super::numbers::level_numbers;
+use super::{Budget, LevelPolicy, Policy, ToolPolicy};
+
+/// Every tool's allocation.
+#[derive(Clone, Debug, Serialize)]
+pub struct Allocation {
+    /// One entry per tool, in policy order.
+    pub tools: Vec<ToolAllocation>,
+}
+
+/// One tool's allocation.
+#[derive(Clone, Debug, Serialize)]
+pub struct ToolAllocation {
+    /// Tool name.
+    pub name: String,
+    /// Unit of cost.
+    pub unit: &'static str,
+    /// Capacity C per period.
+    pub capacity: f64,
+    /// The period, e.g. `1m`.
+    pub period: String,
+    /// The tool's burst above the floors.
+    pub burst: f64,
+    /// C − Σ reserved floors: what is split by weight.
+    pub spare: f64,
+    /// The tool's own budgets as `(period, max)`.
+    pub budgets: Vec<(String, f64)>,
+    /// Configured tenants, then the template (`*`) if any.
+    pub tenants: Vec<TenantAllocation>,
+}
+
+/// One tenant's allocation.
+#[derive(Clone, Debug, Serialize)]
+pub struct TenantAllocation {
+    /// Tenant name, `*` for the template.
+    pub name: String,
+    /// Floor per period as written.
+    pub floor: f64,
+    /// Floor held back at the tool (≥ floor when instance floors add up to more).
+    pub reserved_floor: f64,
+    /// Weight.
+    pub weight: f64,
+    /// Nominal share of spare capacity.
+    pub share: f64,
+    /// Ceiling per period (explicit, or floor + share).
+    pub ceiling: f64,
+    /// Burst above the floor.
+    pub burst: f64,
+    /// Budgets as `(period, max)`.
+    pub budgets: Vec<(String, f64)>,
+    /// Instances, then the instance template (`*`) if any.
+    pub instances: Vec<InstanceAllocation>,
+}
+
+/// One instance's allocation inside its tenant.
+#[derive(Clone, Debug, Serialize)]
+pub struct InstanceAllocation {
+    /// Instance name, `*` for the template.
+    pub name: String,
+    /// Floor per period.
+    pub floor: f64,
+    /// Weight inside the tenant.
+    pub weight: f64,
+    /// Nominal share of the tenant's spare.
+    pub share: f64,
+    /// Ceiling per period.
+    pub ceiling: f64,
+    /// Burst above the floor.
+    pub burst: f64,
+    /// Budgets as `(period, max)`.
+    pub budgets: Vec<(String, f64)>,
+}
+
+fn budgets(b: &[Budget]) -> Vec<(String, f64)> {
+    b.iter()
+        .map(|b| (b.period.as_str().to_owned(), b.max))
+        .collect()
+}
+
+pub(super) fn compute(policy: &Policy) -> Allocation {
+    Allocation {
+        tools: policy.tools.iter().map(|t| tool(t)).collect(),
+    }
+}
+
+fn tool(t: &ToolPolicy) -> ToolAllocation {
+    let spare = t.spare();
+    let weight = t.configured_weight + t.default_tenant.as_ref().map_or(0.0, |d| d.weight);
+    let tenants = t
+        .tenants
+        .iter()
+        .chain(t.default_tenant.as_ref())
+        .map(|l| tenant(l, spare, weight))
+        .collect();
+    ToolAllocation {
+        name: t.name.clone(),
+        unit: t.unit.as_str(),
+        capacity: t.capacity,
+        period: t.period.to_string(),
+        burst: t.burst,
+        spare,
+        budgets: budgets(&t.budgets),
+        tenants,
+    }
+}
+
+fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
+    let n = level_numbers(l, spare, weight);
+    let (share, ceiling) = (n.share, n.ceiling);
+    let inner_spare = (ceiling - l.children_floor).max(0.0);
+    let inner_weight =
+        l.configured_child_weight + l.default_child.as_ref().map_or(0.0, |d| d.weight);
+    let instances = l
+        .children
+        .iter()
+        .chain(l.default_child.as_deref())
+        .map(|i| {
+            let n = level_numbers(i, inner_spare, inner_weight);
+            InstanceAllocation {
+                name: i.name.clone(),
+                floor: i.floor,
+                weight: i.weight,
+                share: n.share,
+                ceiling: n.ceiling,
+                burst: i.burst,
+                budgets: budgets(&i.budgets),
+            }
+        })
+        .collect();
+    TenantAllocation {
+        name: l.name.clone(),
+        floor: l.floor,
+        reserved_floor: l.reserved_floor,
+        weight: l.weight,
+        share,
+        ceiling,
+        burst: l.burst,
+        budgets: budgets(&l.budgets),
+        instances,
+    }
+}

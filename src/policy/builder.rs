@@ -1,0 +1,198 @@
+//! Building a policy in code. The builder writes the same structure a file does and runs
+//! the same validation, so a built policy obeys exactly the rules of a loaded one.
+
+use super::raw::{RawBudget, RawInstance, RawPolicy, RawRate, RawTenant, RawTool};
+use super::{validate, BudgetPeriod, OnStoreError, Policy, PolicyError, Unit};
+
+/// Builds a [`Policy`] in code.
+///
+/// ```
+/// use tower_fairshare::{Policy, ToolBuilder, TenantBuilder, Unit};
+///
+/// let policy = Policy::builder()
+///     .tool(
+///         ToolBuilder::new("web_search", Unit::Calls, 600.0, "1m")
+///             .tenant("A", TenantBuilder::new().weight(6.0).floor(100.0))
+///             .tenant("B", TenantBuilder::new().weight(2.0).floor(60.0)),
+///     )
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.tool("web_search").unwrap().tenants().len(), 2);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct PolicyBuilder {
+    raw: RawPolicy,
+}
+
+impl PolicyBuilder {
+    /// Adds a tool.
+    pub fn tool(mut self, tool: ToolBuilder) -> Self {
+        self.raw.tool.push(tool.raw);
+        self
+    }
+
+    /// Validates and returns the policy.
+    pub fn build(self) -> Result<Policy, PolicyError> {
+        validate::policy(self.raw)
+    }
+}
+
+/// One tool, for [`PolicyBuilder::tool`].
+#[derive(Clone, Debug)]
+pub struct ToolBuilder {
+    raw: RawTool,
+}
+
+impl ToolBuilder {
+    /// A tool named `name` with capacity `limit` units per `per` (e.g. `"1m"`).
+    pub fn new(name: impl Into<String>, unit: Unit, limit: f64, per: impl Into<String>) -> Self {
+        ToolBuilder {
+            raw: RawTool {
+                name: name.into(),
+                unit,
+                rate: RawRate {
+                    limit,
+                    per: per.into(),
+                },
+                burst: None,
+                tier: None,
+                tiers: None,
+                require_tenant: None,
+                max_concurrency: None,
+                budgets: Vec::new(),
+                enforce: None,
+                on_store_error: None,
+                default_tenant: None,
+                tenants: Default::default(),
+            },
+        }
+    }
+    /// The most spent at one instant above the floors.
+    pub fn burst(mut self, burst: f64) -> Self {
+        self.raw.burst = Some(burst);
+        self
+    }
+    /// Tiers allowed to call (any caller when never called).
+    pub fn tiers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, tiers: I) -> Self {
+        self.raw.tiers = Some(tiers.into_iter().map(Into::into).collect());
+        self
+    }
+    /// Whether callers without a tenant are refused (default true).
+    pub fn require_tenant(mut self, yes: bool) -> Self {
+        self.raw.require_tenant = Some(yes);
+        self
+    }
+    /// Cap on calls in flight for the whole tool.
+    pub fn max_concurrency(mut self, n: u32) -> Self {
+        self.raw.max_concurrency = Some(n as f64);
+        self
+    }
+    /// Adds a calendar budget.
+    pub fn budget(mut self, period: BudgetPeriod, max: f64) -> Self {
+        self.raw.budgets.push(RawBudget { period, max });
+        self
+    }
+    /// `false`: shadow mode (decide and record, never refuse).
+    pub fn enforce(mut self, yes: bool) -> Self {
+        self.raw.enforce = Some(yes);
+        self
+    }
+    /// What to do when the store is unreachable.
+    pub fn on_store_error(mut self, mode: OnStoreError) -> Self {
+        self.raw.on_store_error = Some(mode);
+        self
+    }
+    /// The template for unlisted tenants.
+    pub fn default_tenant(mut self, t: TenantBuilder) -> Self {
+        self.raw.default_tenant = Some(t.raw);
+        self
+    }
+    /// Adds a named tenant.
+    pub fn tenant(mut self, name: impl Into<String>, t: TenantBuilder) -> Self {
+        self.raw.tenants.0.push((name.into(), t.raw));
+        self
+    }
+}
+
+/// A tenant (or the tenant template), for [`ToolBuilder::tenant`].
+#[derive(Clone, Debug, Default)]
+pub struct TenantBuilder {
+    raw: RawTenant,
+}
+
+macro_rules! level_setters {
+    () => {
+        /// Weight for the share of spare capacity (default 1).
+        pub fn weight(mut self, w: f64) -> Self {
+            self.raw.weight = Some(w);
+            self
+        }
+        /// Guaranteed units per period (default 0).
+        pub fn floor(mut self, f: f64) -> Self {
+            self.raw.floor = Some(f);
+            self
+        }
+        /// The most units per period (default floor + share).
+        pub fn ceiling(mut self, c: f64) -> Self {
+            self.raw.ceiling = Some(c);
+            self
+        }
+        /// The most taken at one instant above the floor.
+        pub fn burst(mut self, b: f64) -> Self {
+            self.raw.burst = Some(b);
+            self
+        }
+        /// Cap on calls in flight.
+        pub fn max_concurrency(mut self, n: u32) -> Self {
+            self.raw.max_concurrency = Some(n as f64);
+            self
+        }
+        /// Adds a calendar budget.
+        pub fn budget(mut self, period: BudgetPeriod, max: f64) -> Self {
+            self.raw.budgets.push(RawBudget { period, max });
+            self
+        }
+    };
+}
+
+impl TenantBuilder {
+    /// A tenant with weight 1 and no floor.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    level_setters!();
+    /// For the template only: distinct unlisted tenants tracked at once.
+    pub fn max_tenants(mut self, n: u64) -> Self {
+        self.raw.max_tenants = Some(n as f64);
+        self
+    }
+    /// The template for this tenant's unlisted instances.
+    pub fn default_instance(mut self, i: InstanceBuilder) -> Self {
+        self.raw.default_instance = Some(i.raw);
+        self
+    }
+    /// Adds a named instance.
+    pub fn instance(mut self, name: impl Into<String>, i: InstanceBuilder) -> Self {
+        self.raw.instances.0.push((name.into(), i.raw));
+        self
+    }
+}
+
+/// An instance (or the instance template), for [`TenantBuilder::instance`].
+#[derive(Clone, Debug, Default)]
+pub struct InstanceBuilder {
+    raw: RawInstance,
+}
+
+impl InstanceBuilder {
+    /// An instance with weight 1 and no floor.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    level_setters!();
+    /// For the template only: distinct unlisted instances tracked at once.
+    pub fn max_instances(mut self, n: u64) -> Self {
+        self.raw.max_instances = Some(n as f64);
+        self
+    }
+}

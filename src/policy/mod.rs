@@ -1,0 +1,523 @@
+//! The policy: which tools exist, and how each tool's capacity is split between tenants and
+//! their instances.
+//!
+//! A policy is loaded from TOML ([`Policy::from_toml_str`], [`Policy::from_path`]), JSON
+//! ([`Policy::from_json_str`]) or built in code ([`Policy::builder`]). All three go through one
+//! validator, so a [`Policy`] value is always consistent: floors fit their capacity, ceilings
+//! sit between floor and capacity, numbers are finite and positive. Errors name the exact
+//! field (`tool[0].tenants.team-research.floor`) and say what to change.
+//!
+//! ```
+//! use tower_fairshare::Policy;
+//!
+//! let policy = Policy::from_toml_str(r#"
+//!     [[tool]]
+//!     name = "web_search"
+//!     unit = "calls"
+//!     rate = { limit = 600, per = "1m" }
+//!
+//!     [tool.tenants.A]
+//!     weight = 6
+//!     floor = 100
+//!
+//!     [tool.tenants.B]
+//!     weight = 2
+//!     floor = 60
+//! "#).unwrap();
+//! let tool = policy.tool("web_search").unwrap();
+//! assert_eq!(tool.capacity(), 600.0);
+//! ```
+
+mod allocation;
+mod builder;
+pub(crate) mod numbers;
+mod period;
+pub(crate) mod raw;
+mod validate;
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use allocation::{Allocation, InstanceAllocation, TenantAllocation, ToolAllocation};
+pub use builder::{InstanceBuilder, PolicyBuilder, TenantBuilder, ToolBuilder};
+pub use period::{BudgetPeriod, Period};
+
+/// What one unit of cost is for a tool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unit {
+    /// One call is one unit (the default cost of a request).
+    Calls,
+    /// Units are tokens (e.g. LLM tokens), usually given per request with a `Cost`.
+    Tokens,
+    /// Units are seconds of upstream time.
+    Seconds,
+}
+
+impl Unit {
+    /// The name used in files.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Unit::Calls => "calls",
+            Unit::Tokens => "tokens",
+            Unit::Seconds => "seconds",
+        }
+    }
+}
+
+/// What a tool does when its store cannot be reached.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Refuse the call with `store_unavailable` (fail closed). The default.
+    #[default]
+    Deny,
+    /// Let the call through unmetered (fail open), logged and counted.
+    Allow,
+}
+
+/// A calendar budget: at most `max` units per UTC `period`.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Budget {
+    pub(crate) period: BudgetPeriod,
+    pub(crate) max: f64,
+}
+
+impl Budget {
+    /// The calendar window.
+    pub fn period(&self) -> BudgetPeriod {
+        self.period
+    }
+    /// The most units the window allows.
+    pub fn max(&self) -> f64 {
+        self.max
+    }
+}
+
+/// A validated policy: every tool and how its capacity is shared.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub(crate) tools: Vec<Arc<ToolPolicy>>,
+    pub(crate) by_name: HashMap<String, usize>,
+    pub(crate) warnings: Vec<Warning>,
+}
+
+/// One tool's limits, validated.
+#[derive(Clone, Debug)]
+pub struct ToolPolicy {
+    pub(crate) name: String,
+    pub(crate) unit: Unit,
+    pub(crate) capacity: f64,
+    pub(crate) period: Period,
+    pub(crate) burst: f64,
+    pub(crate) tiers: Vec<String>,
+    pub(crate) require_tenant: bool,
+    pub(crate) max_concurrency: Option<u32>,
+    pub(crate) budgets: Vec<Budget>,
+    pub(crate) enforce: bool,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) tenants: Vec<LevelPolicy>,
+    pub(crate) tenant_index: HashMap<String, usize>,
+    pub(crate) default_tenant: Option<LevelPolicy>,
+    /// Σ of the tenants' reserved floors (templates counted `max_tenants` times).
+    pub(crate) reserved_floors: f64,
+    pub(crate) configured_weight: f64,
+}
+
+/// A tenant or an instance, validated: its floor, weight, ceiling, burst, caps and, for a
+/// tenant, its instances.
+#[derive(Clone, Debug)]
+pub struct LevelPolicy {
+    pub(crate) name: String,
+    pub(crate) template: bool,
+    pub(crate) weight: f64,
+    pub(crate) floor: f64,
+    /// The floor this level holds back at its parent: its own floor, or its children's floors
+    /// when those add up to more.
+    pub(crate) reserved_floor: f64,
+    /// Σ of the children's floors (templates counted `max_instances` times).
+    pub(crate) children_floor: f64,
+    pub(crate) ceiling: Option<f64>,
+    pub(crate) burst: f64,
+    /// Whether `burst` was written in the policy (otherwise it is a portion of the parent's).
+    pub(crate) explicit_burst: bool,
+    /// Where, between half-full and full, the parent's pool must be before this level may
+    /// borrow: higher weights borrow first.
+    pub(crate) borrow_threshold: f64,
+    pub(crate) max_concurrency: Option<u32>,
+    pub(crate) budgets: Vec<Budget>,
+    /// For a template: how many distinct callers may be tracked at once.
+    pub(crate) max_tracked: u64,
+    pub(crate) children: Vec<LevelPolicy>,
+    pub(crate) child_index: HashMap<String, usize>,
+    pub(crate) default_child: Option<Box<LevelPolicy>>,
+    pub(crate) configured_child_weight: f64,
+    pub(crate) max_child_weight: f64,
+}
+
+impl Policy {
+    /// Parses and validates a TOML policy.
+    pub fn from_toml_str(text: &str) -> Result<Policy, PolicyError> {
+        let de = toml::Deserializer::parse(text).map_err(|e| PolicyError::Syntax {
+            path: String::new(),
+            message: e.to_string(),
+        })?;
+        let raw: raw::RawPolicy =
+            serde_path_to_error::deserialize(de).map_err(|e| PolicyError::Syntax {
+                path: tidy_path(&e.path().to_string()),
+                message: e.inner().message().trim().to_owned(),
+            })?;
+        validate::policy(raw)
+    }
+
+    /// Parses and validates a JSON policy (the same structure as TOML).
+    pub fn from_json_str(text: &str) -> Result<Policy, PolicyError> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: raw::RawPolicy =
+            serde_path_to_error::deserialize(&mut de).map_err(|e| PolicyError::Syntax {
+                path: tidy_path(&e.path().to_string()),
+                message: e.inner().to_string(),
+            })?;
+        validate::policy(raw)
+    }
+
+    /// Reads a policy file: JSON when the name ends in `.json`, TOML otherwise.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Policy, PolicyError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if path.extension().is_some_and(|e| e == "json") {
+            Policy::from_json_str(&text)
+        } else {
+            Policy::from_toml_str(&text)
+        }
+    }
+
+    /// Starts a policy in code. See [`PolicyBuilder`].
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder::default()
+    }
+
+    /// The tool named `name`.
+    pub fn tool(&self, name: &str) -> Option<&Arc<ToolPolicy>> {
+        self.by_name.get(name).map(|&i| &self.tools[i])
+    }
+
+    /// Every tool, in file order.
+    pub fn tools(&self) -> impl Iterator<Item = &Arc<ToolPolicy>> {
+        self.tools.iter()
+    }
+
+    /// Things that are allowed but probably unwise (floors above 70 % of capacity, budgets
+    /// split with almost nothing left over).
+    pub fn warnings(&self) -> &[Warning] {
+        &self.warnings
+    }
+
+    /// The allocation table: per tool, each tenant's and instance's floor, weight, share,
+    /// ceiling, burst and budgets (templates counted once, as for one active caller).
+    pub fn allocation(&self) -> Allocation {
+        allocation::compute(self)
+    }
+}
+
+impl ToolPolicy {
+    /// The tool's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// What a unit of cost is.
+    pub fn unit(&self) -> Unit {
+        self.unit
+    }
+    /// Capacity C: units per [`period`](Self::period), shared by every caller.
+    pub fn capacity(&self) -> f64 {
+        self.capacity
+    }
+    /// The period P the capacity, floors and ceilings are expressed per.
+    pub fn period(&self) -> Period {
+        self.period
+    }
+    /// The most the tool spends at one instant above the floors.
+    pub fn burst(&self) -> f64 {
+        self.burst
+    }
+    /// Tiers allowed to call the tool (empty: any caller).
+    pub fn tiers(&self) -> &[String] {
+        &self.tiers
+    }
+    /// Whether a caller without a tenant is refused.
+    pub fn require_tenant(&self) -> bool {
+        self.require_tenant
+    }
+    /// Cap on calls in flight for the whole tool.
+    pub fn max_concurrency(&self) -> Option<u32> {
+        self.max_concurrency
+    }
+    /// The tool's aggregate calendar budgets.
+    pub fn budgets(&self) -> &[Budget] {
+        &self.budgets
+    }
+    /// Whether refusals are enforced (`false`: shadow mode, decide and record only).
+    pub fn enforce(&self) -> bool {
+        self.enforce
+    }
+    /// What happens when the store is unreachable.
+    pub fn on_store_error(&self) -> OnStoreError {
+        self.on_store_error
+    }
+    /// The configured tenants, in file order.
+    pub fn tenants(&self) -> &[LevelPolicy] {
+        &self.tenants
+    }
+    /// The template for unlisted tenants, if any.
+    pub fn default_tenant(&self) -> Option<&LevelPolicy> {
+        self.default_tenant.as_ref()
+    }
+    /// The policy that applies to `tenant`: its own entry, or the template.
+    pub fn tenant(&self, tenant: &str) -> Option<&LevelPolicy> {
+        match self.tenant_index.get(tenant) {
+            Some(&i) => Some(&self.tenants[i]),
+            None => self.default_tenant.as_ref(),
+        }
+    }
+    /// Whether the caller's tier may call this tool.
+    pub fn allows_tier(&self, tier: Option<&str>) -> bool {
+        self.tiers.is_empty() || tier.is_some_and(|t| self.tiers.iter().any(|x| x == t))
+    }
+    /// The shared capacity above all floors: C − Σ reserved floors.
+    pub fn spare(&self) -> f64 {
+        (self.capacity - self.reserved_floors).max(0.0)
+    }
+}
+
+impl LevelPolicy {
+    /// The name (`*` for a template).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Whether this is a template (`default_tenant` / `default_instance`).
+    pub fn is_template(&self) -> bool {
+        self.template
+    }
+    /// Weight for the share of spare capacity.
+    pub fn weight(&self) -> f64 {
+        self.weight
+    }
+    /// Guaranteed units per period, as written.
+    pub fn floor(&self) -> f64 {
+        self.floor
+    }
+    /// The floor held back for this level at its parent (≥ [`floor`](Self::floor) when its
+    /// instances' floors add up to more).
+    pub fn reserved_floor(&self) -> f64 {
+        self.reserved_floor
+    }
+    /// Explicit ceiling, if set (otherwise floor + share).
+    pub fn ceiling(&self) -> Option<f64> {
+        self.ceiling
+    }
+    /// The most taken at one instant above the floor.
+    pub fn burst(&self) -> f64 {
+        self.burst
+    }
+    /// Cap on calls in flight.
+    pub fn max_concurrency(&self) -> Option<u32> {
+        self.max_concurrency
+    }
+    /// Calendar budgets.
+    pub fn budgets(&self) -> &[Budget] {
+        &self.budgets
+    }
+    /// For a template: distinct callers tracked at once.
+    pub fn max_tracked(&self) -> u64 {
+        self.max_tracked
+    }
+    /// Configured instances (for a tenant).
+    pub fn instances(&self) -> &[LevelPolicy] {
+        &self.children
+    }
+    /// The template for unlisted instances.
+    pub fn default_instance(&self) -> Option<&LevelPolicy> {
+        self.default_child.as_deref()
+    }
+    /// Whether instances of this tenant are limited separately.
+    pub fn has_instances(&self) -> bool {
+        !self.children.is_empty() || self.default_child.is_some()
+    }
+    /// The policy that applies to `instance`, if instances are limited separately.
+    pub fn instance(&self, instance: &str) -> Option<&LevelPolicy> {
+        match self.child_index.get(instance) {
+            Some(&i) => Some(&self.children[i]),
+            None => self.default_child.as_deref(),
+        }
+    }
+}
+
+/// A policy that cannot be used, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// The file could not be read.
+    #[error("cannot read policy file `{path}`: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The text is not a policy: bad syntax, an unknown or missing field, a wrong type.
+    #[error("{}{message}", if path.is_empty() { String::new() } else { format!("{path}: ") })]
+    Syntax {
+        /// Where (`tool[0].tenants.A.flor`), empty when the syntax itself is broken.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The policy parses but breaks a rule; every violation found is listed.
+    #[error("{}", Violations(.0))]
+    Invalid(Vec<Violation>),
+}
+
+impl PolicyError {
+    /// Every (path, message) pair, one per problem.
+    pub fn problems(&self) -> Vec<(String, String)> {
+        match self {
+            PolicyError::Invalid(v) => v
+                .iter()
+                .map(|v| (v.path.clone(), v.problem.to_string()))
+                .collect(),
+            PolicyError::Syntax { path, message } => vec![(path.clone(), message.clone())],
+            PolicyError::Io { path, source } => {
+                vec![(path.display().to_string(), source.to_string())]
+            }
+        }
+    }
+}
+
+struct Violations<'a>(&'a [Violation]);
+
+impl fmt::Display for Violations<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, v) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One broken rule, at one place in the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Violation {
+    /// The field, e.g. `tool[0].tenants.team-research.floor`.
+    pub path: String,
+    /// What is wrong.
+    pub problem: Problem,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.problem)
+    }
+}
+
+/// What is wrong with a policy field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Problem {
+    /// A number that must be above zero is not.
+    #[error("must be a positive, finite number, not {0}")]
+    NotPositive(f64),
+    /// A number that may be zero is negative or not finite.
+    #[error("must be zero or a positive, finite number, not {0}")]
+    Negative(f64),
+    /// A count is not a whole number ≥ 1.
+    #[error("must be a whole number of at least 1, not {0}")]
+    NotCount(f64),
+    /// A period does not parse.
+    #[error("{0}")]
+    BadPeriod(String),
+    /// A name is used twice.
+    #[error("duplicate name `{0}`: each tool name may appear once")]
+    Duplicate(String),
+    /// A name is empty.
+    #[error("a name must not be empty")]
+    EmptyName,
+    /// Floors add up to more than the capacity they are carved from.
+    #[error("floors add up to {sum}, more than the {capacity} available: lower the floors or raise the capacity")]
+    FloorsExceedCapacity {
+        /// Σ floors (templates counted at their maximum number).
+        sum: f64,
+        /// The capacity (the tool's rate, or the tenant's floor + share).
+        capacity: f64,
+    },
+    /// A ceiling below its floor.
+    #[error(
+        "ceiling {ceiling} is below the floor {floor}: raise the ceiling to at least the floor"
+    )]
+    CeilingBelowFloor {
+        /// The ceiling.
+        ceiling: f64,
+        /// The floor.
+        floor: f64,
+    },
+    /// A ceiling above what the level above can ever give.
+    #[error("ceiling {ceiling} is above the {capacity} the level above can give: lower it to at most {capacity}")]
+    CeilingAboveCapacity {
+        /// The ceiling.
+        ceiling: f64,
+        /// The parent's capacity.
+        capacity: f64,
+    },
+    /// A template with a floor but no bound on how many callers it applies to.
+    #[error("a template with a floor needs `{0}` so the floors can be checked against capacity")]
+    TemplateFloorNeedsMax(&'static str),
+    /// A field in a place where it has no meaning.
+    #[error("`{field}` is only valid in `{place}`")]
+    Misplaced {
+        /// The field.
+        field: &'static str,
+        /// Where it belongs.
+        place: &'static str,
+    },
+    /// `tier` and `tiers` both set.
+    #[error("set `tier` or `tiers`, not both")]
+    TierAndTiers,
+    /// The same budget period twice at one level.
+    #[error("budget period `{0}` appears twice: keep one")]
+    DuplicateBudget(BudgetPeriod),
+    /// Untenanted callers allowed but nothing says how to limit them.
+    #[error("`require_tenant = false` needs a `[tool.default_tenant]` to say how callers without a tenant are limited")]
+    UntenantedNeedsTemplate,
+}
+
+/// Something allowed but probably unwise, with where it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Warning {
+    /// The field or level.
+    pub path: String,
+    /// What to consider.
+    pub message: String,
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// serde_path_to_error prints `tool[0].tenants.A`; keep it, but drop a leading `.`.
+fn tidy_path(p: &str) -> String {
+    if p == "." {
+        String::new()
+    } else {
+        p.trim_start_matches('.').to_owned()
+    }
+}

@@ -1,0 +1,135 @@
+//! The policy file as written: serde types, before validation.
+//!
+//! These mirror the TOML/JSON structure exactly (`deny_unknown_fields` everywhere) and are
+//! turned into checked types by `validate.rs`. The builder API writes the same types, so one
+//! validator serves files and code.
+
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use super::{BudgetPeriod, OnStoreError, Unit};
+
+/// A map that keeps file order and refuses duplicate names (JSON objects would silently keep
+/// the last one otherwise).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub(crate) struct UniqueMap<T>(pub(crate) Vec<(String, T)>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for UniqueMap<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+            type Value = UniqueMap<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a table of names")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out: Vec<(String, T)> = Vec::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    if out.iter().any(|(n, _)| *n == k) {
+                        return Err(serde::de::Error::custom(format!(
+                            "duplicate name `{k}`: each name may appear once"
+                        )));
+                    }
+                    let v = map.next_value()?;
+                    out.push((k, v));
+                }
+                Ok(UniqueMap(out))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawPolicy {
+    #[serde(default)]
+    pub(crate) tool: Vec<RawTool>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRate {
+    pub(crate) limit: f64,
+    pub(crate) per: String,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawBudget {
+    pub(crate) period: BudgetPeriod,
+    pub(crate) max: f64,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTool {
+    pub(crate) name: String,
+    pub(crate) unit: Unit,
+    pub(crate) rate: RawRate,
+    #[serde(default)]
+    pub(crate) burst: Option<f64>,
+    #[serde(default)]
+    pub(crate) tier: Option<String>,
+    #[serde(default)]
+    pub(crate) tiers: Option<Vec<String>>,
+    #[serde(default)]
+    pub(crate) require_tenant: Option<bool>,
+    #[serde(default)]
+    pub(crate) max_concurrency: Option<f64>,
+    #[serde(default)]
+    pub(crate) budgets: Vec<RawBudget>,
+    #[serde(default)]
+    pub(crate) enforce: Option<bool>,
+    #[serde(default)]
+    pub(crate) on_store_error: Option<OnStoreError>,
+    #[serde(default)]
+    pub(crate) default_tenant: Option<RawTenant>,
+    #[serde(default)]
+    pub(crate) tenants: UniqueMap<RawTenant>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTenant {
+    #[serde(default)]
+    pub(crate) weight: Option<f64>,
+    #[serde(default)]
+    pub(crate) floor: Option<f64>,
+    #[serde(default)]
+    pub(crate) ceiling: Option<f64>,
+    #[serde(default)]
+    pub(crate) burst: Option<f64>,
+    #[serde(default)]
+    pub(crate) max_concurrency: Option<f64>,
+    #[serde(default)]
+    pub(crate) budgets: Vec<RawBudget>,
+    /// Only in `default_tenant`.
+    #[serde(default)]
+    pub(crate) max_tenants: Option<f64>,
+    #[serde(default)]
+    pub(crate) default_instance: Option<RawInstance>,
+    #[serde(default)]
+    pub(crate) instances: UniqueMap<RawInstance>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawInstance {
+    #[serde(default)]
+    pub(crate) weight: Option<f64>,
+    #[serde(default)]
+    pub(crate) floor: Option<f64>,
+    #[serde(default)]
+    pub(crate) ceiling: Option<f64>,
+    #[serde(default)]
+    pub(crate) burst: Option<f64>,
+    #[serde(default)]
+    pub(crate) max_concurrency: Option<f64>,
+    #[serde(default)]
+    pub(crate) budgets: Vec<RawBudget>,
+    /// Only in `default_instance`.
+    #[serde(default)]
+    pub(crate) max_instances: Option<f64>,
+}

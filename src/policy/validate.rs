@@ -1,0 +1,511 @@
+//! Raw policy → validated [`Policy`]. Every problem found is reported, each with its path.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::raw::{RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
+use super::{
+    Budget, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation, Warning,
+};
+
+/// Tracked template callers when the policy does not say: enough for real fleets, small
+/// enough that an identity flood cannot grow memory without bound.
+pub(crate) const DEFAULT_MAX_TENANTS: u64 = 10_000;
+/// See [`DEFAULT_MAX_TENANTS`].
+pub(crate) const DEFAULT_MAX_INSTANCES: u64 = 1_000;
+
+struct Ctx {
+    violations: Vec<Violation>,
+    warnings: Vec<Warning>,
+}
+
+impl Ctx {
+    fn err(&mut self, path: impl Into<String>, problem: Problem) {
+        self.violations.push(Violation {
+            path: path.into(),
+            problem,
+        });
+    }
+
+    fn positive(&mut self, path: &str, x: f64) -> f64 {
+        if x.is_finite() && x > 0.0 {
+            x
+        } else {
+            self.err(path, Problem::NotPositive(x));
+            1.0
+        }
+    }
+
+    fn non_negative(&mut self, path: &str, x: f64) -> f64 {
+        if x.is_finite() && x >= 0.0 {
+            x
+        } else {
+            self.err(path, Problem::Negative(x));
+            0.0
+        }
+    }
+
+    fn count(&mut self, path: &str, x: f64) -> u64 {
+        if x.is_finite() && x >= 1.0 && x.fract() == 0.0 && x <= u32::MAX as f64 {
+            x as u64
+        } else {
+            self.err(path, Problem::NotCount(x));
+            1
+        }
+    }
+
+    fn budgets(&mut self, path: &str, raw: &[RawBudget]) -> Vec<Budget> {
+        let mut out: Vec<Budget> = Vec::new();
+        for (i, b) in raw.iter().enumerate() {
+            let p = format!("{path}.budgets[{i}]");
+            let max = self.positive(&format!("{p}.max"), b.max);
+            if out.iter().any(|o| o.period == b.period) {
+                self.err(format!("{p}.period"), Problem::DuplicateBudget(b.period));
+                continue;
+            }
+            out.push(Budget {
+                period: b.period,
+                max,
+            });
+        }
+        out
+    }
+}
+
+pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
+    let mut cx = Ctx {
+        violations: Vec::new(),
+        warnings: Vec::new(),
+    };
+    let mut tools = Vec::new();
+    let mut by_name = HashMap::new();
+    for (i, t) in raw.tool.into_iter().enumerate() {
+        let path = format!("tool[{i}]");
+        let tp = tool(&mut cx, t, &path);
+        if by_name.insert(tp.name.clone(), i).is_some() {
+            cx.err(format!("{path}.name"), Problem::Duplicate(tp.name.clone()));
+        }
+        tools.push(Arc::new(tp));
+    }
+    if cx.violations.is_empty() {
+        Ok(Policy {
+            tools,
+            by_name,
+            warnings: cx.warnings,
+        })
+    } else {
+        Err(PolicyError::Invalid(cx.violations))
+    }
+}
+
+fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
+    if raw.name.is_empty() {
+        cx.err(format!("{path}.name"), Problem::EmptyName);
+    }
+    let capacity = cx.positive(&format!("{path}.rate.limit"), raw.rate.limit);
+    let period = Period::parse(&raw.rate.per).unwrap_or_else(|e| {
+        cx.err(format!("{path}.rate.per"), Problem::BadPeriod(e));
+        Period::from_micros(60_000_000)
+    });
+    let burst = match raw.burst {
+        Some(b) => cx.positive(&format!("{path}.burst"), b),
+        None => default_burst(capacity),
+    };
+    let tiers = match (raw.tier, raw.tiers) {
+        (Some(_), Some(_)) => {
+            cx.err(format!("{path}.tiers"), Problem::TierAndTiers);
+            Vec::new()
+        }
+        (Some(t), None) => vec![t],
+        (None, Some(ts)) => ts,
+        (None, None) => Vec::new(),
+    };
+    let require_tenant = raw.require_tenant.unwrap_or(true);
+    if !require_tenant && raw.default_tenant.is_none() {
+        cx.err(
+            format!("{path}.require_tenant"),
+            Problem::UntenantedNeedsTemplate,
+        );
+    }
+    let max_concurrency = raw
+        .max_concurrency
+        .map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
+    let budgets = cx.budgets(path, &raw.budgets);
+
+    // First pass: each tenant's own numbers.
+    let mut tenants = Vec::new();
+    let mut tenant_index = HashMap::new();
+    for (name, t) in &raw.tenants.0 {
+        let tpath = format!("{path}.tenants.{name}");
+        if name.is_empty() {
+            cx.err(&tpath, Problem::EmptyName);
+        }
+        tenant_index.insert(name.clone(), tenants.len());
+        tenants.push(tenant(cx, name, t, &tpath, burst, false));
+    }
+    let default_tenant = raw
+        .default_tenant
+        .as_ref()
+        .map(|t| tenant(cx, "*", t, &format!("{path}.default_tenant"), burst, true));
+
+    // Floors against capacity.
+    let configured_floor: f64 = tenants.iter().map(|t| t.reserved_floor).sum();
+    let template_floor = default_tenant
+        .as_ref()
+        .map_or(0.0, |t| t.reserved_floor * t.max_tracked as f64);
+    let reserved_floors = configured_floor + template_floor;
+    if reserved_floors > capacity * (1.0 + 1e-12) {
+        cx.err(
+            format!("{path}.tenants"),
+            Problem::FloorsExceedCapacity {
+                sum: reserved_floors,
+                capacity,
+            },
+        );
+    } else if reserved_floors > 0.7 * capacity {
+        cx.warnings.push(Warning {
+            path: format!("{path}.tenants"),
+            message: format!(
+                "floors reserve {:.0} % of the capacity: above 70 % one busy caller saturates the tool and there is little left to lend",
+                100.0 * reserved_floors / capacity
+            ),
+        });
+    }
+
+    let configured_weight: f64 = tenants.iter().map(|t| t.weight).sum();
+    let template_weight = default_tenant.as_ref().map_or(0.0, |t| t.weight);
+    let max_weight = tenants
+        .iter()
+        .map(|t| t.weight)
+        .chain(default_tenant.as_ref().map(|t| t.weight))
+        .fold(0.0, f64::max);
+    let spare = (capacity - reserved_floors).max(0.0);
+    let weight_once = configured_weight + template_weight;
+
+    // Second pass: shares, ceilings and each tenant's instances.
+    let finish = |cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str| {
+        t.borrow_threshold = borrow_threshold(t.weight, max_weight);
+        if !t.explicit_burst {
+            t.burst = portion_of_burst(burst, t.weight, weight_once);
+        }
+        let inner_weight_once =
+            t.configured_child_weight + t.default_child.as_ref().map_or(0.0, |d| d.weight);
+        for c in t.children.iter_mut().chain(t.default_child.as_deref_mut()) {
+            if !c.explicit_burst {
+                c.burst = portion_of_burst(t.burst, c.weight, inner_weight_once);
+            }
+        }
+        let share = share_of(spare, t.weight, weight_once);
+        let nominal = t.floor + share;
+        if let Some(c) = t.ceiling {
+            check_ceiling(cx, tpath, c, t.reserved_floor, capacity);
+        }
+        if t.children_floor > nominal * (1.0 + 1e-12) {
+            cx.err(
+                format!("{tpath}.instances"),
+                Problem::FloorsExceedCapacity {
+                    sum: t.children_floor,
+                    capacity: nominal,
+                },
+            );
+        } else if t.children_floor > t.floor {
+            cx.warnings.push(Warning {
+                path: format!("{tpath}.instances"),
+                message: format!(
+                    "instance floors add up to {} above the tenant floor {}: the difference is reserved out of the tenant's share",
+                    t.children_floor, t.floor
+                ),
+            });
+        }
+        let tenant_capacity = t.ceiling.unwrap_or(nominal);
+        let max_child = t.max_child_weight;
+        let mut kids = std::mem::take(&mut t.children);
+        for (i, c) in kids.iter_mut().enumerate() {
+            let _ = i;
+            c.borrow_threshold = borrow_threshold(c.weight, max_child);
+            if let Some(ceil) = c.ceiling {
+                check_ceiling(
+                    cx,
+                    &format!("{tpath}.instances.{}", c.name),
+                    ceil,
+                    c.floor,
+                    tenant_capacity,
+                );
+            }
+        }
+        t.children = kids;
+        if let Some(d) = t.default_child.as_mut() {
+            d.borrow_threshold = borrow_threshold(d.weight, max_child);
+            if let Some(ceil) = d.ceiling {
+                check_ceiling(
+                    cx,
+                    &format!("{tpath}.default_instance"),
+                    ceil,
+                    d.floor,
+                    tenant_capacity,
+                );
+            }
+        }
+    };
+    for t in tenants.iter_mut() {
+        let tpath = format!("{path}.tenants.{}", t.name);
+        finish(cx, t, &tpath);
+    }
+    let mut default_tenant = default_tenant;
+    if let Some(t) = default_tenant.as_mut() {
+        finish(cx, t, &format!("{path}.default_tenant"));
+    }
+
+    // Budgets split across tenants with (almost) nothing left unallocated.
+    for b in &budgets {
+        let split: f64 = tenants
+            .iter()
+            .filter_map(|t| t.budgets.iter().find(|x| x.period == b.period))
+            .map(|x| x.max)
+            .sum();
+        if split > 0.95 * b.max {
+            cx.warnings.push(Warning {
+                path: format!("{path}.budgets"),
+                message: format!(
+                    "tenant {} budgets add up to {split} of the tool's {}: leave 5-10 % unallocated so one team's overrun cannot eat another's headroom",
+                    b.period, b.max
+                ),
+            });
+        }
+    }
+
+    ToolPolicy {
+        name: raw.name,
+        unit: raw.unit,
+        capacity,
+        period,
+        burst,
+        tiers,
+        require_tenant,
+        max_concurrency,
+        budgets,
+        enforce: raw.enforce.unwrap_or(true),
+        on_store_error: raw.on_store_error.unwrap_or_default(),
+        tenants,
+        tenant_index,
+        default_tenant,
+        reserved_floors,
+        configured_weight,
+    }
+}
+
+/// One second's worth of a per-minute rate (1/60 of the capacity), at least one unit: small,
+/// as the seeds advise, and the same rule whatever the period.
+pub(crate) fn default_burst(capacity: f64) -> f64 {
+    (capacity / 60.0).max(1.0)
+}
+
+/// A caller's default burst: its weighted portion of its parent's burst (at least one unit),
+/// so the callers' banks add up to what the pool above them can serve at once and no
+/// caller's share is lost because another banked more than its portion.
+pub(crate) fn portion_of_burst(parent_burst: f64, weight: f64, total_weight: f64) -> f64 {
+    if total_weight > 0.0 {
+        (parent_burst * weight / total_weight).max(2.0)
+    } else {
+        parent_burst
+    }
+}
+
+/// Nominal share of spare capacity: `spare × w / Σw`.
+pub(crate) fn share_of(spare: f64, weight: f64, total_weight: f64) -> f64 {
+    if total_weight > 0.0 {
+        spare * weight / total_weight
+    } else {
+        0.0
+    }
+}
+
+/// Highest weight → 0.5 (borrows as soon as the pool is half full), weights near zero → 1.0.
+pub(crate) fn borrow_threshold(weight: f64, max_weight: f64) -> f64 {
+    if max_weight > 0.0 {
+        1.0 - weight / (2.0 * max_weight)
+    } else {
+        0.5
+    }
+}
+
+fn check_ceiling(cx: &mut Ctx, path: &str, ceiling: f64, floor: f64, capacity: f64) {
+    if ceiling < floor {
+        cx.err(
+            format!("{path}.ceiling"),
+            Problem::CeilingBelowFloor { ceiling, floor },
+        );
+    } else if ceiling > capacity * (1.0 + 1e-12) {
+        cx.err(
+            format!("{path}.ceiling"),
+            Problem::CeilingAboveCapacity { ceiling, capacity },
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn common(
+    cx: &mut Ctx,
+    name: &str,
+    path: &str,
+    template: bool,
+    weight: Option<f64>,
+    floor: Option<f64>,
+    ceiling: Option<f64>,
+    burst: Option<f64>,
+    max_concurrency: Option<f64>,
+    budgets: &[RawBudget],
+    parent_burst: f64,
+) -> LevelPolicy {
+    let weight = cx.positive(&format!("{path}.weight"), weight.unwrap_or(1.0));
+    let floor = cx.non_negative(&format!("{path}.floor"), floor.unwrap_or(0.0));
+    let ceiling = ceiling.map(|c| cx.positive(&format!("{path}.ceiling"), c));
+    let explicit_burst = burst.is_some();
+    let burst = match burst {
+        Some(b) => cx.positive(&format!("{path}.burst"), b),
+        None => parent_burst,
+    };
+    let max_concurrency =
+        max_concurrency.map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
+    let budgets = cx.budgets(path, budgets);
+    LevelPolicy {
+        name: if template { "*".into() } else { name.into() },
+        template,
+        weight,
+        floor,
+        reserved_floor: floor,
+        children_floor: 0.0,
+        ceiling,
+        burst,
+        explicit_burst,
+        borrow_threshold: 0.5,
+        max_concurrency,
+        budgets,
+        max_tracked: 0,
+        children: Vec::new(),
+        child_index: HashMap::new(),
+        default_child: None,
+        configured_child_weight: 0.0,
+        max_child_weight: 0.0,
+    }
+}
+
+fn tenant(
+    cx: &mut Ctx,
+    name: &str,
+    raw: &RawTenant,
+    path: &str,
+    tool_burst: f64,
+    template: bool,
+) -> LevelPolicy {
+    let mut t = common(
+        cx,
+        name,
+        path,
+        template,
+        raw.weight,
+        raw.floor,
+        raw.ceiling,
+        raw.burst,
+        raw.max_concurrency,
+        &raw.budgets,
+        tool_burst,
+    );
+    match (template, raw.max_tenants) {
+        (true, Some(m)) => t.max_tracked = cx.count(&format!("{path}.max_tenants"), m),
+        (true, None) => {
+            if t.floor > 0.0 {
+                cx.err(
+                    format!("{path}.floor"),
+                    Problem::TemplateFloorNeedsMax("max_tenants"),
+                );
+            }
+            t.max_tracked = DEFAULT_MAX_TENANTS;
+        }
+        (false, Some(_)) => cx.err(
+            format!("{path}.max_tenants"),
+            Problem::Misplaced {
+                field: "max_tenants",
+                place: "default_tenant",
+            },
+        ),
+        (false, None) => {}
+    }
+    for (iname, i) in &raw.instances.0 {
+        let ipath = format!("{path}.instances.{iname}");
+        if iname.is_empty() {
+            cx.err(&ipath, Problem::EmptyName);
+        }
+        t.child_index.insert(iname.clone(), t.children.len());
+        let inst = instance(cx, iname, i, &ipath, t.burst, false);
+        t.children.push(inst);
+    }
+    if let Some(d) = &raw.default_instance {
+        let inst = instance(
+            cx,
+            "*",
+            d,
+            &format!("{path}.default_instance"),
+            t.burst,
+            true,
+        );
+        t.default_child = Some(Box::new(inst));
+    }
+    t.configured_child_weight = t.children.iter().map(|c| c.weight).sum();
+    t.max_child_weight = t
+        .children
+        .iter()
+        .map(|c| c.weight)
+        .chain(t.default_child.as_ref().map(|c| c.weight))
+        .fold(0.0, f64::max);
+    t.children_floor = t.children.iter().map(|c| c.floor).sum::<f64>()
+        + t.default_child
+            .as_ref()
+            .map_or(0.0, |c| c.floor * c.max_tracked as f64);
+    t.reserved_floor = t.floor.max(t.children_floor);
+    t
+}
+
+fn instance(
+    cx: &mut Ctx,
+    name: &str,
+    raw: &RawInstance,
+    path: &str,
+    tenant_burst: f64,
+    template: bool,
+) -> LevelPolicy {
+    let mut i = common(
+        cx,
+        name,
+        path,
+        template,
+        raw.weight,
+        raw.floor,
+        raw.ceiling,
+        raw.burst,
+        raw.max_concurrency,
+        &raw.budgets,
+        tenant_burst,
+    );
+    match (template, raw.max_instances) {
+        (true, Some(m)) => i.max_tracked = cx.count(&format!("{path}.max_instances"), m),
+        (true, None) => {
+            if i.floor > 0.0 {
+                cx.err(
+                    format!("{path}.floor"),
+                    Problem::TemplateFloorNeedsMax("max_instances"),
+                );
+            }
+            i.max_tracked = DEFAULT_MAX_INSTANCES;
+        }
+        (false, Some(_)) => cx.err(
+            format!("{path}.max_instances"),
+            Problem::Misplaced {
+                field: "max_instances",
+                place: "default_instance",
+            },
+        ),
+        (false, None) => {}
+    }
+    i
+}

@@ -1,0 +1,444 @@
+//! Scenario simulation over a virtual clock: offered load in, per-period admitted / refused
+//! out. Deterministic — the same policy and scenario always give the same report — and
+//! instant: time is a [`ManualClock`], nobody sleeps.
+//!
+//! ```
+//! use tower_fairshare::{simulate::{Scenario, simulate}, Policy};
+//!
+//! let policy = Policy::from_toml_str(r#"
+//!     [[tool]]
+//!     name = "t"
+//!     unit = "calls"
+//!     rate = { limit = 60, per = "1m" }
+//!     [tool.tenants.A]
+//!     floor = 10
+//! "#).unwrap();
+//! let scenario = Scenario::from_toml_str(r#"
+//!     tool = "t"
+//!     duration = "2m"
+//!     [[caller]]
+//!     tenant = "A"
+//!     rate = 600
+//!     per = "1m"
+//! "#).unwrap();
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let report = simulate(&policy, &scenario).await.unwrap();
+//! assert_eq!(report.periods.len(), 2);
+//! assert!(report.periods.iter().all(|p| p.admitted <= 60));
+//! # });
+//! ```
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::clock::{Clock, ManualClock, Timestamp};
+use crate::identity::{Caller, Cost};
+use crate::limiter::Limiter;
+use crate::policy::{Period, Policy};
+use crate::store::{MemoryStore, Store};
+
+/// The virtual start: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+pub const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
+
+/// A load scenario: who offers how many calls of which tool, when.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// The tool called.
+    pub tool: String,
+    /// How long the scenario runs, e.g. `"10m"`.
+    pub duration: String,
+    /// The callers.
+    #[serde(rename = "caller", default)]
+    pub callers: Vec<ScenarioCaller>,
+}
+
+/// One caller of a scenario: offers `rate` calls per `per`, evenly spaced.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScenarioCaller {
+    /// Tenant (absent: an untenanted caller).
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Instance.
+    #[serde(default)]
+    pub instance: Option<String>,
+    /// Tier.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Calls offered per `per`.
+    pub rate: f64,
+    /// The period of `rate`, e.g. `"1m"`.
+    pub per: String,
+    /// When it starts offering (default `"0s"`).
+    #[serde(default)]
+    pub start: Option<String>,
+    /// When it stops (default: the end of the scenario).
+    #[serde(default)]
+    pub stop: Option<String>,
+    /// Cost of each call (default 1).
+    #[serde(default)]
+    pub cost: Option<f64>,
+}
+
+/// A scenario that cannot run, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The file could not be read.
+    #[error("cannot read scenario file `{path}`: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The text is not a scenario.
+    #[error("{path}: {message}")]
+    Syntax {
+        /// Where.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A field has a bad value.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// Where (`caller[2].rate`).
+        path: String,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+}
+
+impl Scenario {
+    /// Parses a TOML scenario.
+    pub fn from_toml_str(text: &str) -> Result<Scenario, ScenarioError> {
+        let de = toml::Deserializer::parse(text).map_err(|e| ScenarioError::Syntax {
+            path: String::new(),
+            message: e.to_string(),
+        })?;
+        serde_path_to_error::deserialize(de).map_err(|e| ScenarioError::Syntax {
+            path: e.path().to_string(),
+            message: e.inner().message().trim().to_owned(),
+        })
+    }
+
+    /// Reads a TOML scenario file.
+    pub fn from_path(path: impl AsRef<std::path::Path>) -> Result<Scenario, ScenarioError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Scenario::from_toml_str(&text)
+    }
+}
+
+/// One caller's numbers for one period (or, in totals, the whole run).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CallerRow {
+    /// Tenant.
+    pub tenant: Option<String>,
+    /// Instance.
+    pub instance: Option<String>,
+    /// Calls offered.
+    pub offered: u64,
+    /// Calls admitted.
+    pub admitted: u64,
+    /// Calls refused.
+    pub refused: u64,
+    /// The floor it was owed.
+    pub floor: f64,
+    /// The ceiling it was owed.
+    pub ceiling: f64,
+}
+
+/// One period of the report.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PeriodRow {
+    /// Milliseconds since the start of the scenario.
+    pub start_ms: u64,
+    /// Per caller.
+    pub callers: Vec<CallerRow>,
+    /// Calls admitted in the period, all callers.
+    pub admitted: u64,
+}
+
+/// A simulation's result: the `--json` contract of `fairshare simulate`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Report {
+    /// Per period of the tool.
+    pub periods: Vec<PeriodRow>,
+    /// Per caller, over the whole run (owed floors and ceilings summed over periods).
+    pub totals: Vec<CallerRow>,
+}
+
+fn period(path: String, text: &str) -> Result<u64, ScenarioError> {
+    Period::parse(text)
+        .map(|p| p.as_micros())
+        .map_err(|message| ScenarioError::Invalid { path, message })
+}
+
+/// Runs `scenario` against `policy` with an in-process store.
+pub async fn simulate(policy: &Policy, scenario: &Scenario) -> Result<Report, ScenarioError> {
+    let clock = ManualClock::new(EPOCH);
+    let limiter = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
+    simulate_with(&limiter, &clock, scenario).await
+}
+
+/// Runs `scenario` through `limiter`, moving `clock` (which must be the limiter's clock) from
+/// its current reading.
+pub async fn simulate_with<S: Store>(
+    limiter: &Limiter<S, ManualClock>,
+    clock: &ManualClock,
+    scenario: &Scenario,
+) -> Result<Report, ScenarioError> {
+    let policy = limiter.policy();
+    let tool = policy
+        .tool(&scenario.tool)
+        .ok_or_else(|| ScenarioError::Invalid {
+            path: "tool".into(),
+            message: format!(
+                "the policy has no tool `{}`: use one of {:?}",
+                scenario.tool,
+                policy
+                    .tools()
+                    .map(|t| t.name().to_owned())
+                    .collect::<Vec<_>>()
+            ),
+        })?;
+    let p = tool.period().as_micros();
+    let duration = period("duration".into(), &scenario.duration)?;
+    let n_periods = duration.div_ceil(p) as usize;
+    let allocation = policy.allocation();
+    let alloc = allocation
+        .tools
+        .iter()
+        .find(|t| t.name == scenario.tool)
+        .expect("tool exists");
+
+    struct Source {
+        caller: Caller,
+        interval: f64,
+        start: u64,
+        stop: u64,
+        cost: f64,
+        next: u64,
+        owed: (f64, f64),
+    }
+    let mut sources = Vec::new();
+    for (i, c) in scenario.callers.iter().enumerate() {
+        let at = |f: &str| format!("caller[{i}].{f}");
+        if !(c.rate.is_finite() && c.rate > 0.0) {
+            return Err(ScenarioError::Invalid {
+                path: at("rate"),
+                message: format!("must be a positive number of calls, not {}", c.rate),
+            });
+        }
+        let per = period(at("per"), &c.per)?;
+        let start = match &c.start {
+            Some(s) if s.trim_start_matches('0').is_empty() || s == "0s" => 0,
+            Some(s) => period(at("start"), s)?,
+            None => 0,
+        };
+        let stop = match &c.stop {
+            Some(s) => period(at("stop"), s)?.min(duration),
+            None => duration,
+        };
+        let cost = c.cost.unwrap_or(1.0);
+        if !(cost.is_finite() && cost >= 0.0) {
+            return Err(ScenarioError::Invalid {
+                path: at("cost"),
+                message: format!("must be zero or a positive number, not {cost}"),
+            });
+        }
+        let mut caller = match &c.tenant {
+            Some(t) => Caller::new(t.as_str()),
+            None => Caller::untenanted(),
+        };
+        if let Some(inst) = &c.instance {
+            caller = caller.with_instance(inst.as_str());
+        }
+        if let Some(tier) = &c.tier {
+            caller = caller.with_tier(tier.as_str());
+        }
+        // What the allocation table says this caller is owed (templates: one active caller).
+        let owed = c
+            .tenant
+            .as_deref()
+            .and_then(|t| {
+                alloc
+                    .tenants
+                    .iter()
+                    .find(|r| r.name == t)
+                    .or_else(|| alloc.tenants.iter().find(|r| r.name == "*"))
+            })
+            .map(|t| {
+                let inst = c.instance.as_deref().and_then(|i| {
+                    t.instances
+                        .iter()
+                        .find(|r| r.name == i)
+                        .or_else(|| t.instances.iter().find(|r| r.name == "*"))
+                });
+                match inst {
+                    Some(i) => (i.floor, i.ceiling),
+                    None => (t.floor, t.ceiling),
+                }
+            })
+            .unwrap_or((0.0, 0.0));
+        sources.push(Source {
+            caller,
+            interval: per as f64 / c.rate,
+            start,
+            stop,
+            cost,
+            next: 0,
+            owed,
+        });
+    }
+
+    let row = |s: &Source| CallerRow {
+        tenant: s.caller.tenant().map(str::to_owned),
+        instance: s.caller.instance().map(str::to_owned),
+        offered: 0,
+        admitted: 0,
+        refused: 0,
+        floor: s.owed.0,
+        ceiling: s.owed.1,
+    };
+    let mut periods: Vec<PeriodRow> = (0..n_periods)
+        .map(|k| PeriodRow {
+            start_ms: k as u64 * p / 1000,
+            callers: sources.iter().map(row).collect(),
+            admitted: 0,
+        })
+        .collect();
+
+    // Events in time order; ties by caller order, so runs are reproducible.
+    let time_of = |s: &Source, k: u64| s.start + (k as f64 * s.interval) as u64;
+    let mut heap = BinaryHeap::new();
+    for (i, s) in sources.iter().enumerate() {
+        let t = time_of(s, 0);
+        if t < s.stop {
+            heap.push(Reverse((t, i)));
+        }
+    }
+    let origin = clock.now();
+    while let Some(Reverse((t, i))) = heap.pop() {
+        clock.set(origin.saturating_add(Duration::from_micros(t)));
+        let s = &sources[i];
+        let outcome = limiter.admit(&s.caller, &scenario.tool, Cost(s.cost)).await;
+        let cell = &mut periods[(t / p) as usize].callers[i];
+        cell.offered += 1;
+        match outcome {
+            Ok(ticket) => {
+                cell.admitted += 1;
+                if let Some(a) = &ticket.admission {
+                    let v = if a.keys.instance.is_some() {
+                        a.views[1]
+                    } else {
+                        a.views[0]
+                    };
+                    cell.floor = v.floor;
+                    cell.ceiling = v.ceiling;
+                }
+                limiter.release(&ticket).await;
+            }
+            Err(_) => cell.refused += 1,
+        }
+        let s = &mut sources[i];
+        s.next += 1;
+        let nt = time_of(s, s.next);
+        if nt < s.stop {
+            heap.push(Reverse((nt, i)));
+        }
+    }
+    for p in periods.iter_mut() {
+        p.admitted = p.callers.iter().map(|c| c.admitted).sum();
+    }
+    let totals = (0..sources.len())
+        .map(|i| {
+            let mut r = row(&sources[i]);
+            r.floor = 0.0;
+            r.ceiling = 0.0;
+            for p in &periods {
+                let c = &p.callers[i];
+                r.offered += c.offered;
+                r.admitted += c.admitted;
+                r.refused += c.refused;
+                r.floor += c.floor;
+                r.ceiling += c.ceiling;
+            }
+            r
+        })
+        .collect();
+    Ok(Report { periods, totals })
+}
+
+fn label(r: &CallerRow) -> String {
+    match (&r.tenant, &r.instance) {
+        (Some(t), Some(i)) => format!("{t}/{i}"),
+        (Some(t), None) => t.clone(),
+        (None, Some(i)) => format!("(untenanted)/{i}"),
+        (None, None) => "(untenanted)".into(),
+    }
+}
+
+impl Report {
+    /// A readable table: one block per period, then totals.
+    pub fn to_table(&self, capacity: f64, period: Period) -> String {
+        let mut o = String::new();
+        let width = self
+            .totals
+            .iter()
+            .map(|r| label(r).len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
+        let header = |o: &mut String| {
+            let _ = writeln!(
+                o,
+                "  {:<width$} {:>9} {:>9} {:>9} {:>8} {:>8}",
+                "caller", "offered", "admitted", "refused", "floor", "ceiling"
+            );
+        };
+        let line = |o: &mut String, r: &CallerRow| {
+            let _ = writeln!(
+                o,
+                "  {:<width$} {:>9} {:>9} {:>9} {:>8.0} {:>8.0}",
+                label(r),
+                r.offered,
+                r.admitted,
+                r.refused,
+                r.floor,
+                r.ceiling
+            );
+        };
+        for (k, p) in self.periods.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "period {} (from {}s), admitted {} of capacity {} per {}",
+                k + 1,
+                p.start_ms / 1000,
+                p.admitted,
+                capacity,
+                period
+            );
+            header(&mut o);
+            for r in &p.callers {
+                line(&mut o, r);
+            }
+        }
+        let _ = writeln!(o, "totals over {} periods", self.periods.len());
+        header(&mut o);
+        for r in &self.totals {
+            line(&mut o, r);
+        }
+        o
+    }
+}

@@ -1,0 +1,145 @@
+//! Where admission state lives. One atomic "check every level and commit" call per decision.
+//!
+//! [`MemoryStore`] keeps state in this process (the default); a Redis store shares it between
+//! replicas. Every store runs the same pure decision ([`crate::admission::engine::decide`]) and
+//! passes the same conformance suite.
+
+mod memory;
+
+use std::future::Future;
+use std::sync::Arc;
+
+pub use memory::MemoryStore;
+
+use crate::admission::{Charge, LevelView, Plan, Refusal};
+use crate::clock::Timestamp;
+
+/// Identifies the levels of one admitted call, so the store can find them again to correct
+/// the charge or release permits.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CallKeys {
+    /// Tool name.
+    pub tool: Arc<str>,
+    /// Tenant name, or the untenanted caller's id.
+    pub tenant: Arc<str>,
+    /// Instance name, when instances are limited separately.
+    pub instance: Option<Arc<str>>,
+    /// Whether `tenant` is an untenanted caller.
+    pub untenanted: bool,
+}
+
+impl CallKeys {
+    /// The injective store keys of the tool, tenant and instance levels.
+    pub fn encoded(&self) -> [Option<String>; 3] {
+        use crate::key;
+        [
+            Some(key::tool_key(&self.tool)),
+            Some(if self.untenanted {
+                key::untenanted_key(&self.tool, &self.tenant)
+            } else {
+                key::tenant_key(&self.tool, &self.tenant)
+            }),
+            self.instance
+                .as_ref()
+                .map(|i| key::instance_key(&self.tool, &self.tenant, i)),
+        ]
+    }
+}
+
+/// An admitted call, as the store reports it.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    /// Which levels were charged.
+    pub keys: CallKeys,
+    /// What was charged where.
+    pub charge: Charge,
+    /// Units the caller could still take now.
+    pub remaining: f64,
+    /// The caller's ceiling per period.
+    pub quota: f64,
+    /// Microseconds until the aligned window resets.
+    pub reset_in: f64,
+    /// Pool tokens left at the tool: the slack to lend.
+    pub slack: f64,
+    /// Tenant and instance numbers at the time of the decision.
+    pub views: [LevelView; 2],
+    /// When the store decided (its clock, or the caller's).
+    pub at: Timestamp,
+}
+
+/// The store's answer.
+#[derive(Clone, Debug)]
+pub enum Decision {
+    /// Admitted and committed.
+    Admitted(Box<Admission>),
+    /// Refused; nothing was charged.
+    Refused(Box<Refusal>),
+}
+
+/// A store could not decide. Backend errors convert into this one enum.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend did not answer in time.
+    #[error("the rate-limit store did not answer within {0:?}: check its health and network, or raise the timeout")]
+    Timeout(std::time::Duration),
+    /// The backend could not be reached or failed.
+    #[error("the rate-limit store is unavailable: {0}")]
+    Unavailable(String),
+    /// The backend answered something this crate does not understand.
+    #[error("the rate-limit store answered unexpectedly: {0}")]
+    Protocol(String),
+}
+
+/// Keeps admission state and applies decisions atomically.
+///
+/// A store implements one atomic operation per decision: read the state of every level the
+/// call touches, run [`decide`](crate::admission::engine::decide), and write the result back,
+/// without any other decision interleaving. Corrections and permit releases are separate,
+/// later calls.
+pub trait Store: Send + Sync + 'static {
+    /// Decides one call and commits it if admitted.
+    fn decide<'a>(
+        &'a self,
+        plan: &'a Plan<'a>,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a;
+
+    /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
+    /// entirely; 0.5 charges half again). Never touches a window that has closed.
+    fn adjust<'a>(
+        &'a self,
+        admission: &'a Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+
+    /// Returns the concurrency permits an admitted call took.
+    fn release<'a>(
+        &'a self,
+        admission: &'a Admission,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+}
+
+impl<S: Store> Store for Arc<S> {
+    fn decide<'a>(
+        &'a self,
+        plan: &'a Plan<'a>,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
+        (**self).decide(plan, keys)
+    }
+    fn adjust<'a>(
+        &'a self,
+        admission: &'a Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).adjust(admission, factor, now)
+    }
+    fn release<'a>(
+        &'a self,
+        admission: &'a Admission,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).release(admission)
+    }
+}
