@@ -147,9 +147,9 @@ mod tests {
             prop_assert_eq!(decode(&a), Some((tool.clone(), KeyKind::Instance, vec![tenant.clone(), instance.clone()])));
             // Every key of one tool shares its hash tag, whatever the names contain.
             let tag = hash_tag(&a).to_owned();
-            prop_assert_eq!(hash_tag(&tool_key(&tool)), tag.as_str());
-            prop_assert_eq!(hash_tag(&tenant_key(&tool, &tenant)), tag.as_str());
-            prop_assert_eq!(hash_tag(&untenanted_key(&tool, &instance)), tag.as_str());
+            for other in [tool_key(&tool), tenant_key(&tool, &tenant), untenanted_key(&tool, &instance)] {
+                prop_assert_eq!(hash_tag(&other), tag.as_str());
+            }
             // Tenanted and untenanted spaces never meet.
             prop_assert_ne!(tenant_key(&tool, &tenant), untenanted_key(&tool2, &tenant2));
             prop_assert_ne!(tenant_key(&tool, &tenant), instance_key(&tool2, &tenant2, &instance2));

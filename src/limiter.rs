@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 use crate::admission::{LevelRef, Plan, Reason, Refusal, Scope};
 use crate::clock::{Clock, SystemClock};
 use crate::identity::{Caller, Cost};
-use crate::policy::{OnStoreError, Policy};
+use crate::policy::{OnStoreError, Policy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store};
 
 /// Decides calls against a [`Policy`], with state in a [`Store`] and time from a [`Clock`].
@@ -121,60 +121,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// rate and budget, checked and committed atomically.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
         let policy = self.policy();
-        let Some(tp) = policy.tool(tool) else {
-            let mut r = Refusal::new(Reason::PermissionDenied, tool);
-            r.window = Some("unknown_tool".into());
-            fill_caller(&mut r, caller);
-            return Err(r);
-        };
-        let deny = |reason: Reason, what: &str| {
-            let mut r = Refusal::new(reason, tool);
-            fill_caller(&mut r, caller);
-            r.scope = Some(Scope::Tool);
-            r.window = Some(what.to_owned());
-            r
-        };
-        if !tp.allows_tier(caller.tier()) {
-            return Err(deny(Reason::PermissionDenied, "tier"));
-        }
+        let (tp, tenant, instance, keys) = resolve(&policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
-            return Err(deny(Reason::PermissionDenied, "cost"));
+            let mut r = denial(Reason::PermissionDenied, tool, caller, "cost");
+            r.retryable = false;
+            return Err(r);
         }
-        let (tenant_name, untenanted, tenant_policy) = match caller.tenant() {
-            Some(t) => match tp.tenant(t) {
-                Some(p) => (t, false, p),
-                None => return Err(deny(Reason::PermissionDenied, "tenant")),
-            },
-            None if tp.require_tenant() => return Err(deny(Reason::UnidentifiedCaller, "tenant")),
-            None => match tp.default_tenant() {
-                Some(p) => (caller.instance().unwrap_or(""), true, p),
-                None => return Err(deny(Reason::UnidentifiedCaller, "tenant")),
-            },
-        };
-        let instance = match (untenanted, caller.instance()) {
-            (false, Some(i)) if tenant_policy.has_instances() => match tenant_policy.instance(i) {
-                Some(p) => Some(LevelRef { name: i, policy: p }),
-                None => return Err(deny(Reason::PermissionDenied, "instance")),
-            },
-            _ => None,
-        };
         let plan = Plan {
             now: self.inner.clock.now(),
             cost: c,
             tool: tp,
-            tenant: LevelRef {
-                name: tenant_name,
-                policy: tenant_policy,
-            },
+            tenant,
             instance,
-            untenanted,
-        };
-        let keys = CallKeys {
-            tool: Arc::from(tp.name()),
-            tenant: Arc::from(tenant_name),
-            instance: instance.map(|i| Arc::from(i.name)),
-            untenanted,
+            untenanted: keys.untenanted,
         };
         match self.inner.store.decide(&plan, &keys).await {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
@@ -196,13 +156,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
                 OnStoreError::Deny => {
                     tracing::error!(tool, error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
-                    let mut r = deny(Reason::StoreUnavailable, "store");
+                    let mut r = denial(Reason::StoreUnavailable, tool, caller, "store");
                     r.retryable = true;
                     r.retry_after = Some(std::time::Duration::from_secs(1));
                     Err(r)
                 }
             },
         }
+    }
+
+    /// The store keys `caller`'s calls of `tool` are charged to, or the refusal its identity
+    /// alone earns (unknown tool, tier, missing tenant).
+    pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
+        let policy = self.policy();
+        resolve(&policy, caller, tool).map(|(_, _, _, k)| k)
     }
 
     /// Corrects an admitted call's charge to its actual cost.
@@ -254,4 +221,67 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 fn fill_caller(r: &mut Refusal, caller: &Caller) {
     r.tenant = caller.tenant().map(str::to_owned);
     r.instance = caller.instance().map(str::to_owned);
+}
+
+fn denial(reason: Reason, tool: &str, caller: &Caller, what: &str) -> Refusal {
+    let mut r = Refusal::new(reason, tool);
+    fill_caller(&mut r, caller);
+    r.scope = Some(Scope::Tool);
+    r.window = Some(what.to_owned());
+    r
+}
+
+type Resolved<'p> = (&'p ToolPolicy, LevelRef<'p>, Option<LevelRef<'p>>, CallKeys);
+
+/// Who is charged for `caller` calling `tool`: the identity and tool checks of the order of
+/// operations, before any counter is touched.
+fn resolve<'p>(
+    policy: &'p Policy,
+    caller: &'p Caller,
+    tool: &str,
+) -> Result<Resolved<'p>, Refusal> {
+    let Some(tp) = policy.tool(tool) else {
+        let mut r = Refusal::new(Reason::PermissionDenied, tool);
+        r.window = Some("unknown_tool".into());
+        fill_caller(&mut r, caller);
+        return Err(r);
+    };
+    if !tp.allows_tier(caller.tier()) {
+        return Err(denial(Reason::PermissionDenied, tool, caller, "tier"));
+    }
+    let (tenant_name, untenanted, tenant_policy) = match caller.tenant() {
+        Some(t) => match tp.tenant(t) {
+            Some(p) => (t, false, p),
+            None => return Err(denial(Reason::PermissionDenied, tool, caller, "tenant")),
+        },
+        None if tp.require_tenant() => {
+            return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant"))
+        }
+        None => match tp.default_tenant() {
+            Some(p) => (caller.instance().unwrap_or(""), true, p),
+            None => return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant")),
+        },
+    };
+    let instance = match (untenanted, caller.instance()) {
+        (false, Some(i)) if tenant_policy.has_instances() => match tenant_policy.instance(i) {
+            Some(p) => Some(LevelRef { name: i, policy: p }),
+            None => return Err(denial(Reason::PermissionDenied, tool, caller, "instance")),
+        },
+        _ => None,
+    };
+    let keys = CallKeys {
+        tool: Arc::from(tp.name()),
+        tenant: Arc::from(tenant_name),
+        instance: instance.map(|i| Arc::from(i.name)),
+        untenanted,
+    };
+    Ok((
+        tp,
+        LevelRef {
+            name: tenant_name,
+            policy: tenant_policy,
+        },
+        instance,
+        keys,
+    ))
 }

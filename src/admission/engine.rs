@@ -287,6 +287,124 @@ struct Fail {
     reset_at: Option<f64>,
 }
 
+struct PathCtx<'l, 'a> {
+    levels: &'l [Level<'a>],
+    banks: [f64; 3],
+    cost: f64,
+    period: f64,
+    now: f64,
+    next_window: f64,
+    period_label: &'l crate::policy::Period,
+}
+
+impl PathCtx<'_, '_> {
+    /// Units to take per level (floor, share, ceiling), walking from the caller up to the
+    /// tool, or why the call cannot pass.
+    fn draw(&self, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
+        let levels = self.levels;
+        let leaf = levels.len() - 1;
+        let mut takes = [[0.0f64; 3]; 3];
+        let mut rem = self.cost;
+        let mut own_chain = true;
+        let mut child_threshold = 0.5;
+        for idx in (0..levels.len()).rev() {
+            if rem <= EPS {
+                break;
+            }
+            let l = &levels[idx];
+            let s = &l.state;
+            // The level's own floor (a caller's floor, a tenant's residual floor), for what
+            // its share cannot cover.
+            let own_floor = l.numbers.own_floor;
+            if own_floor > 0.0 {
+                let covered = if share_first && idx > 0 {
+                    s.share.min(s.ceiling).min(rem).max(0.0)
+                } else {
+                    0.0
+                };
+                let x = (rem - covered)
+                    .min(s.floor)
+                    .min(own_floor - s.floor_used)
+                    .max(0.0);
+                takes[idx][0] = x;
+                rem -= x;
+                if rem <= EPS {
+                    break;
+                }
+            }
+            // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
+            // only take what lies above every child's share bank, so the pool always holds at
+            // least the share tokens its children have banked and an own-share draw never
+            // fails for a borrower's sake; inside the lending room, heavier borrowers see a
+            // lower bar than lighter ones.
+            let threshold = if idx < leaf && !own_chain {
+                let banks = self.banks[idx];
+                banks + child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
+            } else {
+                0.0
+            };
+            let need = rem + threshold;
+            // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`,
+            // so never more than C a period); a caller's ceiling is its bucket's business, and a
+            // per-window cap there would round a fractional allowance down every period.
+            // Borrowers also leave the banks' worth of the window to own-share draws.
+            let window_cap = if idx > 0 {
+                f64::INFINITY
+            } else if threshold > 0.0 {
+                l.numbers.ceiling_rate - self.banks[idx]
+            } else {
+                l.numbers.ceiling_rate
+            };
+            let bucket_ok = s.ceiling + EPS >= need;
+            let window_ok = s.non_floor + rem <= window_cap + EPS;
+            if !(bucket_ok && window_ok) {
+                return Err(self.fail(l, need, rem, window_ok, window_cap));
+            }
+            takes[idx][2] = rem;
+            if idx > 0 {
+                if s.share + EPS >= rem {
+                    takes[idx][1] = rem;
+                } else {
+                    own_chain = false;
+                }
+                child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+            }
+        }
+        Ok(takes)
+    }
+
+    fn fail(&self, l: &Level<'_>, need: f64, rem: f64, window_ok: bool, window_cap: f64) -> Fail {
+        let s = &l.state;
+        let mut wait = wait_for(s.ceiling, need, &l.ceil_b, self.period);
+        if !window_ok {
+            wait = wait.max(if rem > window_cap + EPS {
+                f64::INFINITY
+            } else {
+                self.next_window - self.now
+            });
+        }
+        // Could the whole call be served by the caller's floor later instead?
+        let lf = &self.levels[self.levels.len() - 1];
+        let c = self.cost;
+        if lf.numbers.own_floor + EPS >= c {
+            let mut fw = wait_for(lf.state.floor, c, &lf.floor_b, self.period);
+            if lf.state.floor_used + c > lf.numbers.own_floor + EPS {
+                fw = fw.max(self.next_window - self.now);
+            }
+            wait = wait.min(fw);
+        }
+        Fail {
+            reason: Reason::RateLimited,
+            scope: l.scope,
+            wait,
+            window: self.period_label.to_string(),
+            limit: l.numbers.ceiling,
+            used: s.total,
+            reset_at: None,
+        }
+    }
+}
+
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.
 pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     let tool = plan.tool;
@@ -402,6 +520,14 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
             policy: Some(i.policy),
         });
     }
+    // What the children of the tool and of the tenant can hold in their share banks.
+    let banks = [
+        tool.configured_tenant_burst
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.burst) * n_tenants as f64,
+        t_pol.configured_child_burst
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.burst) * n_instances as f64,
+        0.0,
+    ];
     for l in levels.iter_mut() {
         refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
         roll_window(&mut l.state, window);
@@ -466,82 +592,29 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         }
     }
 
-    // 5. The draw, from the caller up to the tool.
+    // 5. The draw, from the caller up to the tool: share first (a floor bucket left full
+    // loses nothing the caller is owed, a full share bank would), the floor for the rest;
+    // if that path is blocked, floor first.
     let leaf = levels.len() - 1;
-    let mut takes = [[0.0f64; 3]; 3]; // per level: floor, share, ceiling
-    let mut rem = c;
-    let mut own_chain = true;
-    let mut child_threshold = 0.5;
-    let mut path_fail: Option<Fail> = None;
-    for idx in (0..levels.len()).rev() {
-        if rem <= EPS {
-            break;
-        }
-        let l = &levels[idx];
-        let s = &l.state;
-        // The level's own floor first (a caller's floor, a tenant's residual floor).
-        let own_floor = l.numbers.own_floor;
-        if own_floor > 0.0 {
-            let x = rem.min(s.floor).min(own_floor - s.floor_used).max(0.0);
-            takes[idx][0] = x;
-            rem -= x;
-            if rem <= EPS {
-                break;
+    let ctx = PathCtx {
+        levels: &levels,
+        banks,
+        cost: c,
+        period,
+        now,
+        next_window,
+        period_label: &tool.period,
+    };
+    let takes = match ctx.draw(true) {
+        Ok(t) => t,
+        Err(_) => match ctx.draw(false) {
+            Ok(t) => t,
+            Err(f) => {
+                fails.push(f);
+                [[0.0; 3]; 3]
             }
-        }
-        // Then non-floor: the level's ceiling bucket (the pool, at the tool), above the
-        // borrowing threshold unless every level below drew within its share.
-        let threshold = if idx < leaf && !own_chain {
-            child_threshold * (l.ceil_b.depth - rem).max(0.0)
-        } else {
-            0.0
-        };
-        let need = rem + threshold;
-        let cap = l.numbers.ceiling_rate;
-        let bucket_ok = s.ceiling + EPS >= need;
-        let window_ok = s.non_floor + rem <= cap + EPS;
-        if !(bucket_ok && window_ok) {
-            let mut wait = wait_for(s.ceiling, need, &l.ceil_b, period);
-            if !window_ok {
-                wait = wait.max(if rem > cap + EPS {
-                    f64::INFINITY
-                } else {
-                    next_window - now
-                });
-            }
-            // Could the whole call be served by the caller's floor later instead?
-            let lf = &levels[leaf];
-            if lf.numbers.own_floor + EPS >= c {
-                let mut fw = wait_for(lf.state.floor, c, &lf.floor_b, period);
-                if lf.state.floor_used + c > lf.numbers.own_floor + EPS {
-                    fw = fw.max(next_window - now);
-                }
-                wait = wait.min(fw);
-            }
-            path_fail = Some(Fail {
-                reason: Reason::RateLimited,
-                scope: l.scope,
-                wait,
-                window: tool.period.to_string(),
-                limit: l.numbers.ceiling,
-                used: s.total,
-                reset_at: None,
-            });
-            break;
-        }
-        takes[idx][2] = rem;
-        if idx > 0 {
-            if s.share + EPS >= rem {
-                takes[idx][1] = rem;
-            } else {
-                own_chain = false;
-            }
-            child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
-        }
-    }
-    if let Some(f) = path_fail {
-        fails.push(f);
-    }
+        },
+    };
 
     if !fails.is_empty() {
         let mut worst = fails.remove(0);

@@ -125,6 +125,8 @@ pub struct ToolPolicy {
     /// Σ of the tenants' reserved floors (templates counted `max_tenants` times).
     pub(crate) reserved_floors: f64,
     pub(crate) configured_weight: f64,
+    /// Σ of the configured tenants' bursts (their share banks).
+    pub(crate) configured_tenant_burst: f64,
 }
 
 /// A tenant or an instance, validated: its floor, weight, ceiling, burst, caps and, for a
@@ -144,6 +146,8 @@ pub struct LevelPolicy {
     pub(crate) burst: f64,
     /// Whether `burst` was written in the policy (otherwise it is a portion of the parent's).
     pub(crate) explicit_burst: bool,
+    /// Σ of the configured children's bursts (their share banks).
+    pub(crate) configured_child_burst: f64,
     /// Where, between half-full and full, the parent's pool must be before this level may
     /// borrow: higher weights borrow first.
     pub(crate) borrow_threshold: f64,

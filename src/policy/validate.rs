@@ -185,15 +185,36 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     // Second pass: shares, ceilings and each tenant's instances.
     let finish = |cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str| {
         t.borrow_threshold = borrow_threshold(t.weight, max_weight);
-        if !t.explicit_burst {
-            t.burst = portion_of_burst(burst, t.weight, weight_once);
-        }
+        // Default bursts, bottom-up: each caller's own portion of its parent's lending room,
+        // plus the banks of its children, so a parent can always hold every child's bank.
+        let portion = if t.explicit_burst {
+            t.burst
+        } else {
+            portion_of_burst(burst, t.weight, weight_once)
+        };
         let inner_weight_once =
             t.configured_child_weight + t.default_child.as_ref().map_or(0.0, |d| d.weight);
         for c in t.children.iter_mut().chain(t.default_child.as_deref_mut()) {
             if !c.explicit_burst {
-                c.burst = portion_of_burst(t.burst, c.weight, inner_weight_once);
+                c.burst = portion_of_burst(portion, c.weight, inner_weight_once);
             }
+        }
+        t.configured_child_burst = t.children.iter().map(|c| c.burst).sum();
+        let banks = t.configured_child_burst + t.default_child.as_ref().map_or(0.0, |d| d.burst);
+        if !t.explicit_burst {
+            t.burst = if t.has_instances() {
+                portion + banks
+            } else {
+                portion
+            };
+        } else if t.has_instances() && t.burst < banks + 1.0 {
+            cx.warnings.push(Warning {
+                path: format!("{tpath}.burst"),
+                message: format!(
+                    "burst {} leaves no lending room above its instances' bursts ({banks}): instances cannot borrow each other's idle share",
+                    t.burst
+                ),
+            });
         }
         let share = share_of(spare, t.weight, weight_once);
         let nominal = t.floor + share;
@@ -220,8 +241,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         let tenant_capacity = t.ceiling.unwrap_or(nominal);
         let max_child = t.max_child_weight;
         let mut kids = std::mem::take(&mut t.children);
-        for (i, c) in kids.iter_mut().enumerate() {
-            let _ = i;
+        for c in kids.iter_mut() {
             c.borrow_threshold = borrow_threshold(c.weight, max_child);
             if let Some(ceil) = c.ceiling {
                 check_ceiling(
@@ -255,6 +275,22 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     if let Some(t) = default_tenant.as_mut() {
         finish(cx, t, &format!("{path}.default_tenant"));
     }
+
+    let configured_tenant_burst: f64 = tenants.iter().map(|t| t.burst).sum();
+    let banks = configured_tenant_burst + default_tenant.as_ref().map_or(0.0, |t| t.burst);
+    let burst = if raw.burst.is_some() {
+        if banks + 1.0 > burst {
+            cx.warnings.push(Warning {
+                path: format!("{path}.burst"),
+                message: format!(
+                    "burst {burst} leaves no lending room above the tenants' bursts ({banks}): idle share cannot be lent; raise it or leave it unset"
+                ),
+            });
+        }
+        burst
+    } else {
+        burst + banks
+    };
 
     // Budgets split across tenants with (almost) nothing left unallocated.
     for b in &budgets {
@@ -291,18 +327,19 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         default_tenant,
         reserved_floors,
         configured_weight,
+        configured_tenant_burst,
     }
 }
 
-/// One second's worth of a per-minute rate (1/60 of the capacity), at least one unit: small,
-/// as the seeds advise, and the same rule whatever the period.
+/// The lending room of a tool without an explicit burst: one second's worth of a per-minute
+/// rate (1/60 of the capacity), at least two units. Small, as the seeds advise; the tool's
+/// burst is this plus its tenants' bursts.
 pub(crate) fn default_burst(capacity: f64) -> f64 {
-    (capacity / 60.0).max(1.0)
+    (capacity / 60.0).max(2.0)
 }
 
-/// A caller's default burst: its weighted portion of its parent's burst (at least one unit),
-/// so the callers' banks add up to what the pool above them can serve at once and no
-/// caller's share is lost because another banked more than its portion.
+/// A caller's default burst: its weighted portion of its parent's lending room, at least two
+/// units (a bank of one loses whatever accrues between two arrivals).
 pub(crate) fn portion_of_burst(parent_burst: f64, weight: f64, total_weight: f64) -> f64 {
     if total_weight > 0.0 {
         (parent_burst * weight / total_weight).max(2.0)
@@ -378,6 +415,7 @@ fn common(
         ceiling,
         burst,
         explicit_burst,
+        configured_child_burst: 0.0,
         borrow_threshold: 0.5,
         max_concurrency,
         budgets,

@@ -320,4 +320,24 @@ impl Store for MemoryStore {
         });
         ready(Ok(()))
     }
+
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        let encoded = keys.encoded();
+        let states = self.with_keys(&encoded, |l| {
+            let mut out: [Option<NodeState>; 3] = Default::default();
+            for (level, slot) in out.iter_mut().enumerate() {
+                if let Some(k) = encoded[level].as_deref() {
+                    *slot = l
+                        .shard(level)
+                        .and_then(|s| s.map.get(k))
+                        .map(|e| e.state.clone());
+                }
+            }
+            out
+        });
+        ready(Ok(states))
+    }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 pub use memory::MemoryStore;
 
-use crate::admission::{Charge, LevelView, Plan, Refusal};
+use crate::admission::{Charge, LevelView, NodeState, Plan, Refusal};
 use crate::clock::Timestamp;
 
 /// Identifies the levels of one admitted call, so the store can find them again to correct
@@ -118,6 +118,14 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         admission: &'a Admission,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+
+    /// The stored state of the tool, tenant and instance levels of `keys` (`None` where
+    /// nothing is stored), as the store holds it: not brought up to date. For diagnostics and
+    /// tests.
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a;
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -141,5 +149,11 @@ impl<S: Store> Store for Arc<S> {
         admission: &'a Admission,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).release(admission)
+    }
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        (**self).inspect(keys)
     }
 }

@@ -1,0 +1,983 @@
+//! The store conformance suite: every property of SPEC §3 this crate promises, proven by
+//! property tests over a virtual clock. A store runs the whole suite with one line:
+//!
+//! ```ignore
+//! mod conformance;
+//! conformance::suite!(MyFactory);
+//! ```
+//!
+//! where the factory hands out a fresh, empty store per case.
+
+#![allow(dead_code)]
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use tower_fairshare::simulate::EPOCH;
+use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Reason, Store, Ticket};
+
+/// Hands out fresh stores to the suite.
+pub trait Factory: Sync {
+    /// The store under test.
+    type S: Store;
+    /// A fresh, empty store.
+    fn store(&self) -> Self::S;
+    /// How many states the store holds (for the bounded-state property).
+    fn count_states(&self, store: &Self::S) -> usize;
+    /// Lets time pass for the store's own expiry (a no-op for stores that expire lazily).
+    fn expire(&self, _store: &Self::S, _now: tower_fairshare::Timestamp) {}
+    /// Cases per property: fewer for stores behind a network round trip.
+    fn cases(&self) -> u32 {
+        48
+    }
+}
+
+/// Generates one `#[test]` per property for `$factory`.
+#[macro_export]
+macro_rules! suite {
+    ($factory:expr) => {
+        #[test]
+        fn floor_guarantee_under_a_parasite() {
+            conformance::floor_guarantee(&$factory)
+        }
+        #[test]
+        fn floor_is_served_to_a_caller_offering_more() {
+            conformance::floor_when_offering_more(&$factory)
+        }
+        #[test]
+        fn capacity_bound_holds_over_any_interval() {
+            conformance::capacity_bound(&$factory)
+        }
+        #[test]
+        fn ceiling_bound_holds_over_any_interval() {
+            conformance::ceiling_bound(&$factory)
+        }
+        #[test]
+        fn weighted_share_under_saturation() {
+            conformance::weighted_share(&$factory)
+        }
+        #[test]
+        fn idle_share_is_lent_highest_weight_first() {
+            conformance::borrowing(&$factory)
+        }
+        #[test]
+        fn a_refusal_changes_nothing_anywhere() {
+            conformance::all_or_nothing(&$factory)
+        }
+        #[test]
+        fn a_runaway_instance_cannot_take_sibling_floors() {
+            conformance::runaway_instance(&$factory)
+        }
+        #[test]
+        fn tenants_with_the_same_instance_id_are_independent() {
+            conformance::tenant_qualified_identity(&$factory)
+        }
+        #[test]
+        fn an_identity_flood_is_bounded() {
+            conformance::bounded_state(&$factory)
+        }
+        #[test]
+        fn budgets_refuse_with_window_limit_used_and_reset() {
+            conformance::budgets(&$factory)
+        }
+        #[test]
+        fn cost_corrections_and_refunds() {
+            conformance::cost_and_refund(&$factory)
+        }
+        #[test]
+        fn concurrency_caps_and_release() {
+            conformance::concurrency(&$factory)
+        }
+    };
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn runner(cases: u32) -> TestRunner {
+    let cases = std::env::var("FS_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    })
+}
+
+/// A limiter over `store` with a manual clock at the virtual epoch.
+pub fn harness<S: Store>(policy: &Policy, store: S) -> (Limiter<S, ManualClock>, ManualClock) {
+    let clock = ManualClock::new(EPOCH);
+    (
+        Limiter::with_store(policy.clone(), store, clock.clone()),
+        clock,
+    )
+}
+
+/// One source of load.
+#[derive(Clone, Debug)]
+pub struct Load {
+    pub caller: Caller,
+    /// Calls per period, evenly spaced.
+    pub per_period: f64,
+    /// Offset of the first call, as a fraction of the spacing.
+    pub phase: f64,
+    pub cost: f64,
+    /// Idle until this many µs into the run.
+    pub start: u64,
+}
+
+/// One admitted or refused call.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub at: u64,
+    pub source: usize,
+    pub cost: f64,
+    pub admitted: bool,
+    pub reason: Option<Reason>,
+}
+
+/// Drives `loads` for `periods` periods of length `period_us`, in time order (ties by
+/// source), releasing permits at once. Returns every call.
+pub async fn drive<S: Store>(
+    limiter: &Limiter<S, ManualClock>,
+    clock: &ManualClock,
+    tool: &str,
+    loads: &[Load],
+    period_us: u64,
+    periods: u64,
+) -> Vec<Event> {
+    let end = period_us * periods;
+    let interval: Vec<f64> = loads
+        .iter()
+        .map(|l| period_us as f64 / l.per_period.max(1e-9))
+        .collect();
+    let at = |i: usize, k: u64| loads[i].start + ((k as f64 + loads[i].phase) * interval[i]) as u64;
+    let mut heap = BinaryHeap::new();
+    for i in 0..loads.len() {
+        if loads[i].per_period > 0.0 && at(i, 0) < end {
+            heap.push(Reverse((at(i, 0), i, 0u64)));
+        }
+    }
+    let mut out = Vec::new();
+    while let Some(Reverse((t, i, k))) = heap.pop() {
+        clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
+        let r = limiter
+            .admit(&loads[i].caller, tool, Cost(loads[i].cost))
+            .await;
+        let (admitted, reason) = match &r {
+            Ok(ticket) => {
+                limiter.release(ticket).await;
+                (true, None)
+            }
+            Err(e) => (false, Some(e.reason)),
+        };
+        out.push(Event {
+            at: t,
+            source: i,
+            cost: loads[i].cost,
+            admitted,
+            reason,
+        });
+        let nt = at(i, k + 1);
+        if nt < end {
+            heap.push(Reverse((nt, i, k + 1)));
+        }
+    }
+    out
+}
+
+/// Largest excess of admitted units over `rate × τ / P + allowance` over every interval
+/// between two admitted calls of `events` (filtered by `pick`). Positive means violated.
+pub fn worst_excess(
+    events: &[Event],
+    pick: impl Fn(&Event) -> bool,
+    rate: f64,
+    period_us: u64,
+    allowance: f64,
+) -> f64 {
+    let adm: Vec<&Event> = events.iter().filter(|e| e.admitted && pick(e)).collect();
+    let mut worst = f64::NEG_INFINITY;
+    for i in 0..adm.len() {
+        let mut sum = 0.0;
+        for j in i..adm.len() {
+            sum += adm[j].cost;
+            let tau = (adm[j].at - adm[i].at) as f64;
+            let bound = rate * tau / period_us as f64 + allowance;
+            worst = worst.max(sum - bound);
+        }
+    }
+    worst
+}
+
+/// A tool with 2–4 tenants: capacity, weights, floors (Σ ≤ 60 % of C), some ceilings above
+/// nominal. Returns (TOML, capacity, floors, weights, ceilings-or-0).
+fn policy_strategy() -> impl Strategy<Value = (String, f64, Vec<f64>, Vec<f64>, Vec<f64>)> {
+    (
+        40u32..240,
+        prop::collection::vec((1u32..8, 0u32..100, prop::bool::weighted(0.3)), 2..5),
+    )
+        .prop_map(|(cap, tenants)| {
+            let cap = cap as f64;
+            let total_frac: f64 = tenants.iter().map(|t| t.1 as f64).sum::<f64>().max(1.0);
+            let floors: Vec<f64> = tenants
+                .iter()
+                .map(|t| ((t.1 as f64 / total_frac) * 0.6 * cap).floor())
+                .collect();
+            let weights: Vec<f64> = tenants.iter().map(|t| t.0 as f64).collect();
+            let spare = cap - floors.iter().sum::<f64>();
+            let wsum: f64 = weights.iter().sum();
+            let mut toml = format!(
+                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {cap}, per = \"1m\" }}\n"
+            );
+            let mut ceilings = Vec::new();
+            for (i, t) in tenants.iter().enumerate() {
+                toml += &format!(
+                    "[tool.tenants.T{i}]\nweight = {}\nfloor = {}\n",
+                    weights[i], floors[i]
+                );
+                let nominal = floors[i] + spare * weights[i] / wsum;
+                if t.2 {
+                    let c = (nominal + (cap - nominal) * 0.5).floor().max(floors[i]);
+                    toml += &format!("ceiling = {c}\n");
+                    ceilings.push(c);
+                } else {
+                    ceilings.push(0.0);
+                }
+            }
+            (toml, cap, floors, weights, ceilings)
+        })
+}
+
+const MINUTE: u64 = 60_000_000;
+
+fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), TestCaseError> {
+    if cond {
+        Ok(())
+    } else {
+        Err(TestCaseError::fail(msg()))
+    }
+}
+
+/// SPEC §3.1: a caller offering at most its floor in every interval of length P gets every
+/// call admitted, whatever the others do (parasites at 10× and 100× their ceiling).
+pub fn floor_guarantee<F: Factory>(f: &F) {
+    let rt = runtime();
+    runner(f.cases())
+        .run(
+            &(policy_strategy(), 0usize..4, 0.0f64..1.0, prop::bool::ANY),
+            |((toml, _cap, floors, _w, _c), victim, phase, hundred)| {
+                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let alloc = policy.allocation();
+                let tool = &alloc.tools[0];
+                let n = floors.len();
+                let victim = victim % n;
+                prop_assume!(floors[victim] >= 1.0);
+                let mult = if hundred { 100.0 } else { 10.0 };
+                let loads: Vec<Load> = (0..n)
+                    .map(|i| Load {
+                        caller: Caller::new(format!("T{i}")),
+                        per_period: if i == victim {
+                            floors[i]
+                        } else {
+                            (tool.tenants[i].ceiling * mult).min(6000.0)
+                        },
+                        phase: if i == victim { phase } else { 0.0 },
+                        cost: 1.0,
+                        start: 0,
+                    })
+                    .collect();
+                let store = f.store();
+                let (limiter, clock) = harness(&policy, store);
+                let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
+                let refused: Vec<&Event> = events
+                    .iter()
+                    .filter(|e| e.source == victim && !e.admitted)
+                    .collect();
+                check(refused.is_empty(), || {
+                    format!(
+                        "victim T{victim} with floor {} refused {} calls, first at {:?}",
+                        floors[victim],
+                        refused.len(),
+                        refused.first()
+                    )
+                })
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.1, second half: a caller offering more than its floor still gets at least its
+/// floor in every period.
+pub fn floor_when_offering_more<F: Factory>(f: &F) {
+    let rt = runtime();
+    runner(f.cases())
+        .run(
+            &(policy_strategy(), 0usize..4),
+            |((toml, _cap, floors, _w, _c), victim)| {
+                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let alloc = policy.allocation();
+                let n = floors.len();
+                let victim = victim % n;
+                prop_assume!(floors[victim] >= 2.0);
+                let loads: Vec<Load> = (0..n)
+                    .map(|i| Load {
+                        caller: Caller::new(format!("T{i}")),
+                        per_period: (alloc.tools[0].tenants[i].ceiling * 10.0)
+                            .clamp(floors[i] * 3.0, 4000.0),
+                        phase: 0.0,
+                        cost: 1.0,
+                        start: 0,
+                    })
+                    .collect();
+                let (limiter, clock) = harness(&policy, f.store());
+                let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
+                for w in 0..4u64 {
+                    let got = events
+                        .iter()
+                        .filter(|e| e.source == victim && e.admitted && e.at / MINUTE == w)
+                        .count() as f64;
+                    check(got >= floors[victim] - 1.0, || {
+                        format!(
+                            "T{victim} got {got} in period {w}, floor {}",
+                            floors[victim]
+                        )
+                    })?;
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.2: over any interval τ the tool admits at most C τ/P + burst + Σ floors, and at
+/// most C in every aligned period.
+pub fn capacity_bound<F: Factory>(f: &F) {
+    let rt = runtime();
+    runner(f.cases())
+        .run(
+            &(
+                policy_strategy(),
+                prop::collection::vec((0.0f64..12.0, 0.0f64..1.0, 0u64..3), 4),
+            ),
+            |((toml, cap, floors, _w, _c), mults)| {
+                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let tool = policy.tool("t").unwrap().clone();
+                let alloc = policy.allocation();
+                let n = floors.len();
+                let loads: Vec<Load> = (0..n)
+                    .map(|i| Load {
+                        caller: Caller::new(format!("T{i}")),
+                        per_period: alloc.tools[0].tenants[i].ceiling * mults[i].0,
+                        phase: mults[i].1,
+                        cost: 1.0,
+                        start: mults[i].2 * MINUTE,
+                    })
+                    .collect();
+                let (limiter, clock) = harness(&policy, f.store());
+                let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
+                for w in 0..4u64 {
+                    let got: f64 = events
+                        .iter()
+                        .filter(|e| e.admitted && e.at / MINUTE == w)
+                        .map(|e| e.cost)
+                        .sum();
+                    check(got <= cap + 1e-6, || format!("period {w}: {got} > C {cap}"))?;
+                }
+                let allowance = tool.burst() + floors.iter().sum::<f64>() + 1e-6;
+                let excess = worst_excess(&events, |_| true, cap, MINUTE, allowance);
+                check(excess <= 0.0, || {
+                    format!("capacity exceeded by {excess} over some interval")
+                })
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.3: over any interval τ a caller gets at most ceiling τ/P + burst + floor.
+pub fn ceiling_bound<F: Factory>(f: &F) {
+    let rt = runtime();
+    runner(f.cases())
+        .run(
+            &(
+                policy_strategy(),
+                prop::collection::vec((0.5f64..20.0, 0u64..3), 4),
+            ),
+            |((toml, _cap, floors, _w, _c), mults)| {
+                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let alloc = policy.allocation();
+                let tenants = &alloc.tools[0].tenants;
+                let n = floors.len();
+                let loads: Vec<Load> = (0..n)
+                    .map(|i| Load {
+                        caller: Caller::new(format!("T{i}")),
+                        per_period: tenants[i].ceiling * mults[i].0,
+                        phase: 0.0,
+                        cost: 1.0,
+                        start: mults[i].1 * MINUTE,
+                    })
+                    .collect();
+                let (limiter, clock) = harness(&policy, f.store());
+                let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 5));
+                for i in 0..n {
+                    let t = &tenants[i];
+                    let excess = worst_excess(
+                        &events,
+                        |e| e.source == i,
+                        t.ceiling,
+                        MINUTE,
+                        t.burst + t.floor + 1e-6,
+                    );
+                    check(excess <= 0.0, || {
+                        format!("T{i} above its ceiling {} by {excess}", t.ceiling)
+                    })?;
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.4: when every caller demands more than its ceiling, each gets floor + share
+/// within ±5 % over 10 periods — or within 1.5 calls a period, whichever is larger: calls are
+/// whole, and when the tool's per-period cap closes a period a caller can lose what it had
+/// accrued but not yet spent. (With 30 units a period or more, 1.5 calls is within 5 %.)
+pub fn weighted_share<F: Factory>(f: &F) {
+    let rt = runtime();
+    let strat = policy_strategy();
+    runner(f.cases().min(24))
+        .run(&strat, |(toml, cap, floors, weights, _c)| {
+            let policy = Policy::from_toml_str(&toml).expect("valid");
+            let alloc = policy.allocation();
+            let tenants = &alloc.tools[0].tenants;
+            let n = floors.len();
+            let spare = cap - floors.iter().sum::<f64>();
+            let ws: f64 = weights.iter().sum();
+            let loads: Vec<Load> = (0..n)
+                .map(|i| Load {
+                    caller: Caller::new(format!("T{i}")),
+                    per_period: tenants[i].ceiling * 3.0,
+                    phase: 0.0,
+                    cost: 1.0,
+                    start: 0,
+                })
+                .collect();
+            let (limiter, clock) = harness(&policy, f.store());
+            let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 10));
+            for i in 0..n {
+                let nominal = 10.0 * (floors[i] + spare * weights[i] / ws);
+                let got = events
+                    .iter()
+                    .filter(|e| e.source == i && e.admitted)
+                    .count() as f64;
+                let tolerance = (0.05 * nominal).max(15.0);
+                check((got - nominal).abs() <= tolerance, || {
+                    format!("T{i} got {got} over 10 periods, nominal {nominal}")
+                })?;
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// SPEC §3.5: an idle tenant's share (never its floor) is lent to busy tenants, highest
+/// weight first, each up to its own ceiling.
+pub fn borrowing<F: Factory>(f: &F) {
+    let rt = runtime();
+    // C = 600; floors 100 + 60 + 60; spare 380 split 6:2:2 → nominal 328 / 136 / 136.
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.tenants.heavy]
+        weight = 6
+        floor = 100
+        ceiling = 400
+        [tool.tenants.light]
+        weight = 2
+        floor = 60
+        ceiling = 300
+        [tool.tenants.quiet]
+        weight = 2
+        floor = 60
+        "#,
+    )
+    .unwrap();
+    let load = |name: &str, rate: f64| Load {
+        caller: Caller::new(name),
+        per_period: rate,
+        phase: 0.0,
+        cost: 1.0,
+        start: 0,
+    };
+    let (limiter, clock) = harness(&policy, f.store());
+    let loads = [load("heavy", 4000.0), load("light", 3000.0)];
+    let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 5));
+    // Count periods 2..5 (the first is warm-up).
+    let got = |i: usize| {
+        events
+            .iter()
+            .filter(|e| e.source == i && e.admitted && e.at >= MINUTE)
+            .count() as f64
+            / 4.0
+    };
+    let (heavy, light) = (got(0), got(1));
+    // Quiet's 76 of share is lent: the heavy tenant (highest weight) takes it first, up to
+    // its ceiling of 400; the light tenant keeps its own 136 but borrows little.
+    assert!(heavy > 328.0 + 40.0, "heavy borrowed too little: {heavy}");
+    assert!(heavy <= 400.0 + 1e-9, "heavy above its ceiling: {heavy}");
+    assert!(light >= 136.0 * 0.95, "light lost its own share: {light}");
+    assert!(
+        heavy - 328.0 > light - 136.0,
+        "borrowing did not favour the heavier weight: heavy {heavy}, light {light}"
+    );
+    // Quiet's floor (60) is never lent.
+    assert!(
+        heavy + light <= 600.0 - 60.0 + 1e-9,
+        "quiet's floor was lent: {}",
+        heavy + light
+    );
+}
+
+/// SPEC §3.6: a refusal at any level consumes nothing anywhere.
+pub fn all_or_nothing<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "tokens"
+        rate = { limit = 100, per = "10s" }
+        max_concurrency = 6
+        budgets = [{ period = "hour", max = 400 }]
+        [tool.tenants.A]
+        weight = 2
+        floor = 10
+        budgets = [{ period = "day", max = 300 }]
+        [tool.tenants.A.instances.x]
+        floor = 5
+        max_concurrency = 2
+        [tool.tenants.A.default_instance]
+        max_instances = 3
+        [tool.tenants.B]
+        weight = 1
+        floor = 20
+        ceiling = 60
+        "#,
+    )
+    .unwrap();
+    let callers = [
+        Caller::new("A").with_instance("x"),
+        Caller::new("A").with_instance("y"),
+        Caller::new("A").with_instance("z"),
+        Caller::new("A").with_instance("w"),
+        Caller::new("A").with_instance("v"),
+        Caller::new("B"),
+    ];
+    runner(f.cases())
+        .run(
+            &prop::collection::vec(
+                (
+                    0usize..6,
+                    0u64..3_000_000,
+                    1u32..30,
+                    prop::bool::weighted(0.2),
+                ),
+                20..120,
+            ),
+            |ops| {
+                let (limiter, clock) = harness(&policy, f.store());
+                let mut held: Vec<Ticket> = Vec::new();
+                rt.block_on(async {
+                    let mut t = 0u64;
+                    for (who, dt, cost, keep) in ops {
+                        t += dt;
+                        clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
+                        let caller = &callers[who];
+                        let keys = limiter.call_keys(caller, "t").unwrap();
+                        let other = limiter.call_keys(&callers[(who + 1) % 6], "t").unwrap();
+                        let before = (
+                            limiter.store().inspect(&keys).await.unwrap(),
+                            limiter.store().inspect(&other).await.unwrap(),
+                        );
+                        match limiter.admit(caller, "t", Cost(cost as f64)).await {
+                            Ok(ticket) => {
+                                if keep {
+                                    held.push(ticket);
+                                } else {
+                                    limiter.release(&ticket).await;
+                                }
+                            }
+                            Err(r) => {
+                                let after = (
+                                    limiter.store().inspect(&keys).await.unwrap(),
+                                    limiter.store().inspect(&other).await.unwrap(),
+                                );
+                                check(before == after, || {
+                                    format!("refusal {r} changed state:\n{before:?}\n{after:?}")
+                                })?;
+                            }
+                        }
+                        if held.len() > 4 {
+                            let t = held.remove(0);
+                            limiter.release(&t).await;
+                        }
+                    }
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.6: a runaway instance cannot take its siblings' instance floors.
+pub fn runaway_instance<F: Factory>(f: &F) {
+    let rt = runtime();
+    runner(f.cases().min(16))
+        .run(
+            &(10u32..40, 1u32..20, 0.0f64..1.0),
+            |(inst_floor, other_floor, phase)| {
+                let policy = Policy::from_toml_str(&format!(
+                    r#"
+                [[tool]]
+                name = "t"
+                unit = "calls"
+                rate = {{ limit = 300, per = "1m" }}
+                [tool.tenants.A]
+                weight = 3
+                floor = 60
+                [tool.tenants.A.instances.interactive]
+                weight = 1
+                floor = {inst_floor}
+                [tool.tenants.A.instances.other]
+                weight = 1
+                floor = {other_floor}
+                [tool.tenants.A.default_instance]
+                weight = 1
+                [tool.tenants.B]
+                weight = 1
+                floor = 30
+                "#
+                ))
+                .unwrap();
+                let loads = vec![
+                    Load {
+                        caller: Caller::new("A").with_instance("runaway"),
+                        per_period: 20_000.0,
+                        phase: 0.0,
+                        cost: 1.0,
+                        start: 0,
+                    },
+                    Load {
+                        caller: Caller::new("A").with_instance("interactive"),
+                        per_period: inst_floor as f64,
+                        phase,
+                        cost: 1.0,
+                        start: 0,
+                    },
+                    Load {
+                        caller: Caller::new("A").with_instance("other"),
+                        per_period: other_floor as f64,
+                        phase: 1.0 - phase,
+                        cost: 1.0,
+                        start: 0,
+                    },
+                    Load {
+                        caller: Caller::new("B"),
+                        per_period: 3_000.0,
+                        phase: 0.0,
+                        cost: 1.0,
+                        start: 0,
+                    },
+                ];
+                let (limiter, clock) = harness(&policy, f.store());
+                let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 3));
+                for s in [1, 2] {
+                    let refused = events
+                        .iter()
+                        .filter(|e| e.source == s && !e.admitted)
+                        .count();
+                    check(refused == 0, || {
+                        format!("sibling {s} refused {refused} calls")
+                    })?;
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.7: two tenants presenting the same instance id, whatever bytes the names hold,
+/// get independent state.
+pub fn tenant_qualified_identity<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "generate_report"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 3
+        burst = 3
+        [tool.default_tenant.default_instance]
+        weight = 1
+        "#,
+    )
+    .unwrap();
+    runner(f.cases())
+        .run(
+            &("[a-z:|{}é]{0,6}", "[a-z:|{}é]{0,6}", "[a-z:|{}]{0,6}"),
+            |(t1, t2, inst)| {
+                prop_assume!(t1 != t2);
+                let (limiter, _clock) = harness(&policy, f.store());
+                rt.block_on(async {
+                    let a = Caller::new(t1.as_str()).with_instance(inst.as_str());
+                    let b = Caller::new(t2.as_str()).with_instance(inst.as_str());
+                    for k in 0..3 {
+                        check(
+                            limiter
+                                .admit(&a, "generate_report", Cost(1.0))
+                                .await
+                                .is_ok(),
+                            || format!("first tenant call {k} refused"),
+                        )?;
+                    }
+                    let fourth = limiter.admit(&a, "generate_report", Cost(1.0)).await;
+                    check(
+                        matches!(&fourth, Err(r) if r.reason == Reason::RateLimited),
+                        || format!("4th call: {fourth:?}"),
+                    )?;
+                    for k in 0..3 {
+                        check(
+                            limiter
+                                .admit(&b, "generate_report", Cost(1.0))
+                                .await
+                                .is_ok(),
+                            || format!("second tenant call {k} refused"),
+                        )?;
+                    }
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+}
+
+/// SPEC §3.12: a flood of new identities is bounded by `max_tenants`, and idle state
+/// expires, so memory stays bounded.
+pub fn bounded_state<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 6000, per = "1m" }
+        [tool.default_tenant]
+        max_tenants = 20
+        "#,
+    )
+    .unwrap();
+    let store = f.store();
+    let (limiter, clock) = harness(&policy, store);
+    rt.block_on(async {
+        let mut admitted = 0;
+        for i in 0..500 {
+            clock.set(EPOCH.saturating_add(Duration::from_millis(i)));
+            match limiter
+                .admit(&Caller::new(format!("flood-{i}")), "t", Cost(1.0))
+                .await
+            {
+                Ok(_) => admitted += 1,
+                Err(r) => {
+                    assert_eq!(r.reason, Reason::CapExceeded);
+                    assert_eq!(r.window.as_deref(), Some("callers"));
+                    assert!(r.retryable);
+                }
+            }
+        }
+        assert_eq!(admitted, 20, "max_tenants must bound the flood");
+        assert!(
+            f.count_states(limiter.store()) <= 25,
+            "states: {}",
+            f.count_states(limiter.store())
+        );
+        // Later, the flood's state is gone and new tenants are admitted again.
+        let later = EPOCH.saturating_add(Duration::from_secs(600));
+        clock.set(later);
+        f.expire(limiter.store(), later);
+        assert!(limiter
+            .admit(&Caller::new("newcomer"), "t", Cost(1.0))
+            .await
+            .is_ok());
+        assert!(
+            f.count_states(limiter.store()) <= 3,
+            "idle state not expired: {}",
+            f.count_states(limiter.store())
+        );
+    });
+}
+
+/// SPEC §3.8: calendar budgets AND across levels; a refusal names window, limit, used and
+/// reset time.
+pub fn budgets<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "web_search"
+        unit = "calls"
+        rate = { limit = 100000, per = "1h" }
+        budgets = [{ period = "hour", max = 300 }, { period = "month", max = 15000 }]
+        [tool.tenants.team-support]
+        budgets = [{ period = "hour", max = 250 }, { period = "month", max = 9000 }]
+        [tool.tenants.team-research]
+        budgets = [{ period = "hour", max = 400 }]
+        "#,
+    )
+    .unwrap();
+    let (limiter, clock) = harness(&policy, f.store());
+    rt.block_on(async {
+        // 2026-01-01T14:10:00Z: the hour window resets at 15:00.
+        let start = EPOCH.saturating_add(Duration::from_secs(14 * 3600 + 600));
+        clock.set(start);
+        let support = Caller::new("team-support").with_instance("agent-7");
+        for _ in 0..250 {
+            limiter
+                .admit(&support, "web_search", Cost(1.0))
+                .await
+                .unwrap();
+        }
+        let r = limiter
+            .admit(&support, "web_search", Cost(1.0))
+            .await
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::CapExceeded);
+        assert_eq!(r.window.as_deref(), Some("hour"));
+        assert_eq!((r.limit, r.used), (Some(250.0), Some(250.0)));
+        assert_eq!(r.reset_at.unwrap().to_rfc3339(), "2026-01-01T15:00:00Z");
+        assert_eq!(r.retry_after, Some(Duration::from_secs(50 * 60)));
+        assert!(r.retryable);
+        // The tool's own hour budget (300) binds research after 50 more.
+        let research = Caller::new("team-research");
+        for _ in 0..50 {
+            limiter
+                .admit(&research, "web_search", Cost(1.0))
+                .await
+                .unwrap();
+        }
+        let r = limiter
+            .admit(&research, "web_search", Cost(1.0))
+            .await
+            .unwrap_err();
+        assert_eq!(r.scope.map(|s| s.as_str()), Some("tool"));
+        assert_eq!((r.limit, r.used), (Some(300.0), Some(300.0)));
+        // A cost above a budget can never pass.
+        let r = limiter
+            .admit(&research, "web_search", Cost(500.0))
+            .await
+            .unwrap_err();
+        assert!(!r.retryable);
+        // Next hour, both budgets have room again.
+        clock.set(EPOCH.saturating_add(Duration::from_secs(15 * 3600)));
+        assert!(limiter
+            .admit(&support, "web_search", Cost(1.0))
+            .await
+            .is_ok());
+    });
+}
+
+/// SPEC §3.9: the actual cost corrects the charge; a refund gives it all back.
+pub fn cost_and_refund<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "llm"
+        unit = "tokens"
+        rate = { limit = 1000, per = "1m" }
+        burst = 1000
+        [tool.tenants.A]
+        ceiling = 1000
+        burst = 1000
+        budgets = [{ period = "day", max = 5000 }]
+        "#,
+    )
+    .unwrap();
+    let (limiter, _clock) = harness(&policy, f.store());
+    rt.block_on(async {
+        let a = Caller::new("A");
+        let t = limiter.admit(&a, "llm", Cost(800.0)).await.unwrap();
+        // Only 200 left: a 300-token estimate is refused.
+        assert!(limiter.admit(&a, "llm", Cost(300.0)).await.is_err());
+        // The call actually used 100: the 700 difference comes back.
+        limiter.settle(&t, Cost(100.0)).await;
+        let t2 = limiter.admit(&a, "llm", Cost(850.0)).await.unwrap();
+        assert!(limiter.admit(&a, "llm", Cost(60.0)).await.is_err());
+        // The inner service never ran: refund all of it.
+        limiter.refund(&t2).await;
+        assert!(limiter.admit(&a, "llm", Cost(850.0)).await.is_ok());
+        let state = limiter
+            .store()
+            .inspect(&limiter.call_keys(&a, "llm").unwrap())
+            .await
+            .unwrap();
+        let used = state[1].as_ref().unwrap().budgets[0].used;
+        assert!(
+            (used - 950.0).abs() < 1e-6,
+            "day budget counts 100 + 850, not {used}"
+        );
+    });
+}
+
+/// SPEC §3.10: max_concurrency caps calls in flight; releasing gives the permit back.
+pub fn concurrency<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 100000, per = "1m" }
+        max_concurrency = 5
+        [tool.tenants.A]
+        max_concurrency = 2
+        [tool.tenants.B]
+        "#,
+    )
+    .unwrap();
+    let (limiter, _clock) = harness(&policy, f.store());
+    rt.block_on(async {
+        let a = Caller::new("A");
+        let t1 = limiter.admit(&a, "t", Cost(1.0)).await.unwrap();
+        let _t2 = limiter.admit(&a, "t", Cost(1.0)).await.unwrap();
+        let r = limiter.admit(&a, "t", Cost(1.0)).await.unwrap_err();
+        assert_eq!(r.reason, Reason::ConcurrencyExceeded);
+        assert_eq!(r.scope.map(|s| s.as_str()), Some("tenant"));
+        limiter.release(&t1).await;
+        let _t3 = limiter.admit(&a, "t", Cost(1.0)).await.unwrap();
+        let b = Caller::new("B");
+        let _b: Vec<_> = futures_join(&limiter, &b, 3).await;
+        let r = limiter.admit(&b, "t", Cost(1.0)).await.unwrap_err();
+        assert_eq!(r.scope.map(|s| s.as_str()), Some("tool"));
+    });
+}
+
+async fn futures_join<S: Store>(l: &Limiter<S, ManualClock>, c: &Caller, n: usize) -> Vec<Ticket> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(l.admit(c, "t", Cost(1.0)).await.unwrap());
+    }
+    out
+}
