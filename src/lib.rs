@@ -47,6 +47,9 @@
 //! * `cli` — the `fairshare` command: `check` and `simulate`.
 
 #![forbid(unsafe_code)]
+// A `Refusal` is the product's answer, not an exceptional error: it is returned by value so
+// callers can match on it without unboxing.
+#![allow(clippy::result_large_err)]
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
 

@@ -12,15 +12,19 @@
 //! * **ceiling** `K` — rate = ceiling − floor, depth = burst. Every non-floor draw takes it.
 //!
 //! The tool owns the **pool**: rate `S = C − Σ floors`, depth = the tool's burst. A call of
-//! cost `c` takes what it can from the caller's floor, and the rest (non-floor) from its `K`,
-//! its tenant's residual floor or `K`, and finally the pool. A draw that is beyond the share
-//! of any level is *borrowing*: it may take from a pool only while the pool is above a
-//! threshold between half-full (highest weight) and full (weight near 0), so own-share draws
-//! win over borrowers and heavier borrowers win over lighter ones. Every level also counts
-//! units per aligned window of length P: non-floor use may not pass `ceiling − floor` per
-//! window at a caller, nor `S` at the tool, which makes "at most C per period" exact even
-//! when every bucket starts full. Budgets (calendar windows) and concurrency caps are plain
-//! counters checked alongside. Nothing is written unless every check passes.
+//! cost `c` takes from the caller's share first (with its `K` and the pool), its floor for
+//! what the share cannot cover, and retries floor-first if that path is blocked. Above the
+//! caller, the non-floor part passes its tenant (residual floor, then `K`) and the pool.
+//!
+//! A draw beyond the share of any level is *borrowing*. It may only take pool tokens above the
+//! sum of every child's share bank (their bursts), so the pool always holds every banked share
+//! token and an own-share draw never fails for a borrower's sake; inside that lending room a
+//! weight-ranked threshold (half the room for the heaviest, nearly all of it for the lightest)
+//! lets heavier borrowers draw first. The tool also counts units per aligned window of length
+//! P: floors at most the floor, non-floor at most `S` (borrowers leave the banks' worth), which
+//! makes "at most C per period" exact even from a cold start with every bucket full. Budgets
+//! (calendar windows) and concurrency caps are counters checked alongside. Nothing is written
+//! unless every check passes.
 //!
 //! Every number is an `f64` and every step is written so the Redis script can repeat it
 //! operation for operation.

@@ -192,8 +192,8 @@ impl MemoryStore {
         let instance_key = encoded[2].clone();
         self.with_keys(&encoded, |l| {
             let mut snap = Snapshot::default();
-            for level in 0..3 {
-                let Some(k) = encoded[level].as_deref() else {
+            for (level, key) in encoded.iter().enumerate() {
+                let Some(k) = key.as_deref() else {
                     continue;
                 };
                 let shard = l.shard(level).expect("locked");
@@ -276,8 +276,8 @@ impl MemoryStore {
     fn update(&self, admission: &Admission, mut f: impl FnMut(usize, &mut NodeState)) {
         let encoded = admission.keys.encoded();
         self.with_keys(&encoded, |l| {
-            for level in 0..3 {
-                let Some(k) = encoded[level].as_deref() else {
+            for (level, key) in encoded.iter().enumerate() {
+                let Some(k) = key.as_deref() else {
                     continue;
                 };
                 if let Some(e) = l.shard(level).and_then(|s| s.map.get_mut(k)) {

@@ -8,7 +8,7 @@
 //!
 //! where the factory hands out a fresh, empty store per case.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::needless_range_loop)]
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

@@ -1,0 +1,114 @@
+//! The `fairshare` command, run as a user would.
+#![cfg(feature = "cli")]
+
+use std::process::Command;
+
+fn fairshare(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("fairshare runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_prints_the_seed_000_ceilings() {
+    let (code, out, _) = fairshare(&["check", "examples/seed000/policy.toml"]);
+    assert_eq!(code, 0);
+    for (tenant, ceiling) in [("A", "328"), ("B", "136"), ("C", "68"), ("D", "68")] {
+        let row = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(tenant))
+            .unwrap_or_else(|| panic!("no row for {tenant} in\n{out}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        // tenant floor weight share ceiling burst
+        assert_eq!(cols[4], ceiling, "{row}");
+    }
+}
+
+#[test]
+fn check_rejects_floors_above_capacity_naming_the_field() {
+    let dir = std::env::temp_dir().join(format!("fairshare-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        r#"
+        [[tool]]
+        name = "web_search"
+        unit = "calls"
+        rate = { limit = 100, per = "1m" }
+        [tool.tenants.A]
+        floor = 80
+        [tool.tenants.B]
+        floor = 40
+        ceiling = 20
+        [tool.tenants.C]
+        weight = -1
+        "#,
+    )
+    .unwrap();
+    let (code, _, err) = fairshare(&["check", bad.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("tool[0].tenants: floors add up to 120"),
+        "{err}"
+    );
+    assert!(
+        err.contains("tool[0].tenants.B.ceiling"),
+        "every error is listed: {err}"
+    );
+    assert!(
+        err.contains("tool[0].tenants.C.weight"),
+        "every error is listed: {err}"
+    );
+    let typo = dir.join("typo.toml");
+    std::fs::write(
+        &typo,
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1, per = \"1m\" }\n[tool.tenants.A]\nflor = 3\n",
+    )
+    .unwrap();
+    let (code, _, err) = fairshare(&["check", typo.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("tool[0].tenants.A") && err.contains("flor"),
+        "{err}"
+    );
+}
+
+#[test]
+fn simulate_json_is_deterministic_and_within_capacity() {
+    let args = [
+        "simulate",
+        "--json",
+        "--policy",
+        "examples/seed000/policy.toml",
+        "--scenario",
+        "examples/seed000/saturation.toml",
+    ];
+    let (code, first, _) = fairshare(&args);
+    assert_eq!(code, 0);
+    let (_, second, _) = fairshare(&args);
+    assert_eq!(first, second);
+    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let periods = v["periods"].as_array().unwrap();
+    assert_eq!(periods.len(), 10);
+    for p in periods {
+        assert!(p["admitted"].as_u64().unwrap() <= 600);
+        for c in p["callers"].as_array().unwrap() {
+            let got = c["admitted"].as_f64().unwrap();
+            let owed = c["ceiling"].as_f64().unwrap();
+            assert!((got - owed).abs() <= 0.05 * owed, "{c}");
+            for field in ["tenant", "instance", "offered", "refused", "floor"] {
+                assert!(c.get(field).is_some(), "missing {field}");
+            }
+        }
+        assert!(p["start_ms"].is_u64());
+    }
+    assert_eq!(v["totals"].as_array().unwrap().len(), 4);
+}
