@@ -5,10 +5,14 @@
 //! passes the same conformance suite.
 
 mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
 
 use std::future::Future;
 use std::sync::Arc;
 
+#[cfg(feature = "redis")]
+pub use self::redis::RedisStore;
 pub use memory::MemoryStore;
 
 use crate::admission::{Charge, LevelView, NodeState, Plan, Refusal};
