@@ -57,6 +57,7 @@ pub mod admission;
 mod clock;
 mod identity;
 pub mod key;
+mod layer;
 mod limiter;
 pub mod policy;
 pub mod simulate;
@@ -65,6 +66,10 @@ pub mod store;
 pub use admission::{Reason, Refusal, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use identity::{Caller, Cost};
+pub use layer::{
+    grpc_code, http_status, CallerFromExtensions, FairShare, FairShareLayer, Identify, RequestHead,
+    ResponseBody, ResponseFuture, ToolName, RATELIMIT, RATELIMIT_POLICY,
+};
 pub use limiter::{Limiter, Ticket};
 pub use policy::{
     BudgetPeriod, InstanceBuilder, OnStoreError, Period, Policy, PolicyBuilder, PolicyError,

@@ -69,6 +69,19 @@ pub struct Ticket {
     pub admission: Option<Admission>,
     /// In shadow mode (`enforce = false`), the refusal that would have been returned.
     pub shadow_refusal: Option<Refusal>,
+    /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
+    pub window_secs: u64,
+}
+
+impl Ticket {
+    /// The level whose allowance the caller draws on: `instance` when instances are limited
+    /// separately, `tenant` otherwise.
+    pub fn scope(&self) -> Scope {
+        match &self.admission {
+            Some(a) if a.keys.instance.is_some() => Scope::Instance,
+            _ => Scope::Tenant,
+        }
+    }
 }
 
 impl Limiter<MemoryStore, SystemClock> {
@@ -128,6 +141,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             r.retryable = false;
             return Err(r);
         }
+        let window_secs = tp.period().as_secs_ceil();
         let plan = Plan {
             now: self.inner.clock.now(),
             cost: c,
@@ -140,11 +154,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
                 admission: Some(*a),
                 shadow_refusal: None,
+                window_secs,
             }),
-            Ok(Decision::Refused(r)) if !tp.enforce() => Ok(Ticket {
-                admission: None,
-                shadow_refusal: Some(*r),
-            }),
+            Ok(Decision::Refused(r)) if !tp.enforce() => {
+                tracing::info!(
+                    tool,
+                    reason = r.reason.as_str(),
+                    "shadow mode: would refuse"
+                );
+                Ok(Ticket {
+                    admission: None,
+                    shadow_refusal: Some(*r),
+                    window_secs,
+                })
+            }
             Ok(Decision::Refused(r)) => Err(*r),
             Err(e) => match tp.on_store_error() {
                 OnStoreError::Allow => {
@@ -152,6 +175,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     Ok(Ticket {
                         admission: None,
                         shadow_refusal: None,
+                        window_secs,
                     })
                 }
                 OnStoreError::Deny => {

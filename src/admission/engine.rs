@@ -286,6 +286,7 @@ struct Fail {
     scope: Scope,
     wait: f64,
     window: String,
+    window_secs: Option<u64>,
     limit: f64,
     used: f64,
     reset_at: Option<f64>,
@@ -402,6 +403,7 @@ impl PathCtx<'_, '_> {
             scope: l.scope,
             wait,
             window: self.period_label.to_string(),
+            window_secs: Some(self.period_label.as_secs_ceil()),
             limit: l.numbers.ceiling,
             used: s.total,
             reset_at: None,
@@ -430,6 +432,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         r.window = Some(f.window);
         r.limit = Some(f.limit);
         r.used = Some(f.used);
+        r.window_secs = f.window_secs;
         if f.wait.is_finite() {
             let wait = f.wait.max(1.0).ceil();
             r.retry_after = Some(Duration::from_micros(wait as u64));
@@ -449,6 +452,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
                 scope: Scope::Tenant,
                 wait: period,
                 window: "callers".into(),
+                window_secs: None,
                 limit: t_pol.max_tracked as f64,
                 used: n_tenants as f64,
                 reset_at: None,
@@ -465,6 +469,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
                     scope: Scope::Instance,
                     wait: period,
                     window: "callers".into(),
+                    window_secs: None,
                     limit: i.policy.max_tracked as f64,
                     used: n_instances as f64,
                     reset_at: None,
@@ -551,6 +556,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
                     scope: l.scope,
                     wait: 1_000_000.0,
                     window: "in_flight".into(),
+                    window_secs: None,
                     limit: cap as f64,
                     used: l.state.in_flight,
                     reset_at: None,
@@ -588,6 +594,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
                         end - now
                     },
                     window: b.period.as_str().into(),
+                    window_secs: Some(((end - start) / 1e6) as u64),
                     limit: b.max,
                     used,
                     reset_at: Some(end),

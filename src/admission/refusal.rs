@@ -78,6 +78,9 @@ pub struct Refusal {
     pub limit: Option<f64>,
     /// How much of it is used.
     pub used: Option<f64>,
+    /// Length of that window in seconds (the `w` of `RateLimit-Policy`), when it is a window
+    /// of time.
+    pub window_secs: Option<u64>,
     /// When the call could next succeed (absent when it never can).
     pub reset_at: Option<Timestamp>,
     /// How long to wait before retrying (absent when it never can).
@@ -98,6 +101,7 @@ impl Refusal {
             window: None,
             limit: None,
             used: None,
+            window_secs: None,
             reset_at: None,
             retry_after: None,
             retryable: false,

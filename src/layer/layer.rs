@@ -1,0 +1,140 @@
+//! [`FairShareLayer`]: configuration, shared by every service it wraps.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tower_layer::Layer;
+
+use super::select::{CallerFromExtensions, Identify, RequestHead, ToolSelector};
+use super::service::FairShare;
+use super::Admit;
+use crate::clock::Clock;
+use crate::limiter::Limiter;
+use crate::store::Store;
+
+/// Applies fair-share admission to a service. Cheap to clone.
+///
+/// ```
+/// use tower_fairshare::{FairShareLayer, Limiter, Policy};
+///
+/// let policy = Policy::from_toml_str(r#"
+///     [[tool]]
+///     name = "web_search"
+///     unit = "calls"
+///     rate = { limit = 600, per = "1m" }
+///     [tool.default_tenant]
+/// "#).unwrap();
+/// let layer = FairShareLayer::new(Limiter::new(policy))
+///     .tool("web_search")     // every request through this layer calls `web_search`
+///     .headers(true);         // RateLimit headers on admitted responses too
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct FairShareLayer {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) limiter: Arc<dyn Admit>,
+    pub(crate) identify: Arc<dyn Identify>,
+    pub(crate) tool: ToolSelector,
+    pub(crate) headers: bool,
+    pub(crate) enforce: bool,
+}
+
+impl fmt::Debug for FairShareLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairShareLayer")
+            .field("tool", &self.shared.tool)
+            .field("headers", &self.shared.headers)
+            .field("enforce", &self.shared.enforce)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FairShareLayer {
+    /// A layer deciding with `limiter`. By default the caller is the [`Caller`](crate::Caller)
+    /// extension and the tool is taken from paths `/tools/{name}`.
+    pub fn new<S: Store, C: Clock>(limiter: Limiter<S, C>) -> Self {
+        FairShareLayer {
+            shared: Arc::new(Shared {
+                limiter: Arc::new(limiter),
+                identify: Arc::new(CallerFromExtensions),
+                tool: ToolSelector::Path(Arc::from("/tools/")),
+                headers: false,
+                enforce: true,
+            }),
+        }
+    }
+
+    fn with(self, f: impl FnOnce(&mut Shared)) -> Self {
+        let s = &*self.shared;
+        let mut next = Shared {
+            limiter: s.limiter.clone(),
+            identify: s.identify.clone(),
+            tool: s.tool.clone(),
+            headers: s.headers,
+            enforce: s.enforce,
+        };
+        f(&mut next);
+        FairShareLayer {
+            shared: Arc::new(next),
+        }
+    }
+
+    /// Every request calls `tool`.
+    pub fn tool(self, tool: impl Into<Arc<str>>) -> Self {
+        let t = tool.into();
+        self.with(|s| s.tool = ToolSelector::Fixed(t))
+    }
+
+    /// The tool is the path segment after `prefix` (`"/tools/"` → `/tools/web_search/...` is
+    /// `web_search`). Other paths pass through unmetered.
+    pub fn tool_from_path(self, prefix: impl Into<Arc<str>>) -> Self {
+        let p = prefix.into();
+        self.with(|s| s.tool = ToolSelector::Path(p))
+    }
+
+    /// The tool is the [`ToolName`](crate::ToolName) request extension; requests without one
+    /// pass through unmetered.
+    pub fn tool_from_extension(self) -> Self {
+        self.with(|s| s.tool = ToolSelector::Extension)
+    }
+
+    /// The tool is whatever `f` says; `None` passes the request through unmetered.
+    pub fn tool_with<F>(self, f: F) -> Self
+    where
+        F: Fn(&RequestHead<'_>) -> Option<Arc<str>> + Send + Sync + 'static,
+    {
+        let f = Arc::new(f);
+        self.with(|s| s.tool = ToolSelector::With(f))
+    }
+
+    /// Identify callers with `identify` instead of the `Caller` extension.
+    pub fn identify_with(self, identify: impl Identify) -> Self {
+        let i: Arc<dyn Identify> = Arc::new(identify);
+        self.with(|s| s.identify = i)
+    }
+
+    /// Send `RateLimit-Policy` / `RateLimit` on admitted responses too (refusals always have
+    /// them).
+    pub fn headers(self, yes: bool) -> Self {
+        self.with(|s| s.headers = yes)
+    }
+
+    /// `false`: shadow mode for every tool behind this layer — decide and record, never refuse.
+    pub fn enforce(self, yes: bool) -> Self {
+        self.with(|s| s.enforce = yes)
+    }
+}
+
+impl<S> Layer<S> for FairShareLayer {
+    type Service = FairShare<S>;
+
+    fn layer(&self, inner: S) -> FairShare<S> {
+        FairShare {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}

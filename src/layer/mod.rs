@@ -1,0 +1,131 @@
+//! The tower middleware: [`FairShareLayer`] → [`FairShare`] → [`ResponseFuture`].
+//!
+//! The service identifies the caller (by default the [`Caller`](crate::Caller) the app's auth
+//! layer put in the request extensions), selects the tool, asks the [`Limiter`](crate::Limiter)
+//! and either calls the inner service or answers with a refusal — before the inner service
+//! runs. Refusals are responses, not errors: the service keeps `Error = S::Error`, so an axum
+//! `Infallible` service stays infallible. `poll_ready` only forwards to the inner service;
+//! admission is decided in `call`, and all state is shared through `Arc`, so clones of the
+//! service share one budget.
+//!
+//! Order of operations: identify → select tool → tool and tier check (no counter touched on
+//! denial) → concurrency → every rate and budget, checked and committed atomically → inner
+//! service → cost correction and permit release.
+//!
+//! A request the tool selector does not map to a tool (e.g. a path outside `/tools/`) passes
+//! through unmetered. A tool the policy does not know is refused with 403
+//! `permission_denied`.
+
+mod body;
+#[allow(clippy::module_inception)]
+mod layer;
+mod refusal;
+mod select;
+mod service;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Waker};
+
+pub use body::ResponseBody;
+pub use layer::FairShareLayer;
+pub use refusal::{grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
+pub use select::{CallerFromExtensions, Identify, RequestHead, ToolName};
+pub use service::{FairShare, ResponseFuture};
+
+use crate::clock::Clock;
+use crate::identity::{Caller, Cost};
+use crate::limiter::{Limiter, Ticket};
+use crate::store::Store;
+use crate::Refusal;
+
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The limiter, with its store and clock types erased, as the layer uses it.
+pub(crate) trait Admit: Send + Sync + 'static {
+    fn admit(
+        &self,
+        caller: Caller,
+        tool: Arc<str>,
+        cost: Cost,
+    ) -> BoxFuture<Result<Ticket, Refusal>>;
+    fn release(&self, ticket: Ticket);
+    fn settle(&self, ticket: Ticket, actual: Cost);
+}
+
+impl<S: Store, C: Clock> Admit for Limiter<S, C> {
+    fn admit(
+        &self,
+        caller: Caller,
+        tool: Arc<str>,
+        cost: Cost,
+    ) -> BoxFuture<Result<Ticket, Refusal>> {
+        let this = self.clone();
+        Box::pin(async move { this.admit(&caller, &tool, cost).await })
+    }
+
+    fn release(&self, ticket: Ticket) {
+        let this = self.clone();
+        finish_in_background(Box::pin(async move { this.release(&ticket).await }));
+    }
+
+    fn settle(&self, ticket: Ticket, actual: Cost) {
+        let this = self.clone();
+        finish_in_background(Box::pin(async move { this.settle(&ticket, actual).await }));
+    }
+}
+
+/// Runs store work that nobody waits for: at once when the store answers at once (the memory
+/// store always does), otherwise on the tokio runtime.
+fn finish_in_background(mut fut: BoxFuture<()>) {
+    if fut
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_ready()
+    {
+        return;
+    }
+    #[cfg(feature = "tokio")]
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(fut);
+        return;
+    }
+    tracing::warn!(
+        "store work (permit release or cost correction) could not finish: the store waits, and no tokio runtime is available (enable the `tokio` feature)"
+    );
+}
+
+/// The concurrency permits an admitted call holds; returned when dropped.
+pub(crate) struct Held {
+    ticket: Option<Ticket>,
+    limiter: Arc<dyn Admit>,
+}
+
+impl Held {
+    /// Holds `ticket`'s permits, if it took any.
+    pub(crate) fn new(ticket: &Ticket, limiter: &Arc<dyn Admit>) -> Option<Held> {
+        let holds = ticket
+            .admission
+            .as_ref()
+            .is_some_and(|a| a.charge.holds_permits());
+        holds.then(|| Held {
+            ticket: Some(ticket.clone()),
+            limiter: limiter.clone(),
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.limiter.release(t);
+        }
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").finish_non_exhaustive()
+    }
+}

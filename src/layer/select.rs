@@ -1,0 +1,105 @@
+//! How the layer learns who is calling which tool at what cost, from a request.
+
+use std::sync::Arc;
+
+use http::{Extensions, HeaderMap, Method, Uri};
+
+use crate::identity::Caller;
+
+/// A borrowed view of an HTTP request without its body: what identification and tool
+/// selection may look at.
+#[derive(Copy, Clone, Debug)]
+pub struct RequestHead<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The URI.
+    pub uri: &'a Uri,
+    /// The headers.
+    pub headers: &'a HeaderMap,
+    /// The extensions (where the app's auth layer puts the [`Caller`]).
+    pub extensions: &'a Extensions,
+}
+
+impl<'a> RequestHead<'a> {
+    pub(crate) fn of<B>(req: &'a http::Request<B>) -> Self {
+        RequestHead {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            extensions: req.extensions(),
+        }
+    }
+}
+
+/// The tool a request calls, put in the request extensions by the app (for
+/// [`FairShareLayer::tool_from_extension`](crate::FairShareLayer::tool_from_extension)).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ToolName(pub Arc<str>);
+
+/// Finds the caller of a request. Implemented for closures; the layer's default reads the
+/// [`Caller`] extension put there by the app's auth layer.
+pub trait Identify: Send + Sync + 'static {
+    /// The caller, or `None` when the request carries no identity.
+    fn identify(&self, req: &RequestHead<'_>) -> Option<Caller>;
+}
+
+impl<F> Identify for F
+where
+    F: Fn(&RequestHead<'_>) -> Option<Caller> + Send + Sync + 'static,
+{
+    fn identify(&self, req: &RequestHead<'_>) -> Option<Caller> {
+        self(req)
+    }
+}
+
+/// The default [`Identify`]: the [`Caller`] in the request extensions.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct CallerFromExtensions;
+
+impl Identify for CallerFromExtensions {
+    fn identify(&self, req: &RequestHead<'_>) -> Option<Caller> {
+        req.extensions.get::<Caller>().cloned()
+    }
+}
+
+/// A function from a request to the tool it calls.
+pub(crate) type SelectFn = dyn Fn(&RequestHead<'_>) -> Option<Arc<str>> + Send + Sync;
+
+/// Which tool a request calls.
+#[derive(Clone)]
+pub(crate) enum ToolSelector {
+    /// Every request calls this tool.
+    Fixed(Arc<str>),
+    /// `<prefix><name>[/...]`: the path segment after the prefix.
+    Path(Arc<str>),
+    /// The [`ToolName`] extension.
+    Extension,
+    /// A function of the request.
+    With(Arc<SelectFn>),
+}
+
+impl std::fmt::Debug for ToolSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ToolSelector::Fixed(t) => write!(f, "Fixed({t:?})"),
+            ToolSelector::Path(p) => write!(f, "Path({p:?})"),
+            ToolSelector::Extension => f.write_str("Extension"),
+            ToolSelector::With(_) => f.write_str("With(..)"),
+        }
+    }
+}
+
+impl ToolSelector {
+    pub(crate) fn select(&self, req: &RequestHead<'_>) -> Option<Arc<str>> {
+        match self {
+            ToolSelector::Fixed(t) => Some(t.clone()),
+            ToolSelector::Path(prefix) => {
+                let rest = req.uri.path().strip_prefix(&**prefix)?;
+                let name = rest.split('/').next().filter(|n| !n.is_empty())?;
+                Some(Arc::from(name))
+            }
+            ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| t.0.clone()),
+            ToolSelector::With(f) => f(req),
+        }
+    }
+}
