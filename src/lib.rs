@@ -56,6 +56,8 @@
 pub mod admission;
 mod clock;
 mod identity;
+#[cfg(any(feature = "axum", feature = "tonic"))]
+mod integrations;
 pub mod key;
 mod layer;
 mod limiter;

@@ -1,0 +1,1 @@
+//! Small conversions for apps that call the limiter themselves (features `axum`, `tonic`).
