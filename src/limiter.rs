@@ -168,7 +168,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     window_secs,
                 })
             }
-            Ok(Decision::Refused(r)) => Err(*r),
+            Ok(Decision::Refused(mut r)) => {
+                // Name the caller's instance even when instances are not limited separately.
+                if r.instance.is_none() && !keys.untenanted {
+                    r.instance = caller.instance().map(str::to_owned);
+                }
+                Err(*r)
+            }
             Err(e) => match tp.on_store_error() {
                 OnStoreError::Allow => {
                     tracing::warn!(tool, error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
@@ -270,6 +276,10 @@ fn resolve<'p>(
         fill_caller(&mut r, caller);
         return Err(r);
     };
+    // Identity before permission: a caller without one is 401 whatever the tool's tier.
+    if caller.tenant().is_none() && tp.require_tenant() {
+        return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant"));
+    }
     if !tp.allows_tier(caller.tier()) {
         return Err(denial(Reason::PermissionDenied, tool, caller, "tier"));
     }

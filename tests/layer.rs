@@ -1,0 +1,546 @@
+//! FairShareLayer over a counting inner service: order of operations, refusals, permits held
+//! by response bodies, cancel-safety, cost correction, headers, shadow mode.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_fairshare::simulate::EPOCH;
+use tower_fairshare::{
+    Caller, Cost, FairShareLayer, Limiter, ManualClock, MemoryStore, Policy, Store, RATELIMIT,
+    RATELIMIT_POLICY,
+};
+
+const POLICY: &str = r#"
+[[tool]]
+name = "generate_report"
+unit = "calls"
+rate = { limit = 600, per = "1m" }
+tier = "internal"
+max_concurrency = 3
+[tool.default_tenant]
+ceiling = 3
+burst = 3
+max_concurrency = 2
+
+[[tool]]
+name = "llm"
+unit = "tokens"
+rate = { limit = 1000, per = "1m" }
+burst = 1000
+[tool.default_tenant]
+ceiling = 1000
+burst = 1000
+
+[[tool]]
+name = "shadowed"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+enforce = false
+[tool.default_tenant]
+ceiling = 1
+burst = 1
+"#;
+
+fn limiter() -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
+    let clock = ManualClock::new(EPOCH);
+    (
+        Limiter::with_store(
+            Policy::from_toml_str(POLICY).unwrap(),
+            MemoryStore::new(),
+            clock.clone(),
+        ),
+        clock,
+    )
+}
+
+fn counting() -> (
+    Arc<AtomicUsize>,
+    impl Service<
+            Request<Full<Bytes>>,
+            Response = Response<Full<Bytes>>,
+            Error = Infallible,
+            Future: Send,
+        > + Clone,
+) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let svc = service_fn(move |req: Request<Full<Bytes>>| {
+        let c = c.clone();
+        async move {
+            c.fetch_add(1, Ordering::SeqCst);
+            let mut res = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true}")));
+            if let Some(actual) = req.headers().get("x-actual-cost") {
+                let v: f64 = actual.to_str().unwrap().parse().unwrap();
+                res.extensions_mut().insert(Cost(v));
+            }
+            Ok::<_, Infallible>(res)
+        }
+    });
+    (calls, svc)
+}
+
+fn request(path: &str, caller: Option<Caller>) -> Request<Full<Bytes>> {
+    let mut req = Request::get(path).body(Full::new(Bytes::new())).unwrap();
+    if let Some(c) = caller {
+        req.extensions_mut().insert(c);
+    }
+    req
+}
+
+fn internal(tenant: &str, instance: &str) -> Caller {
+    Caller::new(tenant)
+        .with_instance(instance)
+        .with_tier("internal")
+}
+
+async fn json(
+    res: Response<impl http_body::Body<Data = Bytes, Error: std::fmt::Debug>>,
+) -> serde_json::Value {
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test]
+async fn refusals_never_reach_the_inner_service() {
+    let (limiter, _clock) = limiter();
+    let (calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).layer(inner);
+
+    // No identity: 401, inner untouched.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(json(res).await["error"], "unidentified_caller");
+    // Wrong tier: 403.
+    let outsider = Caller::new("acme").with_instance("a").with_tier("public");
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(outsider)))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN);
+    // Unknown tool: 403, not retryable.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/nope", Some(internal("acme", "a"))))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN);
+    let body = json(res).await;
+    assert_eq!(
+        (body["error"].as_str(), body["retryable"].as_bool()),
+        (Some("permission_denied"), Some(false))
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+
+    // Paths outside /tools/ pass through unmetered.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/health", None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn seed_004_tenants_sharing_an_instance_id_are_independent() {
+    let (limiter, _clock) = limiter();
+    let (calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).layer(inner);
+    for tenant in ["acme", "globex"] {
+        let before = calls.load(Ordering::SeqCst);
+        for k in 1..=3 {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(request(
+                    "/tools/generate_report",
+                    Some(internal(tenant, "shared-agent")),
+                ))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::OK, "{tenant} call {k}");
+            drop(res); // the body holds the concurrency permit
+        }
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request(
+                "/tools/generate_report",
+                Some(internal(tenant, "shared-agent")),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        let retry: u64 = res.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(retry >= 1);
+        let policy = res.headers()[RATELIMIT_POLICY].to_str().unwrap().to_owned();
+        assert!(policy.starts_with("\"tenant\";q=3;w=60"), "{policy}");
+        assert!(res.headers()[RATELIMIT]
+            .to_str()
+            .unwrap()
+            .contains(";r=0;t="));
+        let body = json(res).await;
+        for field in [
+            "error",
+            "tool",
+            "tenant",
+            "instance",
+            "scope",
+            "window",
+            "limit",
+            "used",
+            "reset_at",
+            "retry_after_ms",
+            "retryable",
+        ] {
+            assert!(body.get(field).is_some(), "missing {field} in {body}");
+        }
+        assert_eq!(body["error"], "rate_limited");
+        assert_eq!(body["tenant"], tenant);
+        assert_eq!(body["instance"], "shared-agent");
+        assert_eq!(body["scope"], "tenant");
+        assert_eq!(body["retryable"], true);
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            before + 3,
+            "the 4th call never reached the tool"
+        );
+    }
+}
+
+type Chunk = Result<http_body::Frame<Bytes>, Infallible>;
+
+#[tokio::test]
+async fn permits_live_in_the_body_and_come_back_on_every_path() {
+    let (limiter, _clock) = limiter();
+    let store_view = limiter.clone();
+    let caller = internal("acme", "x");
+    let keys = store_view.call_keys(&caller, "generate_report").unwrap();
+    let in_flight = || async {
+        let s = store_view.store().inspect(&keys).await.unwrap();
+        (
+            s[0].as_ref().map_or(0.0, |s| s.in_flight),
+            s[1].as_ref().map_or(0.0, |s| s.in_flight),
+        )
+    };
+
+    // A streaming inner body: in flight until the stream ends or is dropped.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(4);
+    let rx = Arc::new(tokio::sync::Mutex::new(Some(rx)));
+    let inner = service_fn(move |_req: Request<Full<Bytes>>| {
+        let rx = rx.clone();
+        async move {
+            let rx = rx.lock().await.take().expect("one streaming call");
+            Ok::<_, Infallible>(Response::new(ChannelBody(rx)))
+        }
+    });
+    let mut svc = FairShareLayer::new(limiter.clone()).layer(inner);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(caller.clone())))
+        .await
+        .unwrap();
+    assert_eq!(
+        in_flight().await,
+        (1.0, 1.0),
+        "the streaming response holds its permits"
+    );
+    tx.send(Ok(http_body::Frame::data(Bytes::from_static(b"part"))))
+        .await
+        .unwrap();
+    drop(tx);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"part");
+    assert_eq!(
+        in_flight().await,
+        (0.0, 0.0),
+        "released when the stream ended"
+    );
+
+    // Dropped mid-flight: a future that never completes, then dropped.
+    let pending = service_fn(|_req: Request<Full<Bytes>>| async {
+        std::future::pending::<Result<Response<Full<Bytes>>, Infallible>>().await
+    });
+    let mut svc = FairShareLayer::new(limiter.clone()).layer(pending);
+    let fut = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(caller.clone())));
+    let mut fut = Box::pin(fut);
+    assert!(futures_poll_once(fut.as_mut()).is_pending());
+    assert_eq!(in_flight().await, (1.0, 1.0));
+    drop(fut);
+    assert_eq!(
+        in_flight().await,
+        (0.0, 0.0),
+        "released when the response future was dropped"
+    );
+
+    // Inner error: released too.
+    let failing = service_fn(|_req: Request<Full<Bytes>>| async {
+        Err::<Response<Full<Bytes>>, &str>("boom")
+    });
+    let mut svc = FairShareLayer::new(limiter.clone()).layer(failing);
+    let err = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(caller.clone())))
+        .await
+        .unwrap_err();
+    assert_eq!(err, "boom");
+    assert_eq!(in_flight().await, (0.0, 0.0));
+
+    // Body dropped unread: released; and the cap (2 per tenant) is enforced while held.
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter.clone()).layer(inner);
+    let beta = internal("beta", "x");
+    let beta_keys = limiter.call_keys(&beta, "generate_report").unwrap();
+    let a = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(beta.clone())))
+        .await
+        .unwrap();
+    let b = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(beta.clone())))
+        .await
+        .unwrap();
+    let c = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", Some(beta.clone())))
+        .await
+        .unwrap();
+    assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(json(c).await["error"], "concurrency_exceeded");
+    assert_eq!(
+        limiter.store().inspect(&beta_keys).await.unwrap()[1]
+            .as_ref()
+            .unwrap()
+            .in_flight,
+        2.0
+    );
+    drop((a, b));
+    assert_eq!(
+        limiter.store().inspect(&beta_keys).await.unwrap()[1]
+            .as_ref()
+            .unwrap()
+            .in_flight,
+        0.0
+    );
+}
+
+/// A body fed by a channel: a streaming response that ends when the sender is dropped.
+struct ChannelBody(tokio::sync::mpsc::Receiver<Chunk>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Chunk>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+fn futures_poll_once<F: std::future::Future>(
+    f: std::pin::Pin<&mut F>,
+) -> std::task::Poll<F::Output> {
+    f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+}
+
+#[tokio::test]
+async fn actual_cost_on_the_response_corrects_the_charge() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).tool("llm").layer(inner);
+    let caller = Caller::new("acme");
+    let call = |estimate: f64, actual: Option<f64>| {
+        let mut req = request("/anything", Some(caller.clone()));
+        req.extensions_mut().insert(Cost(estimate));
+        if let Some(a) = actual {
+            req.headers_mut()
+                .insert("x-actual-cost", a.to_string().parse().unwrap());
+        }
+        req
+    };
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(call(900.0, Some(100.0)))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // 800 came back: another 850-token call fits.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(call(850.0, None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(call(100.0, None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn ratelimit_headers_on_admitted_responses_when_asked() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).headers(true).layer(inner);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request(
+            "/tools/generate_report",
+            Some(internal("acme", "a")),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()[RATELIMIT_POLICY], "\"tenant\";q=3;w=60");
+    assert_eq!(res.headers()[RATELIMIT], "\"tenant\";r=2;t=60");
+}
+
+#[tokio::test]
+async fn shadow_mode_decides_but_never_refuses() {
+    let (limiter, _clock) = limiter();
+    let (calls, inner) = counting();
+    // Per tool (`enforce = false` in the policy) ...
+    let mut svc = FairShareLayer::new(limiter.clone()).layer(inner.clone());
+    for _ in 0..5 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/shadowed", Some(Caller::new("a"))))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    // ... and per layer.
+    let mut svc = FairShareLayer::new(limiter).enforce(false).layer(inner);
+    for _ in 0..5 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/generate_report", Some(internal("b", "x"))))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 10);
+}
+
+#[tokio::test]
+async fn grpc_requests_get_trailers_only_refusals() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter)
+        .tool("generate_report")
+        .layer(inner);
+    let mut req = request("/pkg.Svc/Method", None);
+    req.headers_mut()
+        .insert("content-type", "application/grpc".parse().unwrap());
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["grpc-status"], "16");
+    let msg = res.headers()["grpc-message"].to_str().unwrap();
+    assert!(msg.contains("unidentified_caller"), "{msg}");
+    assert!(res
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .is_empty());
+}
+
+#[tokio::test]
+async fn clones_share_one_budget_and_infallible_stays_infallible() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let svc = FairShareLayer::new(limiter).layer(inner);
+    // The service's error type is the inner one: Infallible.
+    fn assert_infallible<S: Service<Request<Full<Bytes>>, Error = Infallible>>(_: &S) {}
+    assert_infallible(&svc);
+    let mut a = svc.clone();
+    let mut b = svc;
+    let c = internal("acme", "k");
+    for _ in 0..2 {
+        assert_eq!(
+            a.ready()
+                .await
+                .unwrap()
+                .call(request("/tools/generate_report", Some(c.clone())))
+                .await
+                .unwrap()
+                .status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        b.ready()
+            .await
+            .unwrap()
+            .call(request("/tools/generate_report", Some(c.clone())))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        b.ready()
+            .await
+            .unwrap()
+            .call(request("/tools/generate_report", Some(c)))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
