@@ -1,6 +1,7 @@
 //! Scenario simulation over a virtual clock: offered load in, per-period admitted / refused
 //! out. Deterministic — the same policy and scenario always give the same report — and
-//! instant: time is a [`ManualClock`], nobody sleeps.
+//! instant: time is a [`ManualClock`], nobody sleeps. Each offered call goes through the real
+//! [`FairShareLayer`], exactly as a request to a service behind it would.
 //!
 //! ```
 //! use tower_fairshare::{simulate::{Scenario, simulate}, Policy};
@@ -35,11 +36,22 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use std::convert::Infallible;
+use std::future::{ready, Future, Ready};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use http::{Request, Response, StatusCode};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::admission::{LevelView, NodeState, Plan};
 use crate::clock::{Clock, ManualClock, Timestamp};
 use crate::identity::{Caller, Cost};
+use crate::layer::FairShareLayer;
 use crate::limiter::Limiter;
 use crate::policy::{Period, Policy};
-use crate::store::{MemoryStore, Store};
+use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
 
 /// The virtual start: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 pub const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
@@ -186,19 +198,36 @@ fn period(path: String, text: &str) -> Result<u64, ScenarioError> {
 
 /// Runs `scenario` against `policy` with an in-process store.
 pub async fn simulate(policy: &Policy, scenario: &Scenario) -> Result<Report, ScenarioError> {
-    let clock = ManualClock::new(EPOCH);
-    let limiter = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
-    simulate_with(&limiter, &clock, scenario).await
+    simulate_with(
+        policy,
+        MemoryStore::new(),
+        &ManualClock::new(EPOCH),
+        scenario,
+    )
+    .await
 }
 
-/// Runs `scenario` through `limiter`, moving `clock` (which must be the limiter's clock) from
-/// its current reading.
+/// Runs `scenario` against `policy` with state in `store`, moving `clock` from its current
+/// reading.
+///
+/// Every offered call is a request through the real [`FairShareLayer`] (the caller in its
+/// extensions, the cost as a [`Cost`] extension) in front of a service that answers 200: a
+/// refusal is whatever the layer answers instead.
 pub async fn simulate_with<S: Store>(
-    limiter: &Limiter<S, ManualClock>,
+    policy: &Policy,
+    store: S,
     clock: &ManualClock,
     scenario: &Scenario,
 ) -> Result<Report, ScenarioError> {
-    let policy = limiter.policy();
+    let recorder = Recorder {
+        store,
+        last: Arc::default(),
+    };
+    let last = recorder.last.clone();
+    let limiter = Limiter::with_store(policy.clone(), recorder, clock.clone());
+    let mut service = FairShareLayer::new(limiter)
+        .tool(scenario.tool.as_str())
+        .layer(Answer200);
     let tool = policy
         .tool(&scenario.tool)
         .ok_or_else(|| ScenarioError::Invalid {
@@ -332,25 +361,30 @@ pub async fn simulate_with<S: Store>(
     while let Some(Reverse((t, i))) = heap.pop() {
         clock.set(origin.saturating_add(Duration::from_micros(t)));
         let s = &sources[i];
-        let outcome = limiter.admit(&s.caller, &scenario.tool, Cost(s.cost)).await;
+        let mut request = Request::new(());
+        request.extensions_mut().insert(s.caller.clone());
+        request.extensions_mut().insert(Cost(s.cost));
+        *last.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        std::future::poll_fn(|cx| service.poll_ready(cx))
+            .await
+            .unwrap_or_else(|never| match never {});
+        let response = service
+            .call(request)
+            .await
+            .unwrap_or_else(|never| match never {});
         let cell = &mut periods[(t / p) as usize].callers[i];
         cell.offered += 1;
-        match outcome {
-            Ok(ticket) => {
-                cell.admitted += 1;
-                if let Some(a) = &ticket.admission {
-                    let v = if a.keys.instance.is_some() {
-                        a.views[1]
-                    } else {
-                        a.views[0]
-                    };
-                    cell.floor = v.floor;
-                    cell.ceiling = v.ceiling;
-                }
-                limiter.release(&ticket).await;
+        if response.status() == StatusCode::OK {
+            cell.admitted += 1;
+            if let Some(v) = last.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                cell.floor = v.floor;
+                cell.ceiling = v.ceiling;
             }
-            Err(_) => cell.refused += 1,
+        } else {
+            cell.refused += 1;
         }
+        // Dropping the response ends the call: its concurrency permits come back.
+        drop(response);
         let s = &mut sources[i];
         s.next += 1;
         let nt = time_of(s, s.next);
@@ -440,5 +474,74 @@ impl Report {
             line(&mut o, r);
         }
         o
+    }
+}
+
+/// The service behind the layer in a simulation: every call it sees succeeds.
+#[derive(Clone, Copy, Debug)]
+struct Answer200;
+
+impl Service<Request<()>> for Answer200 {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = Ready<Result<Response<String>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<()>) -> Self::Future {
+        ready(Ok(Response::new(String::from("{\"ok\":true}"))))
+    }
+}
+
+/// A store that remembers the numbers the caller was owed at its last admission, so the
+/// report can show the floor and ceiling in force (template callers change them as they come
+/// and go) while the call itself goes through the layer.
+#[derive(Debug)]
+struct Recorder<S> {
+    store: S,
+    last: Arc<Mutex<Option<LevelView>>>,
+}
+
+impl<S: Store> Store for Recorder<S> {
+    async fn decide<'a>(
+        &'a self,
+        plan: &'a Plan<'a>,
+        keys: &'a CallKeys,
+    ) -> Result<Decision, StoreError> {
+        let decision = self.store.decide(plan, keys).await?;
+        if let Decision::Admitted(a) = &decision {
+            let view = if a.keys.instance.is_some() {
+                a.views[1]
+            } else {
+                a.views[0]
+            };
+            *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+        }
+        Ok(decision)
+    }
+
+    fn adjust<'a>(
+        &'a self,
+        admission: &'a Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.store.adjust(admission, factor, now)
+    }
+
+    fn release<'a>(
+        &'a self,
+        admission: &'a Admission,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.store.release(admission)
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        self.store.inspect(keys)
     }
 }
