@@ -64,6 +64,7 @@ mod limiter;
 pub mod policy;
 pub mod simulate;
 pub mod store;
+pub mod telemetry;
 
 pub use admission::{Reason, Refusal, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};

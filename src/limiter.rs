@@ -8,6 +8,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::identity::{Caller, Cost};
 use crate::policy::{OnStoreError, Policy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store};
+use crate::telemetry;
 
 /// Decides calls against a [`Policy`], with state in a [`Store`] and time from a [`Clock`].
 ///
@@ -59,6 +60,7 @@ struct Inner<S, C> {
     policy: RwLock<Arc<Policy>>,
     store: S,
     clock: C,
+    instance_labels: bool,
 }
 
 /// An admitted call: what to correct, refund or release later.
@@ -99,8 +101,21 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 policy: RwLock::new(Arc::new(policy)),
                 store,
                 clock,
+                instance_labels: false,
             }),
         }
+    }
+
+    /// Adds the `instance` label to decision metrics (off by default: label cardinality is a
+    /// production hazard). Call before cloning the limiter.
+    pub fn instance_labels(mut self, yes: bool) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.instance_labels = yes,
+            None => {
+                tracing::warn!("instance_labels must be set before the limiter is cloned; ignored")
+            }
+        }
+        self
     }
 
     /// The policy in force.
@@ -118,6 +133,30 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
     }
 
+    /// Loads the policy file at `path` and, only if it is valid, puts it in force (see
+    /// [`set_policy`](Self::set_policy)). An invalid file changes nothing: the error is
+    /// returned (and logged) and the old policy stays.
+    pub fn reload_from_path(
+        &self,
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<(), crate::PolicyError> {
+        let path = path.as_ref();
+        match Policy::from_path(path) {
+            Ok(p) => {
+                for w in p.warnings() {
+                    tracing::warn!(file = %path.display(), "policy warning: {w}");
+                }
+                self.set_policy(p);
+                tracing::info!(file = %path.display(), "policy reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "policy file rejected; keeping the policy in force");
+                Err(e)
+            }
+        }
+    }
+
     /// The store.
     pub fn store(&self) -> &S {
         &self.inner.store
@@ -133,6 +172,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
+        let outcome = self.decide(caller, tool, cost).await;
+        self.record(caller, tool, cost, &outcome);
+        outcome
+    }
+
+    async fn decide(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
         let policy = self.policy();
         let (tp, tenant, instance, keys) = resolve(&policy, caller, tool)?;
         let c = cost.0;
@@ -150,34 +195,35 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             instance,
             untenanted: keys.untenanted,
         };
-        match self.inner.store.decide(&plan, &keys).await {
+        let store = &self.inner.store;
+        let started = std::time::Instant::now();
+        let decided = store.decide(&plan, &keys).await;
+        telemetry::latency(store.kind(), started.elapsed().as_secs_f64());
+        match decided {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
                 admission: Some(*a),
                 shadow_refusal: None,
                 window_secs,
             }),
-            Ok(Decision::Refused(r)) if !tp.enforce() => {
-                tracing::info!(
-                    tool,
-                    reason = r.reason.as_str(),
-                    "shadow mode: would refuse"
-                );
-                Ok(Ticket {
-                    admission: None,
-                    shadow_refusal: Some(*r),
-                    window_secs,
-                })
-            }
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
                 if r.instance.is_none() && !keys.untenanted {
                     r.instance = caller.instance().map(str::to_owned);
                 }
-                Err(*r)
+                if tp.enforce() {
+                    Err(*r)
+                } else {
+                    Ok(Ticket {
+                        admission: None,
+                        shadow_refusal: Some(*r),
+                        window_secs,
+                    })
+                }
             }
             Err(e) => match tp.on_store_error() {
                 OnStoreError::Allow => {
-                    tracing::warn!(tool, error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
+                    tracing::warn!(tool, store = store.kind(), error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
+                    telemetry::store_error(tool, store.kind(), "allow");
                     Ok(Ticket {
                         admission: None,
                         shadow_refusal: None,
@@ -185,13 +231,69 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     })
                 }
                 OnStoreError::Deny => {
-                    tracing::error!(tool, error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
+                    tracing::error!(tool, store = store.kind(), error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
+                    telemetry::store_error(tool, store.kind(), "deny");
                     let mut r = denial(Reason::StoreUnavailable, tool, caller, "store");
                     r.retryable = true;
                     r.retry_after = Some(std::time::Duration::from_secs(1));
                     Err(r)
                 }
             },
+        }
+    }
+
+    /// Metrics and the decision event.
+    fn record(&self, caller: &Caller, tool: &str, cost: Cost, outcome: &Result<Ticket, Refusal>) {
+        let tenant = caller.tenant().unwrap_or("");
+        let labels = telemetry::Labels {
+            tool,
+            tenant,
+            instance: if self.inner.instance_labels {
+                Some(caller.instance().unwrap_or(""))
+            } else {
+                None
+            },
+        };
+        let instance = caller.instance().unwrap_or("");
+        match outcome {
+            Ok(t) => match (&t.admission, &t.shadow_refusal) {
+                (Some(a), _) => {
+                    let v = if a.keys.instance.is_some() {
+                        a.views[1]
+                    } else {
+                        a.views[0]
+                    };
+                    telemetry::decision(&labels, "admitted", "none", "none");
+                    telemetry::headroom(tool, tenant, a.slack, a.remaining);
+                    tracing::debug!(
+                        target: "tower_fairshare::decision",
+                        tool, tenant, instance, cost = cost.0, outcome = "admitted",
+                        weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
+                        remaining = a.remaining, slack = a.slack,
+                    );
+                }
+                (None, Some(r)) => {
+                    telemetry::decision(
+                        &labels,
+                        "shadow",
+                        r.reason.as_str(),
+                        r.scope.map_or("none", |s| s.as_str()),
+                    );
+                    event(r, tool, tenant, instance, cost, "shadow");
+                }
+                (None, None) => {
+                    telemetry::decision(&labels, "unmetered", "store_unavailable", "none")
+                }
+            },
+            Err(r) => {
+                telemetry::decision(
+                    &labels,
+                    "refused",
+                    r.reason.as_str(),
+                    r.scope.map_or("none", |s| s.as_str()),
+                );
+                event(r, tool, tenant, instance, cost, "refused");
+            }
         }
     }
 
@@ -246,6 +348,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
         }
     }
+}
+
+fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outcome: &'static str) {
+    tracing::info!(
+        target: "tower_fairshare::decision",
+        tool, tenant, instance, cost = cost.0, outcome,
+        reason = r.reason.as_str(),
+        scope = r.scope.map_or("none", |s| s.as_str()),
+        window = r.window.as_deref().unwrap_or(""),
+        limit = r.limit,
+        used = r.used,
+        retry_after_ms = r.retry_after.map(|d| d.as_millis() as u64),
+        retryable = r.retryable,
+    );
 }
 
 fn fill_caller(r: &mut Refusal, caller: &Caller) {

@@ -289,6 +289,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
     fn decide<'a>(
         &'a self,
         plan: &'a Plan<'a>,

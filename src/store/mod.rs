@@ -101,6 +101,11 @@ pub enum StoreError {
 /// without any other decision interleaving. Corrections and permit releases are separate,
 /// later calls.
 pub trait Store: Send + Sync + 'static {
+    /// A short name for metrics labels (`memory`, `redis`, ...).
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
+
     /// Decides one call and commits it if admitted.
     fn decide<'a>(
         &'a self,
@@ -133,6 +138,9 @@ pub trait Store: Send + Sync + 'static {
 }
 
 impl<S: Store> Store for Arc<S> {
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
     fn decide<'a>(
         &'a self,
         plan: &'a Plan<'a>,

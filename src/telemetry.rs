@@ -1,0 +1,129 @@
+//! What the limiter reports: metrics (feature `metrics`, through the `metrics` facade) and a
+//! `tracing` event for every decision.
+//!
+//! | metric | type | unit | labels |
+//! |---|---|---|---|
+//! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant`, `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
+//! | [`TOOL_HEADROOM`] `fairshare_tool_headroom` | gauge | units | `tool`: pool tokens left to lend after the last admitted call |
+//! | [`TENANT_HEADROOM`] `fairshare_tenant_headroom` | gauge | units | `tool`, `tenant`: units the tenant could still take after its last admitted call |
+//! | [`DECISION_SECONDS`] `fairshare_decision_duration_seconds` | histogram | seconds | `store` (`memory`, `redis`, ...) |
+//! | [`STORE_ERRORS`] `fairshare_store_errors_total` | counter | errors | `tool`, `store` |
+//! | [`STORE_FALLBACKS`] `fairshare_store_fallbacks_total` | counter | decisions | `tool`, `mode` (`allow`: let through unmetered, `deny`: refused) |
+//!
+//! The `instance` label is off by default: label cardinality is a production hazard, and a
+//! tool with a `default_instance` template may see thousands. Turn it on with
+//! [`Limiter::instance_labels`](crate::Limiter::instance_labels).
+//!
+//! Decision events use the target `tower_fairshare::decision`: `debug` for admitted calls,
+//! `info` for refusals, with the fields that settle a dispute — tool, tenant, instance, cost,
+//! outcome, reason, scope, window, limit, used, retry-after, and for admitted calls the
+//! weight, floor, share and ceiling the caller was owed, what it has left, and the tool's
+//! slack.
+
+/// Counter of decisions.
+pub const DECISIONS: &str = "fairshare_decisions_total";
+/// Gauge of the tool's pool tokens left to lend.
+pub const TOOL_HEADROOM: &str = "fairshare_tool_headroom";
+/// Gauge of what a tenant could still take.
+pub const TENANT_HEADROOM: &str = "fairshare_tenant_headroom";
+/// Histogram of decision latency, per store.
+pub const DECISION_SECONDS: &str = "fairshare_decision_duration_seconds";
+/// Counter of store errors.
+pub const STORE_ERRORS: &str = "fairshare_store_errors_total";
+/// Counter of decisions made without the store (fail open or fail closed).
+pub const STORE_FALLBACKS: &str = "fairshare_store_fallbacks_total";
+
+/// Registers the descriptions and units of every metric with the installed recorder. Call
+/// once after installing it (e.g. a Prometheus exporter).
+pub fn describe_metrics() {
+    #[cfg(feature = "metrics")]
+    {
+        use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+        describe_counter!(
+            DECISIONS,
+            Unit::Count,
+            "Admission decisions by tool, tenant, outcome, reason and scope."
+        );
+        describe_gauge!(
+            TOOL_HEADROOM,
+            "Pool units the tool can still lend (after the last admitted call)."
+        );
+        describe_gauge!(
+            TENANT_HEADROOM,
+            "Units the tenant could still take (after its last admitted call)."
+        );
+        describe_histogram!(
+            DECISION_SECONDS,
+            Unit::Seconds,
+            "Time to decide one call, by store."
+        );
+        describe_counter!(
+            STORE_ERRORS,
+            Unit::Count,
+            "Store errors (timeouts, unreachable, protocol)."
+        );
+        describe_counter!(
+            STORE_FALLBACKS,
+            Unit::Count,
+            "Decisions made without the store: allow = fail open, deny = fail closed."
+        );
+    }
+}
+
+/// The labels of one decision.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) struct Labels<'a> {
+    pub(crate) tool: &'a str,
+    pub(crate) tenant: &'a str,
+    pub(crate) instance: Option<&'a str>,
+}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn decision(
+    l: &Labels<'_>,
+    outcome: &'static str,
+    reason: &'static str,
+    scope: &'static str,
+) {
+    let mut labels = vec![
+        ("tool", l.tool.to_owned()),
+        ("tenant", l.tenant.to_owned()),
+        ("outcome", outcome.to_owned()),
+        ("reason", reason.to_owned()),
+        ("scope", scope.to_owned()),
+    ];
+    if let Some(i) = l.instance {
+        labels.push(("instance", i.to_owned()));
+    }
+    metrics::counter!(DECISIONS, &labels).increment(1);
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn decision(_: &Labels<'_>, _: &'static str, _: &'static str, _: &'static str) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn headroom(tool: &str, tenant: &str, tool_slack: f64, tenant_remaining: f64) {
+    metrics::gauge!(TOOL_HEADROOM, "tool" => tool.to_owned()).set(tool_slack);
+    metrics::gauge!(TENANT_HEADROOM, "tool" => tool.to_owned(), "tenant" => tenant.to_owned())
+        .set(tenant_remaining);
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn headroom(_: &str, _: &str, _: f64, _: f64) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn latency(store: &'static str, seconds: f64) {
+    metrics::histogram!(DECISION_SECONDS, "store" => store).record(seconds);
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn latency(_: &'static str, _: f64) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn store_error(tool: &str, store: &'static str, mode: &'static str) {
+    metrics::counter!(STORE_ERRORS, "tool" => tool.to_owned(), "store" => store).increment(1);
+    metrics::counter!(STORE_FALLBACKS, "tool" => tool.to_owned(), "mode" => mode).increment(1);
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn store_error(_: &str, _: &'static str, _: &'static str) {}
