@@ -54,6 +54,7 @@
 #![warn(missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
 
 pub mod admission;
+pub mod chart;
 mod clock;
 mod identity;
 #[cfg(any(feature = "axum", feature = "tonic"))]

@@ -1,0 +1,159 @@
+//! A picture of who got what: admitted calls per caller per period, against the floor and
+//! ceiling each was owed, as a standalone SVG.
+
+use std::fmt::Write as _;
+
+use crate::simulate::{CallerRow, Report};
+
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
+];
+
+fn label(r: &CallerRow) -> String {
+    match (&r.tenant, &r.instance) {
+        (Some(t), Some(i)) => format!("{t}/{i}"),
+        (Some(t), None) => t.clone(),
+        (None, Some(i)) => format!("(untenanted)/{i}"),
+        (None, None) => "(untenanted)".into(),
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Renders `report` as an SVG line chart: one solid line per caller (admitted per period), a
+/// dashed line at its ceiling and a dotted line at its floor, the tool's capacity in grey.
+///
+/// ```
+/// # use tower_fairshare::simulate::{Report, PeriodRow, CallerRow};
+/// let row = CallerRow { tenant: Some("A".into()), instance: None, offered: 10, admitted: 5, refused: 5, floor: 2.0, ceiling: 5.0 };
+/// let report = Report { periods: vec![PeriodRow { start_ms: 0, callers: vec![row.clone()], admitted: 5 }], totals: vec![row] };
+/// let svg = tower_fairshare::chart::svg(&report, "demo", 10.0, "1m");
+/// assert!(svg.starts_with("<svg"));
+/// ```
+pub fn svg(report: &Report, title: &str, capacity: f64, period: &str) -> String {
+    let (w, h) = (900.0, 480.0);
+    let (left, right, top, bottom) = (60.0, 220.0, 56.0, 50.0);
+    let pw = w - left - right;
+    let ph = h - top - bottom;
+    let n = report.periods.len().max(1);
+    let mut ymax = capacity;
+    for p in &report.periods {
+        for c in &p.callers {
+            ymax = ymax.max(c.admitted as f64).max(c.ceiling);
+        }
+    }
+    // A round step: 1, 2 or 5 × 10^k, five or so of them.
+    let raw = (ymax * 1.1).max(1.0) / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let ticks = ((ymax * 1.1) / step).ceil().max(1.0) as usize;
+    let ymax = step * ticks as f64;
+    let x = |k: f64| left + pw * (k + 0.5) / n as f64;
+    let y = |v: f64| top + ph * (1.0 - v / ymax);
+
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n\
+         <text x=\"{left}\" y=\"24\" font-size=\"16\" font-weight=\"bold\">{}</text>\n\
+         <text x=\"{left}\" y=\"42\" fill=\"#555\">solid: admitted per period · dashed: ceiling owed · dotted: floor owed · grey: tool capacity</text>\n",
+        esc(title)
+    );
+    // Axes and grid.
+    for i in 0..=ticks {
+        let v = step * i as f64;
+        let yy = y(v);
+        let _ = writeln!(
+            o,
+            "<line x1=\"{left}\" y1=\"{yy:.1}\" x2=\"{:.1}\" y2=\"{yy:.1}\" stroke=\"#eee\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{:.0}</text>",
+            left + pw,
+            left - 6.0,
+            yy + 4.0,
+            v
+        );
+    }
+    let _ = writeln!(
+        o,
+        "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">period ({period} each)</text>\
+         <text x=\"16\" y=\"{:.1}\" transform=\"rotate(-90 16 {:.1})\" text-anchor=\"middle\">calls admitted per period</text>",
+        left + pw / 2.0,
+        h - 12.0,
+        top + ph / 2.0,
+        top + ph / 2.0
+    );
+    for k in 0..n {
+        let _ = writeln!(
+            o,
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+            x(k as f64),
+            top + ph + 16.0,
+            k + 1
+        );
+    }
+    // Capacity.
+    let _ = writeln!(
+        o,
+        "<line x1=\"{left}\" y1=\"{0:.1}\" x2=\"{1:.1}\" y2=\"{0:.1}\" stroke=\"#999\" stroke-width=\"2\"/><text x=\"{2:.1}\" y=\"{3:.1}\" fill=\"#666\">tool capacity {4}</text>",
+        y(capacity),
+        left + pw,
+        left + 6.0,
+        y(capacity) - 6.0,
+        capacity
+    );
+    let callers = report.totals.len();
+    for i in 0..callers {
+        let color = COLORS[i % COLORS.len()];
+        let series = |f: &dyn Fn(&CallerRow) -> f64| -> String {
+            report
+                .periods
+                .iter()
+                .enumerate()
+                .map(|(k, p)| format!("{:.1},{:.1}", x(k as f64), y(f(&p.callers[i]))))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let _ = writeln!(
+            o,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" stroke-dasharray=\"6 4\" opacity=\"0.7\" points=\"{}\"/>",
+            series(&|c| c.ceiling)
+        );
+        let _ = writeln!(
+            o,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" stroke-dasharray=\"2 3\" opacity=\"0.7\" points=\"{}\"/>",
+            series(&|c| c.floor)
+        );
+        let _ = writeln!(
+            o,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"3\" points=\"{}\"/>",
+            series(&|c| c.admitted as f64)
+        );
+        let ly = top + 20.0 + 44.0 * i as f64;
+        let lx = left + pw + 8.0;
+        let t = &report.totals[i];
+        let _ = writeln!(
+            o,
+            "<line x1=\"{lx:.1}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" stroke=\"{color}\" stroke-width=\"3\"/>\
+             <text x=\"{:.1}\" y=\"{:.1}\">{}</text>\
+             <text x=\"{:.1}\" y=\"{:.1}\" fill=\"#555\" font-size=\"10\">admitted {} of {} offered</text>",
+            lx + 20.0,
+            lx + 26.0,
+            ly + 4.0,
+            esc(&label(t)),
+            lx + 26.0,
+            ly + 18.0,
+            t.admitted,
+            t.offered
+        );
+    }
+    o.push_str("</svg>\n");
+    o
+}
