@@ -24,8 +24,8 @@ use tonic_health::pb::HealthCheckRequest;
 use tower_fairshare::{Caller, FairShareLayer, Limiter, Policy, RequestHead};
 
 /// One tool, `health`; every tenant gets 2 calls at once and 2 a minute.
-fn limiter() -> Limiter {
-    let policy = Policy::from_toml_str(
+fn policy() -> Policy {
+    Policy::from_toml_str(
         r#"
         [[tool]]
         name = "health"
@@ -36,8 +36,11 @@ fn limiter() -> Limiter {
         burst = 2
         "#,
     )
-    .expect("valid policy");
-    Limiter::new(policy)
+    .expect("valid policy")
+}
+
+fn limiter() -> Limiter {
+    Limiter::new(policy())
 }
 
 /// The demo auth layer: the tenant is the `x-tenant` header.
@@ -254,4 +257,110 @@ async fn a_tool_the_policy_does_not_know_is_permission_denied() {
     assert_eq!(v["tenant"], "acme");
     assert_eq!(server.reached(), 0);
     server.stop().await;
+}
+
+/// A Health service whose `check` calls the limiter itself and returns the refusal with `?`
+/// (feature `tonic`: `From<Refusal> for tonic::Status`).
+#[cfg(feature = "tonic")]
+mod handler {
+    use tonic::codegen::tokio_stream;
+    use tonic_health::pb::health_server::Health;
+    use tonic_health::pb::HealthCheckResponse;
+    use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore};
+
+    use super::*;
+
+    pub(crate) struct MeteredHealth {
+        pub(crate) limiter: Limiter<MemoryStore, ManualClock>,
+    }
+
+    #[tonic::async_trait]
+    impl Health for MeteredHealth {
+        async fn check(
+            &self,
+            req: tonic::Request<HealthCheckRequest>,
+        ) -> Result<tonic::Response<HealthCheckResponse>, tonic::Status> {
+            let caller = req
+                .metadata()
+                .get("x-tenant")
+                .and_then(|v| v.to_str().ok())
+                .map(Caller::new)
+                .unwrap_or_default();
+            let _ticket = self
+                .limiter
+                .admit(&caller, "health", Cost::default())
+                .await?;
+            Ok(tonic::Response::new(HealthCheckResponse {
+                status: ServingStatus::Serving as i32,
+            }))
+        }
+
+        type WatchStream = tokio_stream::Empty<Result<HealthCheckResponse, tonic::Status>>;
+
+        async fn watch(
+            &self,
+            _req: tonic::Request<HealthCheckRequest>,
+        ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+            Err(tonic::Status::unimplemented("watch"))
+        }
+    }
+}
+
+#[cfg(feature = "tonic")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_returning_the_refusal_gets_the_layers_status() {
+    use tonic_health::pb::health_server::HealthServer;
+    use tower_fairshare::{ManualClock, MemoryStore, Timestamp};
+
+    // Two limiters on clocks that stand still at the same instant: the same calls earn the
+    // same refusal, to the microsecond.
+    let at = Timestamp(1_779_462_000_000_000);
+    let stopped_limiter =
+        || Limiter::with_store(policy(), MemoryStore::new(), ManualClock::new(at));
+
+    let by_layer = TestServer::start(
+        FairShareLayer::new(stopped_limiter())
+            .tool("health")
+            .identify_with(tenant_header),
+    )
+    .await;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let service = HealthServer::new(handler::MeteredHealth {
+        limiter: stopped_limiter(),
+    });
+    let by_handler = tokio::spawn(
+        Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
+                let _ = stopped.await;
+            }),
+    );
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut handler_client = HealthClient::new(channel);
+    let mut layer_client = by_layer.client().await;
+
+    for tenant in [Some("acme"), Some("acme"), Some("acme"), None] {
+        let from_layer = check(&mut layer_client, tenant).await;
+        let from_handler = check(&mut handler_client, tenant).await;
+        match (from_layer, from_handler) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b),
+            (Err(a), Err(b)) => {
+                assert_eq!(a.code(), b.code(), "{tenant:?}");
+                assert_eq!(a.message(), b.message(), "{tenant:?}");
+                assert_eq!(retry_after(&a), retry_after(&b), "{tenant:?}");
+            }
+            (a, b) => panic!("{tenant:?}: layer {a:?}, handler {b:?}"),
+        }
+    }
+
+    by_layer.stop().await;
+    let _ = stop.send(());
+    by_handler.await.unwrap().unwrap();
 }
