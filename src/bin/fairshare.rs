@@ -1,17 +1,25 @@
-//! `fairshare`: check a policy, simulate load against it.
+//! `fairshare`: check a policy, simulate load against it, serve a reference gateway, run the
+//! acceptance demo over loopback HTTP.
 
-use std::path::PathBuf;
+#[path = "../cli/mod.rs"]
+mod cli;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use tower_fairshare::simulate::{simulate, Scenario};
-use tower_fairshare::Policy;
+use tower_fairshare::{Period, Policy};
+
+use cli::keys::Keys;
 
 #[derive(Parser)]
 #[command(
     name = "fairshare",
     version,
-    about = "Fair-share rate limiting: check policies, simulate load"
+    about = "Fair-share rate limiting: check policies, simulate load, serve a gateway, run the demo"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -37,6 +45,30 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve a reference HTTP gateway: `/tools/{name}` calls tool `name`, callers are the
+    /// `x-api-key` header looked up in the keys file.
+    Serve {
+        /// The policy file.
+        #[arg(long)]
+        policy: PathBuf,
+        /// The keys file: `[keys."sk-acme"] tenant = "acme" instance = "..." tier = "..."`.
+        #[arg(long)]
+        keys: PathBuf,
+        /// Where to listen (port 0: any free port; the bound address is printed).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+    },
+    /// Run the acceptance test over loopback HTTP: a heavy tenant at 10x its share, a quiet
+    /// tenant, an interactive agent beside a runaway teammate. Exits 1 if a property fails.
+    Demo {
+        /// How long to offer load, e.g. `30s` (whole periods of the demo policy's 5s).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        duration: Duration,
+    },
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    Period::parse(text).map(|p| Duration::from_micros(p.as_micros()))
 }
 
 fn main() -> ExitCode {
@@ -48,10 +80,77 @@ fn main() -> ExitCode {
             scenario,
             json,
         } => run_simulation(&policy, &scenario, json),
+        Command::Serve {
+            policy,
+            keys,
+            listen,
+        } => serve(&policy, &keys, listen),
+        Command::Demo { duration } => runtime().block_on(cli::demo::run(duration)),
     }
 }
 
-fn load(path: &PathBuf) -> Result<Policy, ExitCode> {
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
+    let policy = match load(policy_path) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let keys = match Keys::from_path(keys_path) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    for w in policy.warnings() {
+        eprintln!("warning: {w}");
+    }
+    for w in keys.warnings(&policy) {
+        eprintln!("warning: {w}");
+    }
+    let tools: Vec<String> = policy.tools().map(|t| t.name().to_owned()).collect();
+    let n_keys = keys.len();
+    let app = cli::serve::router(policy, keys);
+    runtime().block_on(async move {
+        let listener = match tokio::net::TcpListener::bind(listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: cannot listen on {listen}: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let addr = listener
+            .local_addr()
+            .expect("a bound socket has an address");
+        // Scripts and tests read this line to learn the port.
+        println!("fairshare serve: listening on http://{addr}");
+        println!(
+            "  tools: {} (call POST or GET /tools/{{name}}); {n_keys} keys; header {}",
+            tools.join(", "),
+            cli::serve::API_KEY
+        );
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        match cli::serve::run(listener, app, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: the server stopped: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}
+
+fn load(path: &Path) -> Result<Policy, ExitCode> {
     Policy::from_path(path).map_err(|e| {
         eprintln!("error: {} is not a valid policy:", path.display());
         for (p, m) in e.problems() {
@@ -73,7 +172,7 @@ fn num(x: f64) -> String {
     }
 }
 
-fn check(path: &PathBuf) -> ExitCode {
+fn check(path: &Path) -> ExitCode {
     let policy = match load(path) {
         Ok(p) => p,
         Err(code) => return code,
@@ -144,7 +243,7 @@ fn budgets(b: &[(String, f64)]) -> String {
     }
 }
 
-fn run_simulation(policy_path: &PathBuf, scenario_path: &PathBuf, json: bool) -> ExitCode {
+fn run_simulation(policy_path: &Path, scenario_path: &Path, json: bool) -> ExitCode {
     let policy = match load(policy_path) {
         Ok(p) => p,
         Err(code) => return code,

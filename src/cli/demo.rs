@@ -1,0 +1,501 @@
+//! `fairshare demo`: the seed-000 three-part acceptance test over real loopback HTTP.
+//!
+//! Starts the `serve` gateway in this process on `127.0.0.1:0` with the policy and keys of
+//! `examples/demo/`, waits for the start of the limiter's next window (windows are aligned to
+//! the clock, so each row of the report is one whole window), then drives it with hyper
+//! clients: a heavy tenant at ten times its nominal share, a quiet tenant below its floor, an
+//! interactive agent at its floor beside a runaway batch teammate. It prints a progress line a
+//! second, the per-caller and per-window tables, and whether each property held.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower_fairshare::policy::ToolAllocation;
+use tower_fairshare::Policy;
+
+use super::keys::Keys;
+use super::serve;
+
+const POLICY: &str = include_str!("../../examples/demo/policy.toml");
+const KEYS: &str = include_str!("../../examples/demo/keys.toml");
+const TOOL: &str = "web_search";
+
+/// One simulated client of the gateway.
+struct Driver {
+    /// `tenant/instance`.
+    label: &'static str,
+    tenant: &'static str,
+    instance: &'static str,
+    key: &'static str,
+    /// Calls offered per window, evenly spaced.
+    per_window: u64,
+    /// Why it offers what it offers.
+    role: &'static str,
+}
+
+const DRIVERS: [Driver; 4] = [
+    Driver {
+        label: "heavy/crawler",
+        tenant: "heavy",
+        instance: "crawler",
+        key: "sk-demo-heavy",
+        per_window: 820,
+        role: "10x its nominal share",
+    },
+    Driver {
+        label: "quiet/assistant",
+        tenant: "quiet",
+        instance: "assistant",
+        key: "sk-demo-quiet",
+        per_window: 5,
+        role: "well below its floor",
+    },
+    Driver {
+        label: "agents/interactive",
+        tenant: "agents",
+        instance: "interactive",
+        key: "sk-demo-interactive",
+        per_window: 8,
+        role: "exactly its floor",
+    },
+    Driver {
+        label: "agents/batch",
+        tenant: "agents",
+        instance: "batch",
+        key: "sk-demo-batch",
+        per_window: 750,
+        role: "a runaway loop beside it",
+    },
+];
+const HEAVY: usize = 0;
+const QUIET: usize = 1;
+const INTERACTIVE: usize = 2;
+const BATCH: usize = 3;
+
+/// What the policy owes a caller, per window.
+#[derive(Clone, Copy, Debug)]
+struct Owed {
+    floor: f64,
+    nominal: f64,
+    ceiling: f64,
+    burst: f64,
+}
+
+fn owed(alloc: &ToolAllocation, tenant: &str, instance: &str) -> Owed {
+    let t = alloc
+        .tenants
+        .iter()
+        .find(|r| r.name == tenant)
+        .expect("the demo policy lists every demo tenant");
+    match t.instances.iter().find(|r| r.name == instance) {
+        Some(i) => Owed {
+            floor: i.floor,
+            nominal: i.floor + i.share,
+            ceiling: i.ceiling,
+            burst: i.burst,
+        },
+        None => Owed {
+            floor: t.floor,
+            nominal: t.floor + t.share,
+            ceiling: t.ceiling,
+            burst: t.burst,
+        },
+    }
+}
+
+#[derive(Default)]
+struct Progress {
+    admitted: AtomicU64,
+    refused: AtomicU64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Outcome {
+    Admitted,
+    Refused,
+    Failed,
+}
+
+/// One answered (or failed) call: the window it was sent in, what came back, how long it took.
+struct Call {
+    window: usize,
+    outcome: Outcome,
+    latency: Duration,
+}
+
+#[derive(Default)]
+struct Tally {
+    offered: u64,
+    admitted: u64,
+    refused: u64,
+    failed: u64,
+    per_window: Vec<u64>,
+    latencies: Vec<Duration>,
+}
+
+/// Runs the demo; exit code 0 when every property held.
+pub(crate) async fn run(duration: Duration) -> ExitCode {
+    let policy = Policy::from_toml_str(POLICY).expect("the demo policy is valid");
+    let keys = Keys::from_toml_str(KEYS).expect("the demo keys are valid");
+    let allocation = policy.allocation();
+    let alloc = allocation
+        .tools
+        .iter()
+        .find(|t| t.name == TOOL)
+        .expect("the demo policy has the demo tool")
+        .clone();
+    let tool = policy.tool(TOOL).expect("the demo tool").clone();
+    let period = Duration::from_micros(tool.period().as_micros());
+    let capacity = tool.capacity();
+    let windows = duration.as_micros().div_ceil(period.as_micros()).max(1) as usize;
+    let owed: Vec<Owed> = DRIVERS
+        .iter()
+        .map(|d| owed(&alloc, d.tenant, d.instance))
+        .collect();
+
+    let listener = match TcpListener::bind("127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot listen on 127.0.0.1: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let addr = listener
+        .local_addr()
+        .expect("a bound socket has an address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve::run(
+        listener,
+        serve::router(policy, keys),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+
+    println!("fairshare demo: the three-part acceptance test over real HTTP");
+    println!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy examples/demo/policy.toml)");
+    println!(
+        "  tool     {TOOL}: {} calls per {}, burst {}",
+        num(capacity),
+        tool.period(),
+        num(alloc.burst)
+    );
+    for (d, o) in DRIVERS.iter().zip(&owed) {
+        println!(
+            "  {:<18} offers {:>3} per window, {} (floor {}, nominal {}, ceiling {})",
+            d.label,
+            d.per_window,
+            d.role,
+            num(o.floor),
+            num(o.nominal),
+            num(o.ceiling)
+        );
+    }
+
+    // The limiter counts per window aligned to the clock: start on a boundary so every
+    // window of the report is one the limiter counted.
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros();
+    let p = period.as_micros();
+    let wait = Duration::from_micros((now.div_ceil(p) * p - now) as u64);
+    println!(
+        "  waiting {:.1}s for the limiter's next {} window, then offering load for {} windows ({}s)",
+        wait.as_secs_f64(),
+        tool.period(),
+        windows,
+        (period * windows as u32).as_secs()
+    );
+    let start = Instant::now() + wait;
+    let run_for = period * windows as u32;
+
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(64)
+        .build_http();
+    let progress: Arc<[Progress; 4]> = Arc::default();
+    let mut drivers = JoinSet::new();
+    for (i, d) in DRIVERS.iter().enumerate() {
+        let client = client.clone();
+        let progress = progress.clone();
+        let uri: http::Uri = format!("http://{addr}/tools/{TOOL}")
+            .parse()
+            .expect("a valid URI");
+        let interval = period / d.per_window as u32;
+        let offered = d.per_window * windows as u64;
+        drivers.spawn(async move {
+            let mut calls = Vec::with_capacity(offered as usize);
+            let mut in_flight = JoinSet::new();
+            for k in 0..offered {
+                tokio::time::sleep_until(start + interval * k as u32).await;
+                let client = client.clone();
+                let progress = progress.clone();
+                let request = Request::get(uri.clone())
+                    .header(serve::API_KEY, d.key)
+                    .body(Empty::new())
+                    .expect("a valid request");
+                in_flight.spawn(async move {
+                    let sent = Instant::now();
+                    let outcome = match client.request(request).await {
+                        Ok(response) => {
+                            let status = response.status();
+                            // Read the whole body: the call is over when its body is.
+                            match response.into_body().collect().await {
+                                Ok(_) if status == StatusCode::OK => Outcome::Admitted,
+                                Ok(_) if status == StatusCode::TOO_MANY_REQUESTS => {
+                                    Outcome::Refused
+                                }
+                                _ => Outcome::Failed,
+                            }
+                        }
+                        Err(_) => Outcome::Failed,
+                    };
+                    let latency = sent.elapsed();
+                    match outcome {
+                        Outcome::Admitted => &progress[i].admitted,
+                        _ => &progress[i].refused,
+                    }
+                    .fetch_add(1, Ordering::Relaxed);
+                    let window = (sent.saturating_duration_since(start).as_micros()
+                        / period.as_micros()) as usize;
+                    Call {
+                        window,
+                        outcome,
+                        latency,
+                    }
+                });
+                while let Some(done) = in_flight.try_join_next() {
+                    calls.push(done.expect("a call task does not panic"));
+                }
+            }
+            while let Some(done) = in_flight.join_next().await {
+                calls.push(done.expect("a call task does not panic"));
+            }
+            (i, calls)
+        });
+    }
+
+    let printer = {
+        let progress = progress.clone();
+        tokio::spawn(async move {
+            let seconds = run_for.as_secs();
+            for s in 1..=seconds {
+                tokio::time::sleep_until(start + Duration::from_secs(s)).await;
+                let mut line = format!("{s:>4}s  admitted/refused");
+                for (d, p) in DRIVERS.iter().zip(progress.iter()) {
+                    let _ = write!(
+                        line,
+                        "  {} {}/{}",
+                        d.label,
+                        p.admitted.load(Ordering::Relaxed),
+                        p.refused.load(Ordering::Relaxed)
+                    );
+                }
+                println!("{line}");
+            }
+        })
+    };
+
+    let mut tallies: Vec<Tally> = (0..DRIVERS.len())
+        .map(|_| Tally {
+            per_window: vec![0; windows],
+            ..Tally::default()
+        })
+        .collect();
+    while let Some(done) = drivers.join_next().await {
+        let (i, calls) = done.expect("a driver does not panic");
+        let t = &mut tallies[i];
+        for c in calls {
+            t.offered += 1;
+            t.latencies.push(c.latency);
+            match c.outcome {
+                Outcome::Admitted => {
+                    t.admitted += 1;
+                    if let Some(w) = t.per_window.get_mut(c.window) {
+                        *w += 1;
+                    }
+                }
+                Outcome::Refused => t.refused += 1,
+                Outcome::Failed => t.failed += 1,
+            }
+        }
+    }
+    let _ = printer.await;
+    let _ = stop.send(());
+    let _ = server.await;
+
+    print!(
+        "{}",
+        report(
+            &tallies,
+            &owed,
+            capacity,
+            alloc.burst,
+            &tool.period().to_string()
+        )
+    );
+    let all_held = verdicts(&tallies, &owed, capacity, alloc.burst)
+        .iter()
+        .all(|v| v.held);
+    if all_held {
+        println!("every property held");
+        ExitCode::SUCCESS
+    } else {
+        println!("some property did NOT hold");
+        ExitCode::from(1)
+    }
+}
+
+/// One property of the acceptance test and whether the run kept it.
+struct Verdict {
+    held: bool,
+    text: String,
+}
+
+fn verdicts(t: &[Tally], owed: &[Owed], capacity: f64, tool_burst: f64) -> Vec<Verdict> {
+    let windows = t[HEAVY].per_window.len();
+    let min = |i: usize| t[i].per_window.iter().copied().min().unwrap_or(0);
+    let max = |i: usize| t[i].per_window.iter().copied().max().unwrap_or(0);
+    let tool_max = (0..windows)
+        .map(|w| t.iter().map(|c| c.per_window[w]).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let failed: u64 = t.iter().map(|c| c.failed).sum();
+    let answered: u64 = t.iter().map(|c| c.offered - c.failed).sum();
+    let (h, b) = (&owed[HEAVY], &owed[BATCH]);
+    vec![
+        Verdict {
+            held: failed == 0,
+            text: format!(
+                "transport: {answered} calls answered 200 or 429, {failed} failed or answered otherwise"
+            ),
+        },
+        Verdict {
+            held: t[QUIET].refused == 0
+                && t[INTERACTIVE].refused == 0
+                && t[QUIET].failed == 0
+                && t[INTERACTIVE].failed == 0,
+            text: format!(
+                "floors: {} got {} of {} and {} got {} of {} (no refusals beside a heavy tenant and a runaway teammate)",
+                DRIVERS[QUIET].label,
+                t[QUIET].admitted,
+                t[QUIET].offered,
+                DRIVERS[INTERACTIVE].label,
+                t[INTERACTIVE].admitted,
+                t[INTERACTIVE].offered,
+            ),
+        },
+        Verdict {
+            held: min(HEAVY) as f64 > h.nominal && max(HEAVY) as f64 <= h.ceiling + h.burst,
+            text: format!(
+                "borrowing: {} got {}-{} a window, above its nominal {} (it borrowed idle share) and at most its ceiling {} + burst {}",
+                DRIVERS[HEAVY].label,
+                min(HEAVY),
+                max(HEAVY),
+                num(h.nominal),
+                num(h.ceiling),
+                num(h.burst)
+            ),
+        },
+        Verdict {
+            held: tool_max as f64 <= capacity + tool_burst,
+            text: format!(
+                "capacity: the tool admitted at most {tool_max} in a window (capacity {} + burst {})",
+                num(capacity),
+                num(tool_burst)
+            ),
+        },
+        Verdict {
+            held: max(BATCH) as f64 <= b.ceiling + b.burst,
+            text: format!(
+                "runaway: {} got at most {} a window (its ceiling {} + burst {}); {} refused",
+                DRIVERS[BATCH].label,
+                max(BATCH),
+                num(b.ceiling),
+                num(b.burst),
+                t[BATCH].refused
+            ),
+        },
+    ]
+}
+
+fn report(t: &[Tally], owed: &[Owed], capacity: f64, tool_burst: f64, period: &str) -> String {
+    let mut o = String::new();
+    let width = DRIVERS.iter().map(|d| d.label.len()).max().unwrap_or(6);
+    let _ = writeln!(
+        o,
+        "\nper caller (floor and ceiling per {period} window; latency is the client's round trip)"
+    );
+    let _ = writeln!(
+        o,
+        "  {:<width$} {:>8} {:>8} {:>8} {:>6} {:>8} {:>8} {:>8}",
+        "caller", "offered", "admitted", "refused", "floor", "ceiling", "p50 ms", "p99 ms"
+    );
+    for (i, (d, c)) in DRIVERS.iter().zip(t).enumerate() {
+        let mut l = c.latencies.clone();
+        l.sort_unstable();
+        let _ = writeln!(
+            o,
+            "  {:<width$} {:>8} {:>8} {:>8} {:>6} {:>8} {:>8.2} {:>8.2}",
+            d.label,
+            c.offered,
+            c.admitted,
+            c.refused + c.failed,
+            num(owed[i].floor),
+            num(owed[i].ceiling),
+            percentile(&l, 0.50),
+            percentile(&l, 0.99),
+        );
+    }
+    let _ = writeln!(o, "\nadmitted per {period} window");
+    let _ = write!(o, "  {:<8} {:>6}", "window", "tool");
+    for d in &DRIVERS {
+        let _ = write!(o, " {:>w$}", d.label, w = d.label.len().max(6));
+    }
+    let _ = writeln!(o);
+    for w in 0..t[HEAVY].per_window.len() {
+        let total: u64 = t.iter().map(|c| c.per_window[w]).sum();
+        let _ = write!(o, "  {:<8} {:>6}", w + 1, total);
+        for (d, c) in DRIVERS.iter().zip(t) {
+            let _ = write!(o, " {:>w$}", c.per_window[w], w = d.label.len().max(6));
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "\nproperties");
+    for v in verdicts(t, owed, capacity, tool_burst) {
+        let _ = writeln!(
+            o,
+            "  {}  {}",
+            if v.held { "held  " } else { "FAILED" },
+            v.text
+        );
+    }
+    o
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let k = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[k].as_secs_f64() * 1000.0
+}
+
+fn num(x: f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{}", x.round() as i64)
+    } else {
+        format!("{x:.1}")
+    }
+}
