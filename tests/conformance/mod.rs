@@ -25,6 +25,11 @@ pub trait Factory: Sync {
     type S: Store;
     /// A fresh, empty store.
     fn store(&self) -> Self::S;
+    /// A fresh, empty store, made inside `rt`, the runtime that will drive it (stores with a
+    /// background connection, like Redis's, must be created there). Defaults to `store()`.
+    fn store_in(&self, _rt: &tokio::runtime::Runtime) -> Self::S {
+        self.store()
+    }
     /// How many states the store holds (for the bounded-state property).
     fn count_states(&self, store: &Self::S) -> usize;
     /// Lets time pass for the store's own expiry (a no-op for stores that expire lazily).
@@ -295,7 +300,7 @@ pub fn floor_guarantee<F: Factory>(f: &F) {
                         start: 0,
                     })
                     .collect();
-                let store = f.store();
+                let store = f.store_in(&rt);
                 let (limiter, clock) = harness(&policy, store);
                 let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
                 let refused: Vec<&Event> = events
@@ -338,7 +343,7 @@ pub fn floor_when_offering_more<F: Factory>(f: &F) {
                         start: 0,
                     })
                     .collect();
-                let (limiter, clock) = harness(&policy, f.store());
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
                 for w in 0..4u64 {
                     let got = events
@@ -382,7 +387,7 @@ pub fn capacity_bound<F: Factory>(f: &F) {
                         start: mults[i].2 * MINUTE,
                     })
                     .collect();
-                let (limiter, clock) = harness(&policy, f.store());
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 4));
                 for w in 0..4u64 {
                     let got: f64 = events
@@ -425,7 +430,7 @@ pub fn ceiling_bound<F: Factory>(f: &F) {
                         start: mults[i].1 * MINUTE,
                     })
                     .collect();
-                let (limiter, clock) = harness(&policy, f.store());
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 5));
                 for i in 0..n {
                     let t = &tenants[i];
@@ -470,7 +475,7 @@ pub fn weighted_share<F: Factory>(f: &F) {
                     start: 0,
                 })
                 .collect();
-            let (limiter, clock) = harness(&policy, f.store());
+            let (limiter, clock) = harness(&policy, f.store_in(&rt));
             let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 10));
             for i in 0..n {
                 let nominal = 10.0 * (floors[i] + spare * weights[i] / ws);
@@ -520,7 +525,7 @@ pub fn borrowing<F: Factory>(f: &F) {
         cost: 1.0,
         start: 0,
     };
-    let (limiter, clock) = harness(&policy, f.store());
+    let (limiter, clock) = harness(&policy, f.store_in(&rt));
     let loads = [load("heavy", 4000.0), load("light", 3000.0)];
     let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 5));
     // Count periods 2..5 (the first is warm-up).
@@ -596,7 +601,7 @@ pub fn all_or_nothing<F: Factory>(f: &F) {
                 20..120,
             ),
             |ops| {
-                let (limiter, clock) = harness(&policy, f.store());
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let mut held: Vec<Ticket> = Vec::new();
                 rt.block_on(async {
                     let mut t = 0u64;
@@ -700,7 +705,7 @@ pub fn runaway_instance<F: Factory>(f: &F) {
                         start: 0,
                     },
                 ];
-                let (limiter, clock) = harness(&policy, f.store());
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let events = rt.block_on(drive(&limiter, &clock, "t", &loads, MINUTE, 3));
                 for s in [1, 2] {
                     let refused = events
@@ -740,7 +745,7 @@ pub fn tenant_qualified_identity<F: Factory>(f: &F) {
             &("[a-z:|{}é]{0,6}", "[a-z:|{}é]{0,6}", "[a-z:|{}]{0,6}"),
             |(t1, t2, inst)| {
                 prop_assume!(t1 != t2);
-                let (limiter, _clock) = harness(&policy, f.store());
+                let (limiter, _clock) = harness(&policy, f.store_in(&rt));
                 rt.block_on(async {
                     let a = Caller::new(t1.as_str()).with_instance(inst.as_str());
                     let b = Caller::new(t2.as_str()).with_instance(inst.as_str());
@@ -789,7 +794,7 @@ pub fn bounded_state<F: Factory>(f: &F) {
         "#,
     )
     .unwrap();
-    let store = f.store();
+    let store = f.store_in(&rt);
     let (limiter, clock) = harness(&policy, store);
     rt.block_on(async {
         let mut admitted = 0;
@@ -847,7 +852,7 @@ pub fn budgets<F: Factory>(f: &F) {
         "#,
     )
     .unwrap();
-    let (limiter, clock) = harness(&policy, f.store());
+    let (limiter, clock) = harness(&policy, f.store_in(&rt));
     rt.block_on(async {
         // 2026-01-01T14:10:00Z: the hour window resets at 15:00.
         let start = EPOCH.saturating_add(Duration::from_secs(14 * 3600 + 600));
@@ -915,7 +920,7 @@ pub fn cost_and_refund<F: Factory>(f: &F) {
         "#,
     )
     .unwrap();
-    let (limiter, _clock) = harness(&policy, f.store());
+    let (limiter, _clock) = harness(&policy, f.store_in(&rt));
     rt.block_on(async {
         let a = Caller::new("A");
         let t = limiter.admit(&a, "llm", Cost(800.0)).await.unwrap();
@@ -957,7 +962,7 @@ pub fn concurrency<F: Factory>(f: &F) {
         "#,
     )
     .unwrap();
-    let (limiter, _clock) = harness(&policy, f.store());
+    let (limiter, _clock) = harness(&policy, f.store_in(&rt));
     rt.block_on(async {
         let a = Caller::new("A");
         let t1 = limiter.admit(&a, "t", Cost(1.0)).await.unwrap();

@@ -1,0 +1,23 @@
+-- tower-fairshare: drop the given keys' state once it is equivalent to fresh state at `now`
+-- (for an injected clock, whose time Redis's own TTLs do not follow). Trackers lose the
+-- members whose time is over and go when empty.
+-- KEYS: keys to look at. ARGV: 1 now (us). Returns how many keys were deleted.
+local now = tonumber(ARGV[1])
+local deleted = 0
+for _, key in ipairs(KEYS) do
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'string' then
+    local s = load_state(key)
+    if s.live and s.expires <= now and s.in_flight <= 0 then
+      redis.call('DEL', key)
+      deleted = deleted + 1
+    end
+  elseif kind == 'zset' then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    if redis.call('ZCARD', key) == 0 then
+      redis.call('DEL', key)
+      deleted = deleted + 1
+    end
+  end
+end
+return deleted

@@ -1,0 +1,312 @@
+//! The store conformance suite against `RedisStore` on a redis-server this test starts, and a
+//! differential test: the same random calls through `MemoryStore` and `RedisStore` must give
+//! identical verdicts and identical stored states (the Lua script mirrors the engine).
+
+mod conformance;
+mod support;
+
+use std::cell::Cell;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use support::RedisServer;
+use tower_fairshare::simulate::EPOCH;
+use tower_fairshare::store::RedisStore;
+use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Store, Timestamp};
+
+/// One redis-server per test function; every case starts from an empty database.
+struct Redis {
+    server: RedisServer,
+}
+
+impl Redis {
+    fn new() -> Self {
+        Redis {
+            server: RedisServer::start(),
+        }
+    }
+}
+
+impl conformance::Factory for Redis {
+    type S = RedisStore;
+    fn store(&self) -> RedisStore {
+        unreachable!("a RedisStore is made inside the runtime that drives it: store_in")
+    }
+    fn store_in(&self, rt: &tokio::runtime::Runtime) -> RedisStore {
+        self.server.flushall();
+        rt.block_on(
+            RedisStore::builder(self.server.url())
+                .injected_clock()
+                .refusal_cache(std::env::var("FS_NO_CACHE").is_err())
+                .timeout(Duration::from_secs(10))
+                .connect(),
+        )
+        .expect("connect")
+    }
+    fn count_states(&self, _store: &RedisStore) -> usize {
+        self.server.dbsize()
+    }
+    fn expire(&self, _store: &RedisStore, now: Timestamp) {
+        // The suite calls this from inside its runtime: sweep from a runtime of our own.
+        let url = self.server.url();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let store = RedisStore::builder(url)
+                    .injected_clock()
+                    .connect()
+                    .await
+                    .unwrap();
+                store.sweep(now).await.unwrap();
+            })
+        })
+        .join()
+        .unwrap();
+    }
+    fn cases(&self) -> u32 {
+        6
+    }
+}
+
+suite!(Redis::new());
+
+const DIFF_POLICY: &str = r#"
+[[tool]]
+name = "t"
+unit = "tokens"
+rate = { limit = 120, per = "10s" }
+burst = 30
+max_concurrency = 12
+require_tenant = false
+budgets = [{ period = "hour", max = 3000 }, { period = "month", max = 20000 }]
+
+[tool.default_tenant]
+weight = 1
+max_tenants = 3
+burst = 5
+
+[tool.tenants.A]
+weight = 3
+floor = 20
+ceiling = 80
+burst = 15
+max_concurrency = 4
+budgets = [{ period = "day", max = 1500 }]
+
+[tool.tenants.A.instances.x]
+weight = 2
+floor = 5
+max_concurrency = 2
+
+[tool.tenants.A.default_instance]
+weight = 1
+max_instances = 2
+
+[tool.tenants.B]
+weight = 1
+floor = 10
+
+# No caps, no budgets, templates only: the other branch of every check.
+[[tool]]
+name = "u"
+unit = "calls"
+rate = { limit = 50, per = "1m" }
+
+[tool.default_tenant]
+weight = 2
+ceiling = 30
+burst = 4
+
+[tool.default_tenant.default_instance]
+weight = 1
+"#;
+
+fn callers() -> Vec<Caller> {
+    vec![
+        Caller::new("A").with_instance("x"),
+        Caller::new("A").with_instance("y"),
+        Caller::new("A").with_instance("z"),
+        Caller::new("A").with_instance("w"),
+        Caller::new("B"),
+        Caller::new("B").with_instance("x"),
+        Caller::new("guest-1"),
+        Caller::new("guest-2"),
+        Caller::new("guest-3"),
+        Caller::new("guest-4"),
+        Caller::untenanted().with_instance("anon"),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// caller, µs to wait first, cost, keep the permit, tool
+    Admit(usize, u64, u32, bool, bool),
+    /// settle the oldest held ticket at this fraction of its cost
+    Settle(u32),
+    Refund,
+    Release,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0usize..11, prop_oneof![3 => 0u64..400_000, 1 => 0u64..12_000_000, 1 => Just(3_600_000_000u64), 1 => Just(20 * 86_400_000_000u64)], 1u32..16, prop::bool::weighted(0.4), prop::bool::weighted(0.3))
+            .prop_map(|(c, dt, cost, keep, other)| Op::Admit(c, dt, cost, keep, other)),
+        1 => (0u32..300).prop_map(Op::Settle),
+        1 => Just(Op::Refund),
+        2 => Just(Op::Release),
+    ]
+}
+
+#[test]
+fn redis_script_matches_the_engine_call_for_call() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(DIFF_POLICY).expect("valid policy");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let callers = callers();
+    let cases = std::env::var("FS_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let compared = [Cell::new(0usize), Cell::new(0), Cell::new(0)];
+    runner
+        .run(&prop::collection::vec(op(), 50..250), |ops| {
+            server.flushall();
+            // Start an hour before a month ends, so windows of every kind roll over.
+            let start = Timestamp(EPOCH.as_micros() + 30 * 86_400_000_000 + 23 * 3_600_000_000);
+            let clock = ManualClock::new(start);
+            let redis = rt
+                .block_on(
+                    RedisStore::builder(server.url())
+                        .injected_clock()
+                        .refusal_cache(false)
+                        .timeout(Duration::from_secs(10))
+                        .connect(),
+                )
+                .unwrap();
+            let mem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
+            let red = Limiter::with_store(policy.clone(), redis, clock.clone());
+            rt.block_on(async {
+                let mut held = Vec::new();
+                for (n, op) in ops.into_iter().enumerate() {
+                    match op {
+                        Op::Admit(who, dt, cost, keep, other) => {
+                            clock.advance(Duration::from_micros(dt));
+                            let c = &callers[who];
+                            let tool = if other { "u" } else { "t" };
+                            let a = mem.admit(c, tool, Cost(cost as f64)).await;
+                            let b = red.admit(c, tool, Cost(cost as f64)).await;
+                            match (&a, &b) {
+                                (Ok(x), Ok(y)) => {
+                                    let (x, y) = (
+                                        x.admission.as_ref().unwrap(),
+                                        y.admission.as_ref().unwrap(),
+                                    );
+                                    prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
+                                    prop_assert_eq!(
+                                        x.remaining.to_bits(),
+                                        y.remaining.to_bits(),
+                                        "op {} remaining {} vs {}",
+                                        n,
+                                        x.remaining,
+                                        y.remaining
+                                    );
+                                    prop_assert_eq!(x.quota.to_bits(), y.quota.to_bits());
+                                    prop_assert_eq!(x.reset_in.to_bits(), y.reset_in.to_bits());
+                                    prop_assert_eq!(x.slack.to_bits(), y.slack.to_bits());
+                                    prop_assert_eq!(x.views, y.views);
+                                    prop_assert_eq!(x.at, y.at);
+                                    compared[0].set(compared[0].get() + 1);
+                                }
+                                (Err(x), Err(y)) => {
+                                    prop_assert_eq!(x, y, "op {}", n);
+                                    compared[1].set(compared[1].get() + 1);
+                                }
+                                _ => prop_assert!(
+                                    false,
+                                    "op {}: memory {:?} but redis {:?}",
+                                    n,
+                                    a,
+                                    b
+                                ),
+                            }
+                            if let (Ok(x), Ok(y)) = (a, b) {
+                                if keep {
+                                    held.push((x, y));
+                                } else {
+                                    mem.release(&x).await;
+                                    red.release(&y).await;
+                                }
+                            }
+                            // Every stored state the call touched is the same, bit for bit.
+                            let Ok(keys) = mem.call_keys(c, tool) else {
+                                continue;
+                            };
+                            let sm = mem.store().inspect(&keys).await.unwrap();
+                            let sr = red.store().inspect(&keys).await.unwrap();
+                            for level in 0..3 {
+                                match (&sm[level], &sr[level]) {
+                                    (Some(x), Some(y)) => {
+                                        prop_assert_eq!(x, y, "op {} level {}", n, level);
+                                        compared[2].set(compared[2].get() + 1);
+                                    }
+                                    (None, None) => {}
+                                    // Redis's real-time TTL may drop a state that is already
+                                    // equivalent to a fresh one; the memory store keeps it until
+                                    // a sweep. Anything else is a mismatch.
+                                    (Some(_), None) => {}
+                                    (None, Some(y)) => prop_assert!(
+                                        false,
+                                        "op {} level {}: only redis holds {:?}",
+                                        n,
+                                        level,
+                                        y
+                                    ),
+                                }
+                            }
+                        }
+                        Op::Settle(pct) if !held.is_empty() => {
+                            let (x, y) = &held[0];
+                            let actual = Cost(
+                                x.admission.as_ref().unwrap().charge.cost * pct as f64 / 100.0,
+                            );
+                            mem.settle(x, actual).await;
+                            red.settle(y, actual).await;
+                        }
+                        Op::Refund if !held.is_empty() => {
+                            let (x, y) = held.remove(0);
+                            mem.refund(&x).await;
+                            red.refund(&y).await;
+                            mem.release(&x).await;
+                            red.release(&y).await;
+                        }
+                        Op::Release if !held.is_empty() => {
+                            let (x, y) = held.remove(0);
+                            mem.release(&x).await;
+                            red.release(&y).await;
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(())
+            })
+        })
+        .unwrap();
+    let [admitted, refused, states] = compared.map(Cell::into_inner);
+    eprintln!("compared {admitted} admissions, {refused} refusals, {states} stored states");
+    assert!(
+        admitted > 100 && refused > 20,
+        "too few comparisons: {admitted} admissions, {refused} refusals"
+    );
+}
