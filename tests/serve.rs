@@ -1,0 +1,287 @@
+//! `fairshare serve` over real HTTP on loopback: the binary, started as a user would, called
+//! with a hyper client.
+#![cfg(feature = "cli")]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+const POLICY: &str = r#"
+# Seed 004: a `3/min, burst 3` allowance per tenant on a tool with plenty of capacity.
+[[tool]]
+name = "generate_report"
+unit = "calls"
+rate = { limit = 600, per = "1m" }
+
+[tool.default_tenant]
+ceiling = 3
+burst = 3
+
+# Only callers of tier `admin` may call it.
+[[tool]]
+name = "admin_export"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+tier = "admin"
+
+[tool.default_tenant]
+"#;
+
+const KEYS: &str = r#"
+# Two tenants whose agents present the same instance id.
+[keys."sk-acme"]
+tenant = "acme"
+instance = "shared-agent"
+tier = "internal"
+
+[keys."sk-globex"]
+tenant = "globex"
+instance = "shared-agent"
+tier = "internal"
+
+[keys."sk-ops"]
+tenant = "ops"
+instance = "console"
+tier = "admin"
+"#;
+
+/// A temporary directory for one test's files, removed when dropped.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let dir =
+            std::env::temp_dir().join(format!("fairshare-serve-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Dir(dir)
+    }
+
+    fn file(&self, name: &str, text: &str) -> String {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `fairshare serve`, killed when dropped.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    _stdout: BufReader<ChildStdout>,
+    _dir: Dir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(name: &str) -> Server {
+    let dir = Dir::new(name);
+    let policy = dir.file("policy.toml", POLICY);
+    let keys = dir.file("keys.toml", KEYS);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+        .args(["serve", "--policy", &policy, "--keys", &keys])
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("fairshare serve starts");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .rsplit_once("http://")
+        .and_then(|(_, a)| a.parse().ok())
+        .unwrap_or_else(|| panic!("serve prints its address first, not {line:?}"));
+    Server {
+        child,
+        addr,
+        _stdout: stdout,
+        _dir: dir,
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    json: serde_json::Value,
+}
+
+async fn call(server: &Server, tool: &str, key: Option<&str>) -> Answer {
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut request = Request::post(format!("http://{}/tools/{tool}", server.addr));
+    if let Some(key) = key {
+        request = request.header("x-api-key", key);
+    }
+    let response = client
+        .request(request.body(Empty::new()).unwrap())
+        .await
+        .expect("the gateway answers");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let json = serde_json::from_slice(&body)
+        .unwrap_or_else(|e| panic!("{status}: body is not JSON ({e}): {body:?}"));
+    Answer {
+        status,
+        headers,
+        json,
+    }
+}
+
+#[tokio::test]
+async fn no_identity_is_401() {
+    let server = serve("401");
+    for key in [None, Some("sk-unknown")] {
+        let a = call(&server, "generate_report", key).await;
+        assert_eq!(
+            a.status,
+            StatusCode::UNAUTHORIZED,
+            "key {key:?}: {}",
+            a.json
+        );
+        assert_eq!(a.json["error"], "unidentified_caller");
+        assert_eq!(a.json["retryable"], false);
+    }
+    // A known key is let through.
+    let a = call(&server, "generate_report", Some("sk-acme")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.json, serde_json::json!({ "ok": true }));
+}
+
+/// Seed 004: acme and globex both present instance id `shared-agent`. Acme is refused on its
+/// 4th call of a `3/min, burst 3` allowance; globex's allowance is its own, untouched.
+#[tokio::test]
+async fn seed_004_tenants_sharing_an_instance_id_have_their_own_allowance() {
+    let server = serve("seed004");
+    for n in 1..=3 {
+        let a = call(&server, "generate_report", Some("sk-acme")).await;
+        assert_eq!(a.status, StatusCode::OK, "acme call {n}: {}", a.json);
+        assert!(
+            a.headers.contains_key("ratelimit-policy") && a.headers.contains_key("ratelimit"),
+            "headers(true): admitted responses carry RateLimit headers: {:?}",
+            a.headers
+        );
+    }
+    let refused = call(&server, "generate_report", Some("sk-acme")).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        refused.json
+    );
+
+    let body = refused.json.as_object().expect("a JSON object");
+    for field in [
+        "error",
+        "tool",
+        "tenant",
+        "instance",
+        "scope",
+        "window",
+        "limit",
+        "used",
+        "reset_at",
+        "retry_after_ms",
+        "retryable",
+    ] {
+        assert!(body.contains_key(field), "no `{field}` in {}", refused.json);
+    }
+    assert!(
+        matches!(
+            body["error"].as_str(),
+            Some("rate_limited" | "cap_exceeded")
+        ),
+        "{}",
+        refused.json
+    );
+    assert_eq!(body["tool"], "generate_report");
+    assert_eq!(body["tenant"], "acme");
+    assert_eq!(body["instance"], "shared-agent");
+    assert!(
+        matches!(body["scope"].as_str(), Some("tenant" | "instance")),
+        "the caller's own level refused, not the tool: {}",
+        refused.json
+    );
+    assert_eq!(body["retryable"], true);
+    assert!(
+        body["retry_after_ms"].as_u64().unwrap() > 0,
+        "{}",
+        refused.json
+    );
+    assert!(body["reset_at"].is_string(), "{}", refused.json);
+
+    let retry_after: u64 = refused.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .expect("Retry-After is whole seconds");
+    assert!(retry_after >= 1);
+    let policy = refused.headers["ratelimit-policy"].to_str().unwrap();
+    assert!(
+        policy.contains(";q=") && policy.contains(";w=60"),
+        "{policy}"
+    );
+    assert!(refused.headers.contains_key("ratelimit"));
+    assert_eq!(refused.headers["content-type"], "application/json");
+
+    for n in 1..=3 {
+        let a = call(&server, "generate_report", Some("sk-globex")).await;
+        assert_eq!(a.status, StatusCode::OK, "globex call {n}: {}", a.json);
+    }
+    let a = call(&server, "generate_report", Some("sk-globex")).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "{}", a.json);
+}
+
+#[tokio::test]
+async fn tier_mismatch_is_403() {
+    let server = serve("403");
+    let a = call(&server, "admin_export", Some("sk-acme")).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{}", a.json);
+    assert_eq!(a.json["error"], "permission_denied");
+    assert_eq!(a.json["retryable"], false);
+    assert!(!a.headers.contains_key("retry-after"));
+    let a = call(&server, "admin_export", Some("sk-ops")).await;
+    assert_eq!(a.status, StatusCode::OK, "the admin tier may: {}", a.json);
+    // A tool the policy does not know is refused too.
+    let a = call(&server, "no_such_tool", Some("sk-ops")).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{}", a.json);
+}
+
+#[test]
+fn a_bad_keys_file_is_refused_naming_the_field() {
+    let dir = Dir::new("badkeys");
+    let policy = dir.file("policy.toml", POLICY);
+    for (text, expect) in [
+        ("[keys.\"sk-a\"]\ntenant = \"a\"\ntenat = \"b\"\n", "tenat"),
+        ("[keys.\"sk-a\"]\ntenant = \"\"\n", "keys.\"sk-a\".tenant"),
+        ("[keys.\"sk-a\"]\ntier = \"internal\"\n", "neither a tenant"),
+    ] {
+        let keys = dir.file("keys.toml", text);
+        let out = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+            .args(["serve", "--policy", &policy, "--keys", &keys])
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{text}: {err}");
+        assert!(err.contains("keys.toml") && err.contains(expect), "{err}");
+    }
+}
