@@ -62,6 +62,14 @@ impl Caller {
     pub fn tier(&self) -> Option<&str> {
         self.tier.as_deref()
     }
+
+    pub(crate) fn tenant_arc(&self) -> Option<&Arc<str>> {
+        self.tenant.as_ref()
+    }
+
+    pub(crate) fn instance_arc(&self) -> Option<&Arc<str>> {
+        self.instance.as_ref()
+    }
 }
 
 /// What a call costs, in the tool's unit. Without it a call costs 1.

@@ -1,7 +1,9 @@
 //! The limiter: policy + store + clock. Resolves who is calling what, asks the store, and
 //! turns the answer into an admission or a typed refusal. The layer is a thin shell over it.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 
 use crate::admission::{LevelRef, Plan, Reason, Refusal, Scope};
 use crate::clock::{Clock, SystemClock};
@@ -57,7 +59,9 @@ impl<S, C> Clone for Limiter<S, C> {
 
 #[derive(Debug)]
 struct Inner<S, C> {
-    policy: RwLock<Arc<Policy>>,
+    /// Read on every decision, written on reload: an `ArcSwap`, so readers on many threads
+    /// never contend on a lock.
+    policy: ArcSwap<Policy>,
     store: S,
     clock: C,
     instance_labels: bool,
@@ -98,7 +102,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn with_store(policy: Policy, store: S, clock: C) -> Self {
         Limiter {
             inner: Arc::new(Inner {
-                policy: RwLock::new(Arc::new(policy)),
+                policy: ArcSwap::from_pointee(policy),
                 store,
                 clock,
                 instance_labels: false,
@@ -120,17 +124,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The policy in force.
     pub fn policy(&self) -> Arc<Policy> {
-        self.inner
-            .policy
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.inner.policy.load_full()
     }
 
     /// Replaces the policy. State is keyed by names, so usage so far, windows and permits
     /// carry over; the new limits apply from the next decision.
     pub fn set_policy(&self, policy: Policy) {
-        *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+        self.inner.policy.store(Arc::new(policy));
     }
 
     /// Loads the policy file at `path` and, only if it is valid, puts it in force (see
@@ -178,7 +178,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     async fn decide(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
-        let policy = self.policy();
+        let policy = self.inner.policy.load();
         let (tp, tenant, instance, keys) = resolve(&policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
@@ -419,10 +419,14 @@ fn resolve<'p>(
         },
         _ => None,
     };
+    // Shared, not copied: a decision allocates no key strings.
     let keys = CallKeys {
-        tool: Arc::from(tp.name()),
-        tenant: Arc::from(tenant_name),
-        instance: instance.map(|i| Arc::from(i.name)),
+        tool: tp.name_arc().clone(),
+        tenant: match (untenanted, caller.tenant_arc(), caller.instance_arc()) {
+            (false, Some(t), _) | (true, _, Some(t)) => t.clone(),
+            _ => Arc::from(tenant_name),
+        },
+        instance: instance.and_then(|_| caller.instance_arc().cloned()),
         untenanted,
     };
     Ok((

@@ -97,7 +97,7 @@ fn tool(t: &ToolPolicy) -> ToolAllocation {
         .map(|l| tenant(l, spare, weight))
         .collect();
     ToolAllocation {
-        name: t.name.clone(),
+        name: t.name.to_string(),
         unit: t.unit.as_str(),
         capacity: t.capacity,
         period: t.period.to_string(),

@@ -108,7 +108,7 @@ pub struct Policy {
 /// One tool's limits, validated.
 #[derive(Clone, Debug)]
 pub struct ToolPolicy {
-    pub(crate) name: String,
+    pub(crate) name: Arc<str>,
     pub(crate) unit: Unit,
     pub(crate) capacity: f64,
     pub(crate) period: Period,
@@ -233,6 +233,10 @@ impl Policy {
 impl ToolPolicy {
     /// The tool's name.
     pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn name_arc(&self) -> &Arc<str> {
         &self.name
     }
     /// What a unit of cost is.

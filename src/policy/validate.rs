@@ -82,8 +82,11 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
     for (i, t) in raw.tool.into_iter().enumerate() {
         let path = format!("tool[{i}]");
         let tp = tool(&mut cx, t, &path);
-        if by_name.insert(tp.name.clone(), i).is_some() {
-            cx.err(format!("{path}.name"), Problem::Duplicate(tp.name.clone()));
+        if by_name.insert(tp.name.to_string(), i).is_some() {
+            cx.err(
+                format!("{path}.name"),
+                Problem::Duplicate(tp.name.to_string()),
+            );
         }
         tools.push(Arc::new(tp));
     }
@@ -311,7 +314,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     }
 
     ToolPolicy {
-        name: raw.name,
+        name: Arc::from(raw.name),
         unit: raw.unit,
         capacity,
         period,

@@ -2,8 +2,10 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::{ready, Future};
-use std::hash::{BuildHasher, RandomState};
-use std::sync::{Mutex, MutexGuard};
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use foldhash::fast::RandomState;
 
 use super::{Admission, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{self, NodeState, Snapshot, Tracking, Verdict};
@@ -29,9 +31,42 @@ pub struct MemoryStore {
     hasher: RandomState,
 }
 
+/// A level's key: structured, so injective by construction, and built from the caller's
+/// shared strings without allocating.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct NodeKey {
+    kind: u8,
+    tool: Arc<str>,
+    tenant: Option<Arc<str>>,
+    instance: Option<Arc<str>>,
+}
+
+fn node_keys(k: &CallKeys) -> [Option<NodeKey>; 3] {
+    [
+        Some(NodeKey {
+            kind: 0,
+            tool: k.tool.clone(),
+            tenant: None,
+            instance: None,
+        }),
+        Some(NodeKey {
+            kind: if k.untenanted { 3 } else { 1 },
+            tool: k.tool.clone(),
+            tenant: Some(k.tenant.clone()),
+            instance: None,
+        }),
+        k.instance.as_ref().map(|i| NodeKey {
+            kind: 2,
+            tool: k.tool.clone(),
+            tenant: Some(k.tenant.clone()),
+            instance: Some(i.clone()),
+        }),
+    ]
+}
+
 #[derive(Debug, Default)]
 struct Shard {
-    map: HashMap<String, Entry>,
+    map: HashMap<NodeKey, Entry, RandomState>,
     ops: u64,
 }
 
@@ -45,8 +80,8 @@ struct Entry {
 /// Template children seen recently, with when each stops counting.
 #[derive(Debug, Default)]
 struct Tracker {
-    by_member: HashMap<String, u64>,
-    by_expiry: BTreeSet<(u64, String)>,
+    by_member: HashMap<NodeKey, u64, RandomState>,
+    by_expiry: BTreeSet<(u64, NodeKey)>,
 }
 
 impl Tracker {
@@ -60,7 +95,7 @@ impl Tracker {
         }
     }
 
-    fn tracking(&mut self, member: &str, now: u64) -> Tracking {
+    fn tracking(&mut self, member: &NodeKey, now: u64) -> Tracking {
         self.prune(now);
         Tracking {
             count: self.by_member.len() as u64,
@@ -68,11 +103,22 @@ impl Tracker {
         }
     }
 
-    fn touch(&mut self, member: &str, until: u64) {
-        if let Some(old) = self.by_member.insert(member.to_owned(), until) {
-            self.by_expiry.remove(&(old, member.to_owned()));
+    fn touch(&mut self, member: &NodeKey, until: u64) {
+        match self.by_member.get_mut(member) {
+            Some(old) if *old == until => return,
+            Some(old) => {
+                let member = self
+                    .by_expiry
+                    .take(&(*old, member.clone()))
+                    .map_or_else(|| member.clone(), |(_, m)| m);
+                *old = until;
+                self.by_expiry.insert((until, member));
+            }
+            None => {
+                self.by_member.insert(member.clone(), until);
+                self.by_expiry.insert((until, member.clone()));
+            }
         }
-        self.by_expiry.insert((until, member.to_owned()));
     }
 
     fn last(&self) -> u64 {
@@ -105,7 +151,7 @@ impl MemoryStore {
         let n = n.max(1).next_power_of_two();
         MemoryStore {
             shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
         }
     }
 
@@ -127,21 +173,30 @@ impl MemoryStore {
         }
     }
 
-    fn shard_of(&self, key: &str) -> usize {
+    fn shard_of(&self, key: &NodeKey) -> usize {
         (self.hasher.hash_one(key) as usize) & (self.shards.len() - 1)
     }
 
     /// Locks the shards of `keys` in ascending order and runs `f` with them.
-    fn with_keys<R>(&self, keys: &[Option<String>; 3], f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
-        let idx: Vec<Option<usize>> = keys
-            .iter()
-            .map(|k| k.as_deref().map(|k| self.shard_of(k)))
-            .collect();
-        let mut order: Vec<usize> = idx.iter().flatten().copied().collect();
-        order.sort_unstable();
-        order.dedup();
-        let guards: Vec<(usize, MutexGuard<'_, Shard>)> =
-            order.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+    fn with_keys<R>(&self, keys: &[Option<NodeKey>; 3], f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
+        let idx = [
+            keys[0].as_ref().map(|k| self.shard_of(k)),
+            keys[1].as_ref().map(|k| self.shard_of(k)),
+            keys[2].as_ref().map(|k| self.shard_of(k)),
+        ];
+        let mut order = [usize::MAX; 3];
+        let mut n = 0;
+        for i in idx.iter().flatten() {
+            if !order[..n].contains(i) {
+                order[n] = *i;
+                n += 1;
+            }
+        }
+        order[..n].sort_unstable();
+        let mut guards: [Option<(usize, MutexGuard<'_, Shard>)>; 3] = [None, None, None];
+        for (slot, &i) in guards.iter_mut().zip(&order[..n]) {
+            *slot = Some((i, lock(&self.shards[i])));
+        }
         let mut locked = Locked { guards, idx };
         f(&mut locked)
     }
@@ -162,8 +217,8 @@ fn sweep_shard(s: &mut Shard, now: u64) {
 }
 
 struct Locked<'a> {
-    guards: Vec<(usize, MutexGuard<'a, Shard>)>,
-    idx: Vec<Option<usize>>,
+    guards: [Option<(usize, MutexGuard<'a, Shard>)>; 3],
+    idx: [Option<usize>; 3],
 }
 
 impl Locked<'_> {
@@ -171,6 +226,7 @@ impl Locked<'_> {
         let i = self.idx[level]?;
         self.guards
             .iter_mut()
+            .flatten()
             .find(|(j, _)| *j == i)
             .map(|(_, g)| &mut **g)
     }
@@ -186,14 +242,14 @@ fn micros_ceil(x: f64) -> u64 {
 
 impl MemoryStore {
     fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
-        let encoded = keys.encoded();
+        let encoded = node_keys(keys);
         let now = plan.now.as_micros();
-        let tenant_key = encoded[1].clone().unwrap_or_default();
+        let tenant_key = encoded[1].clone().expect("a tenant level");
         let instance_key = encoded[2].clone();
         self.with_keys(&encoded, |l| {
             let mut snap = Snapshot::default();
             for (level, key) in encoded.iter().enumerate() {
-                let Some(k) = key.as_deref() else {
+                let Some(k) = key.as_ref() else {
                     continue;
                 };
                 let shard = l.shard(level).expect("locked");
@@ -210,7 +266,7 @@ impl MemoryStore {
                     }
                     1 => {
                         snap.tenant = state;
-                        if let (Some(i), Some(ik)) = (plan.instance, instance_key.as_deref()) {
+                        if let (Some(i), Some(ik)) = (plan.instance, instance_key.as_ref()) {
                             if i.policy.template {
                                 snap.instance_tracking = e
                                     .and_then(|e| e.tracker.as_mut())
@@ -227,24 +283,29 @@ impl MemoryStore {
                     let a = *a;
                     let states = [a.tool, a.tenant, a.instance];
                     for (level, state) in states.into_iter().enumerate() {
-                        let Some(k) = encoded[level].as_deref() else {
+                        let Some(k) = encoded[level].as_ref() else {
                             continue;
                         };
                         let expires = micros_ceil(a.expires[level]);
                         let shard = l.shard(level).expect("locked");
                         shard.ops += 1;
-                        let entry = shard.map.entry(k.to_owned()).or_insert_with(|| Entry {
-                            state: NodeState::default(),
-                            expires: 0,
-                            tracker: None,
-                        });
-                        entry.state = state;
+                        let entry = match shard.map.get_mut(k) {
+                            Some(e) => {
+                                e.state = state;
+                                e
+                            }
+                            None => shard.map.entry(k.clone()).or_insert(Entry {
+                                state,
+                                expires: 0,
+                                tracker: None,
+                            }),
+                        };
                         entry.expires = expires;
                         let track = match level {
-                            0 => a.track_tenant_until.map(|u| (tenant_key.as_str(), u)),
+                            0 => a.track_tenant_until.map(|u| (&tenant_key, u)),
                             1 => a
                                 .track_instance_until
-                                .zip(instance_key.as_deref())
+                                .zip(instance_key.as_ref())
                                 .map(|(u, k)| (k, u)),
                             _ => None,
                         };
@@ -274,10 +335,10 @@ impl MemoryStore {
     }
 
     fn update(&self, admission: &Admission, mut f: impl FnMut(usize, &mut NodeState)) {
-        let encoded = admission.keys.encoded();
+        let encoded = node_keys(&admission.keys);
         self.with_keys(&encoded, |l| {
             for (level, key) in encoded.iter().enumerate() {
-                let Some(k) = key.as_deref() else {
+                let Some(k) = key.as_ref() else {
                     continue;
                 };
                 if let Some(e) = l.shard(level).and_then(|s| s.map.get_mut(k)) {
@@ -329,11 +390,11 @@ impl Store for MemoryStore {
         &'a self,
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
-        let encoded = keys.encoded();
+        let encoded = node_keys(keys);
         let states = self.with_keys(&encoded, |l| {
             let mut out: [Option<NodeState>; 3] = Default::default();
             for (level, slot) in out.iter_mut().enumerate() {
-                if let Some(k) = encoded[level].as_deref() {
+                if let Some(k) = encoded[level].as_ref() {
                     *slot = l
                         .shard(level)
                         .and_then(|s| s.map.get(k))
