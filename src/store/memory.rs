@@ -105,7 +105,7 @@ impl Tracker {
 
     fn touch(&mut self, member: &NodeKey, until: u64) {
         match self.by_member.get_mut(member) {
-            Some(old) if *old == until => return,
+            Some(old) if *old == until => {}
             Some(old) => {
                 let member = self
                     .by_expiry
