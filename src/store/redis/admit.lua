@@ -405,11 +405,7 @@ for _, l in ipairs(levels) do
   s.depth_f, s.depth_h, s.depth_k = l.floor_b.depth, l.share_b.depth, l.ceil_b.depth
   s.period = period
   s.expires = expiry_of(s, now)
-  local ttl = ttl_ms(s.expires, now)
-  if s.in_flight > 0 and ttl < permit_ttl then
-    ttl = permit_ttl
-  end
-  redis.call('SET', l.key, encode_state(s), 'PX', ttl)
+  save_state(l.key, s, now, permit_ttl)
 end
 local track_until = math.ceil(now + period)
 local track_ttl = ttl_ms(track_until, now)

@@ -6,6 +6,7 @@
 -- A level's state is one string key:
 --   t floor share ceiling window total non_floor floor_used in_flight   (the engine's NodeState)
 --   expires rate_f rate_h rate_k depth_f depth_h depth_k period          (to recompute expiry)
+--   deadline: when the state may go, in Redis's own clock (ms), held permits aside
 --   nb, then nb x (period_code start used)                              (budget counters)
 -- Budget period codes: 1 hour, 2 day, 3 month.
 
@@ -13,7 +14,13 @@ local EPS = 1e-9
 local INF = math.huge
 local HOUR = 3600000000
 local DAY = 86400000000
-local HEADER = 18
+local HEADER = 19
+
+-- Redis's own clock in ms (TTLs run on it whatever clock the decisions use).
+local function redis_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 local function now_from(arg)
   if arg >= 0 then
@@ -84,6 +91,7 @@ local function fresh_state()
     live = false, t = 0, floor = 0, share = 0, ceiling = 0, window = 0, total = 0,
     non_floor = 0, floor_used = 0, in_flight = 0, expires = 0,
     rate_f = 0, rate_h = 0, rate_k = 0, depth_f = 0, depth_h = 0, depth_k = 0, period = 1,
+    deadline = 0,
     budgets = {},
   }
 end
@@ -100,7 +108,8 @@ local function load_state(key)
   s.total, s.non_floor, s.floor_used, s.in_flight = v[6], v[7], v[8], v[9]
   s.expires, s.rate_f, s.rate_h, s.rate_k = v[10], v[11], v[12], v[13]
   s.depth_f, s.depth_h, s.depth_k, s.period = v[14], v[15], v[16], v[17]
-  local nb = v[18]
+  s.deadline = v[18]
+  local nb = v[19]
   if nb > 0 then
     local b = { struct.unpack('<' .. string.rep('d', 3 * nb), raw, HEADER * 8 + 1) }
     for i = 0, nb - 1 do
@@ -114,7 +123,7 @@ local function encode_state(s)
   local out = {
     s.t, s.floor, s.share, s.ceiling, s.window, s.total, s.non_floor, s.floor_used,
     s.in_flight, s.expires, s.rate_f, s.rate_h, s.rate_k, s.depth_f, s.depth_h, s.depth_k,
-    s.period, #s.budgets,
+    s.period, s.deadline, #s.budgets,
   }
   for _, b in ipairs(s.budgets) do
     out[#out + 1] = b.period
@@ -153,4 +162,16 @@ local function expiry_of(s, now)
     end
   end
   return math.max(at, now)
+end
+
+-- Writes a state with its TTL: until `expires` (in the decisions' clock, from `now`), and at
+-- least `permit_ttl` ms while it holds permits. Remembers the permit-free deadline in Redis's
+-- clock, so the last release can bring the TTL back to it.
+local function save_state(key, s, now, permit_ttl)
+  local ttl = ttl_ms(s.expires, now)
+  s.deadline = redis_ms() + ttl
+  if s.in_flight > 0 and ttl < permit_ttl then
+    ttl = permit_ttl
+  end
+  redis.call('SET', key, encode_state(s), 'PX', ttl)
 end

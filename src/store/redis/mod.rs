@@ -487,8 +487,9 @@ impl RedisStore {
 
     /// Drops every state that is equivalent to fresh state at `now` and every tracker entry
     /// whose time is over: Redis's own TTLs do that in real time; this does it at a virtual
-    /// `now` (an injected clock). Scans the keys of this store's namespace; not on a cluster.
-    /// Returns how many keys were deleted.
+    /// `now` (an injected clock). Scans the keys of this store's namespace on one server: on a
+    /// cluster, sweep each master through a store connected to it alone. Returns how many keys
+    /// were deleted.
     pub async fn sweep(&self, now: Timestamp) -> Result<u64, StoreError> {
         if matches!(self.backend, Backend::Cluster(_)) {
             return Err(StoreError::Protocol(
@@ -511,14 +512,18 @@ impl RedisStore {
                 .arg(500);
             let (next, keys): (u64, Vec<String>) =
                 self.guarded("sweep", "", self.backend.query(&cmd)).await?;
-            for chunk in keys.chunks(64) {
-                let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            // One script per hash tag: a cluster node refuses scripts spanning slots.
+            let mut by_tag: HashMap<&str, Vec<&str>> = HashMap::new();
+            for k in &keys {
+                by_tag.entry(crate::key::hash_tag(k)).or_default().push(k);
+            }
+            for refs in by_tag.values().flat_map(|v| v.chunks(64)) {
                 let now_s = now.as_micros().to_string();
                 let n: u64 = self
                     .guarded(
                         "sweep",
                         "",
-                        self.eval(&self.scripts.sweep, &refs, &[now_s.as_bytes()]),
+                        self.eval(&self.scripts.sweep, refs, &[now_s.as_bytes()]),
                     )
                     .await?;
                 deleted += n;
@@ -939,8 +944,8 @@ fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
         in_flight: r.next()?,
         budgets: Vec::new(),
     };
-    // expires, three rates, three depths, period.
-    for _ in 0..8 {
+    // expires, three rates, three depths, period, deadline.
+    for _ in 0..9 {
         r.next()?;
     }
     let nb = r.next()? as usize;

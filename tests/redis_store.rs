@@ -1,0 +1,509 @@
+//! RedisStore behaviour beyond the conformance suite: exactness across replicas, faults, the
+//! refusal cache, and expiry. Every test starts its own redis-server on a free loopback port.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::{command_calls, RedisServer};
+use tower_fairshare::admission::{LevelRef, Plan};
+use tower_fairshare::simulate::EPOCH;
+use tower_fairshare::store::RedisStore;
+use tower_fairshare::{
+    Caller, Cost, Limiter, ManualClock, Policy, Reason, Store, StoreError, SystemClock, Timestamp,
+};
+
+fn multi_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Largest excess of admitted calls over `rate × τ / P + allowance` over every interval
+/// between two admitted calls (times in µs, sorted). Positive means the bound was broken.
+fn worst_excess(times: &[u64], rate: f64, period_us: f64, allowance: f64) -> f64 {
+    let mut worst = f64::NEG_INFINITY;
+    for i in 0..times.len() {
+        for j in i..times.len() {
+            let n = (j - i + 1) as f64;
+            let tau = (times[j] - times[i]) as f64;
+            worst = worst.max(n - (rate * tau / period_us + allowance));
+        }
+    }
+    worst
+}
+
+const SHARED: &str = r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 300, per = "1s" }
+burst = 20
+
+[tool.tenants.heavy]
+weight = 4
+floor = 30
+ceiling = 300
+burst = 20
+
+[tool.tenants.quiet]
+weight = 1
+floor = 40
+
+[tool.default_tenant]
+weight = 1
+max_tenants = 50
+"#;
+
+/// SPEC §3.2 across replicas: 4 stores ("replicas") on one Redis, 64 tasks each, flooding;
+/// the admitted calls (timed by Redis) never exceed C τ/P + burst + Σ floors over any
+/// interval, and the quiet tenant, offering half its floor, gets every call.
+#[test]
+fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(SHARED).unwrap();
+    let rt = multi_thread();
+    let admitted: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let quiet_refused = Arc::new(AtomicU64::new(0));
+    let quiet_admitted = Arc::new(AtomicU64::new(0));
+    let tasks_progressed = Arc::new(AtomicU64::new(0));
+    rt.block_on(async {
+        let mut replicas = Vec::new();
+        for _ in 0..4 {
+            let store = RedisStore::builder(server.url())
+                .timeout(Duration::from_secs(2))
+                .connect()
+                .await
+                .unwrap();
+            replicas.push(Limiter::with_store(policy.clone(), store, SystemClock));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut handles = Vec::new();
+        for (r, limiter) in replicas.iter().enumerate() {
+            for k in 0..64 {
+                let limiter = limiter.clone();
+                let admitted = admitted.clone();
+                let stop = stop.clone();
+                let progressed = tasks_progressed.clone();
+                let caller = match k % 4 {
+                    0 => Caller::new(format!("guest-{r}-{k}")),
+                    _ => Caller::new("heavy").with_instance(format!("agent-{k}")),
+                };
+                handles.push(tokio::spawn(async move {
+                    let mut any = false;
+                    while !stop.load(Ordering::Relaxed) {
+                        match limiter.admit(&caller, "search", Cost(1.0)).await {
+                            Ok(t) => {
+                                let a = t.admission.expect("metered");
+                                admitted.lock().unwrap().push(a.at.as_micros());
+                            }
+                            Err(e) => {
+                                assert_ne!(e.reason, Reason::StoreUnavailable, "{e}");
+                                // A client backs off a little; the cache answers most of these.
+                                tokio::time::sleep(Duration::from_millis(1)).await;
+                            }
+                        }
+                        if !any {
+                            any = true;
+                            progressed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }));
+            }
+            // The quiet tenant: 5 calls a second from each replica, 20/s in all, floor 40/s.
+            let limiter = limiter.clone();
+            let admitted = admitted.clone();
+            let stop = stop.clone();
+            let (qa, qr) = (quiet_admitted.clone(), quiet_refused.clone());
+            handles.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50 * r as u64)).await;
+                let quiet = Caller::new("quiet");
+                while !stop.load(Ordering::Relaxed) {
+                    match limiter.admit(&quiet, "search", Cost(1.0)).await {
+                        Ok(t) => {
+                            qa.fetch_add(1, Ordering::Relaxed);
+                            admitted
+                                .lock()
+                                .unwrap()
+                                .push(t.admission.unwrap().at.as_micros());
+                        }
+                        Err(e) => {
+                            eprintln!("quiet refused: {e}");
+                            qr.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        stop.store(true, Ordering::Relaxed);
+        for h in handles {
+            h.await.unwrap();
+        }
+    });
+    let mut times = admitted.lock().unwrap().clone();
+    times.sort_unstable();
+    let n = times.len();
+    let span = (times[n - 1] - times[0]) as f64 / 1e6;
+    eprintln!(
+        "admitted {n} calls over {span:.2} s; quiet {} admitted, {} refused",
+        quiet_admitted.load(Ordering::Relaxed),
+        quiet_refused.load(Ordering::Relaxed)
+    );
+    assert!(
+        n as f64 > 300.0 * span * 0.8,
+        "the tool was not saturated: {n} in {span} s"
+    );
+    // C = 300 per second, burst 20, floors 30 + 40.
+    let excess = worst_excess(&times, 300.0, 1e6, 20.0 + 70.0 + 1e-6);
+    assert!(excess <= 0.0, "capacity bound broken by {excess} calls");
+    assert_eq!(
+        quiet_refused.load(Ordering::Relaxed),
+        0,
+        "the quiet tenant lost its floor"
+    );
+    assert!(quiet_admitted.load(Ordering::Relaxed) >= 40);
+    assert_eq!(
+        tasks_progressed.load(Ordering::Relaxed),
+        256,
+        "some task never got an answer"
+    );
+}
+
+const FAULTS: &str = r#"
+[[tool]]
+name = "strict"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+[tool.tenants.A]
+
+[[tool]]
+name = "lenient"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+on_store_error = "allow"
+[tool.tenants.A]
+"#;
+
+/// Redis killed mid-load: every call answers within the timeout, by the tool's
+/// `on_store_error` (deny: `store_unavailable`; allow: through, unmetered); restarted on the
+/// same port, calls succeed again within a second.
+#[test]
+fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
+    let server = Arc::new(RedisServer::start());
+    let policy = Policy::from_toml_str(FAULTS).unwrap();
+    let rt = multi_thread();
+    let timeout = Duration::from_millis(200);
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .timeout(timeout)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, SystemClock);
+        let stop = Arc::new(AtomicBool::new(false));
+        let slowest = Arc::new(AtomicU64::new(0));
+        let outcomes: Arc<Mutex<Vec<(Instant, &'static str, bool, bool)>>> = Arc::default();
+        let mut handles = Vec::new();
+        for k in 0..16 {
+            let (limiter, stop, slowest, outcomes) =
+                (limiter.clone(), stop.clone(), slowest.clone(), outcomes.clone());
+            handles.push(tokio::spawn(async move {
+                let a = Caller::new("A");
+                let tool = if k % 2 == 0 { "strict" } else { "lenient" };
+                while !stop.load(Ordering::Relaxed) {
+                    let t0 = Instant::now();
+                    let r = limiter.admit(&a, tool, Cost(1.0)).await;
+                    slowest.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    let (ok, metered) = match &r {
+                        Ok(t) => (true, t.admission.is_some()),
+                        Err(e) => {
+                            assert_eq!(e.reason, Reason::StoreUnavailable, "{e}");
+                            assert!(e.retryable);
+                            (false, false)
+                        }
+                    };
+                    outcomes.lock().unwrap().push((Instant::now(), tool, ok, metered));
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let killed_at = Instant::now();
+        server.kill();
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let s = server.clone();
+        let restarted_at = tokio::task::spawn_blocking(move || {
+            assert!(s.spawn(), "restart on the same port");
+            Instant::now()
+        })
+        .await
+        .unwrap();
+        // Calls succeed again within a second of Redis answering.
+        let recovered = loop {
+            let last_ok = outcomes
+                .lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|o| o.0 > restarted_at && o.1 == "strict" && o.2)
+                .map(|o| o.0);
+            if let Some(t) = last_ok {
+                break t;
+            }
+            assert!(
+                restarted_at.elapsed() < Duration::from_secs(3),
+                "no call succeeded within 3 s of the restart"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.store(true, Ordering::Relaxed);
+        for h in handles {
+            h.await.unwrap();
+        }
+        let first_ok_after = outcomes
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|o| o.0 > restarted_at && o.1 == "strict" && o.2)
+            .map(|o| o.0)
+            .unwrap_or(recovered);
+        let recovery = first_ok_after - restarted_at;
+        let slowest = Duration::from_micros(slowest.load(Ordering::Relaxed));
+        let outage: Vec<_> = outcomes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|o| o.0 > killed_at + timeout && o.0 < restarted_at)
+            .copied()
+            .collect();
+        eprintln!(
+            "slowest call {slowest:?}; {} calls during the outage; recovered {recovery:?} after the restart; {} store errors",
+            outage.len(),
+            limiter.store().errors()
+        );
+        assert!(slowest < timeout + Duration::from_millis(150), "a call hung for {slowest:?}");
+        assert!(recovery < Duration::from_secs(1), "recovery took {recovery:?}");
+        assert!(outage.iter().any(|o| o.1 == "strict"));
+        for o in &outage {
+            match o.1 {
+                "strict" => assert!(!o.2, "a strict call passed while Redis was down"),
+                _ => assert!(o.2 && !o.3, "a lenient call was not let through unmetered"),
+            }
+        }
+        assert!(limiter.store().errors() > 0);
+    });
+}
+
+fn plan_for<'p>(policy: &'p Policy, tenant: &'p str, now: Timestamp) -> Plan<'p> {
+    let tool = policy.tool("strict").unwrap();
+    Plan {
+        now,
+        cost: 1.0,
+        tool,
+        tenant: LevelRef {
+            name: tenant,
+            policy: tool.tenant(tenant).unwrap(),
+        },
+        instance: None,
+        untenanted: false,
+    }
+}
+
+/// A slow Redis (`DEBUG SLEEP`) hits the timeout path, and calls succeed once it answers.
+#[test]
+fn a_slow_redis_hits_the_timeout() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(FAULTS).unwrap();
+    let rt = current_thread();
+    let timeout = Duration::from_millis(150);
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .timeout(timeout)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy.clone(), store, SystemClock);
+        let a = Caller::new("A");
+        let keys = limiter.call_keys(&a, "strict").unwrap();
+        assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
+        let mut conn = server.conn();
+        let sleeper = std::thread::spawn(move || {
+            let _: () = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("0.6")
+                .query(&mut conn)
+                .unwrap();
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let plan = plan_for(&policy, "A", EPOCH);
+        let t0 = Instant::now();
+        let r = limiter.store().decide(&plan, &keys).await;
+        let took = t0.elapsed();
+        assert!(
+            matches!(r, Err(StoreError::Timeout(d)) if d == timeout),
+            "{r:?}"
+        );
+        assert!(took < timeout + Duration::from_millis(100), "took {took:?}");
+        // Through the limiter: the tool's mode (deny) applies.
+        let refusal = limiter.admit(&a, "strict", Cost(1.0)).await.unwrap_err();
+        assert_eq!(refusal.reason, Reason::StoreUnavailable);
+        assert_eq!(limiter.store().errors(), 2);
+        sleeper.join().unwrap();
+        let t0 = Instant::now();
+        loop {
+            if limiter.admit(&a, "strict", Cost(1.0)).await.is_ok() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(1),
+                "no recovery after the sleep"
+            );
+        }
+    });
+}
+
+/// After a refusal with retry time t, the same caller's calls on this replica cost no Redis
+/// command until t (INFO commandstats), other callers still reach Redis, and at t the caller
+/// is decided by Redis again.
+#[test]
+fn the_refusal_cache_sends_nothing_to_redis_until_the_retry_time() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "report"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.tenants.parasite]
+        ceiling = 3
+        burst = 3
+        [tool.tenants.other]
+        "#,
+    )
+    .unwrap();
+    let rt = current_thread();
+    let mut info = server.conn();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .connect()
+            .await
+            .unwrap();
+        let clock = ManualClock::new(EPOCH);
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let parasite = Caller::new("parasite");
+        for _ in 0..3 {
+            limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
+        }
+        let first = limiter
+            .admit(&parasite, "report", Cost(1.0))
+            .await
+            .unwrap_err();
+        assert_eq!(first.reason, Reason::RateLimited);
+        let reset = first.reset_at.unwrap();
+        let scripts =
+            |c: &mut redis::Connection| command_calls(c, "evalsha") + command_calls(c, "eval");
+        let before = scripts(&mut info);
+        // A flood of 10,000 calls spread over the time until the retry time.
+        let span = reset.as_micros() - EPOCH.as_micros();
+        for i in 0..10_000u64 {
+            clock.set(Timestamp(EPOCH.as_micros() + span * i / 10_000));
+            let r = limiter
+                .admit(&parasite, "report", Cost(1.0))
+                .await
+                .unwrap_err();
+            assert_eq!(r.reason, Reason::RateLimited);
+            let left = reset.as_micros() - clock.now_micros();
+            assert_eq!(r.retry_after, Some(Duration::from_micros(left)));
+        }
+        assert_eq!(scripts(&mut info), before, "the flood reached Redis");
+        assert_eq!(limiter.store().cached_refusals(), 10_000);
+        // Another caller is decided by Redis as usual.
+        limiter
+            .admit(&Caller::new("other"), "report", Cost(1.0))
+            .await
+            .unwrap();
+        assert_eq!(scripts(&mut info), before + 1);
+        // At the retry time the parasite is decided by Redis again, and admitted.
+        clock.set(reset);
+        limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
+        assert_eq!(scripts(&mut info), before + 2);
+    });
+}
+
+trait NowMicros {
+    fn now_micros(&self) -> u64;
+}
+
+impl NowMicros for ManualClock {
+    fn now_micros(&self) -> u64 {
+        tower_fairshare::Clock::now(self).as_micros()
+    }
+}
+
+/// Every key carries a TTL, and once idle callers expire their keys are gone from Redis.
+#[test]
+fn idle_callers_keys_expire_from_redis() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 20, per = "1s" }
+        max_concurrency = 10
+        [tool.tenants.A]
+        floor = 5
+        [tool.tenants.A.default_instance]
+        max_instances = 5
+        [tool.default_tenant]
+        max_tenants = 10
+        "#,
+    )
+    .unwrap();
+    let rt = current_thread();
+    let mut conn = server.conn();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .connect()
+            .await
+            .unwrap();
+        let clock = ManualClock::new(EPOCH);
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let callers = [
+            Caller::new("A").with_instance("i1"),
+            Caller::new("A").with_instance("i2"),
+            Caller::new("g1"),
+            Caller::new("g2"),
+        ];
+        for c in &callers {
+            let t = limiter.admit(c, "t", Cost(1.0)).await.unwrap();
+            limiter.release(&t).await;
+        }
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
+        // tool + tracker, A + its tracker + 2 instances, 2 guests.
+        assert_eq!(keys.len(), 8, "{keys:?}");
+        for k in &keys {
+            let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).unwrap();
+            assert!(ttl > 0 && ttl <= 1000, "{k}: PTTL {ttl}");
+        }
+        // Idle for a period (Redis's own clock): everything is gone.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        assert_eq!(server.dbsize(), 0);
+    });
+}
