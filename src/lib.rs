@@ -71,8 +71,9 @@ pub use admission::{Reason, Refusal, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use identity::{Caller, Cost};
 pub use layer::{
-    grpc_code, http_status, CallerFromExtensions, FairShare, FairShareLayer, Identify, RequestHead,
-    ResponseBody, ResponseFuture, ToolName, RATELIMIT, RATELIMIT_POLICY,
+    grpc_code, http_status, CallerFromExtensions, Describe, Described, DescribedFuture,
+    DescribedLayer, FairShare, FairShareError, FairShareLayer, Identify, RequestHead, ResponseBody,
+    ResponseFuture, ToolName, RATELIMIT, RATELIMIT_POLICY,
 };
 pub use limiter::{Limiter, Ticket};
 pub use policy::{

@@ -17,6 +17,7 @@
 //! `permission_denied`.
 
 mod body;
+mod generic;
 #[allow(clippy::module_inception)]
 mod layer;
 mod refusal;
@@ -29,6 +30,7 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 
 pub use body::ResponseBody;
+pub use generic::{Describe, Described, DescribedFuture, DescribedLayer, FairShareError};
 pub use layer::FairShareLayer;
 pub use refusal::{grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
 pub use select::{CallerFromExtensions, Identify, RequestHead, ToolName};
