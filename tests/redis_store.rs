@@ -182,6 +182,9 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
     );
 }
 
+/// When a call ended, which tool, whether it passed, whether it was metered.
+type Outcome = (Instant, &'static str, bool, bool);
+
 const FAULTS: &str = r#"
 [[tool]]
 name = "strict"
@@ -215,7 +218,7 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
         let limiter = Limiter::with_store(policy, store, SystemClock);
         let stop = Arc::new(AtomicBool::new(false));
         let slowest = Arc::new(AtomicU64::new(0));
-        let outcomes: Arc<Mutex<Vec<(Instant, &'static str, bool, bool)>>> = Arc::default();
+        let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
         let mut handles = Vec::new();
         for k in 0..16 {
             let (limiter, stop, slowest, outcomes) =
