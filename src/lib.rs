@@ -1,36 +1,45 @@
 //! # tower-fairshare
 //!
-//! Fair-share rate limiting for services that many tenants — and their AI agents — share.
+//! Fair-share rate limiting for a tool that many tenants — and their AI agents — share.
 //! Every tenant keeps its guaranteed floor, spare capacity is split by weight, idle capacity
 //! is lent but never a floor, and one runaway agent instance cannot starve its teammates.
 //!
-//! ```
-//! use tower_fairshare::{Caller, Cost, Limiter, Policy};
+//! ## Quick start (axum)
 //!
-//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
-//! let policy = Policy::from_toml_str(r#"
-//!     [[tool]]
-//!     name = "web_search"
-//!     unit = "calls"
-//!     rate = { limit = 600, per = "1m" }
+//! ```no_run
+//! use axum::{extract::Request, middleware::{self, Next}, response::Response, routing::post, Router};
+//! use tower_fairshare::{Caller, FairShareLayer, Limiter, Policy};
 //!
-//!     [tool.tenants.team-research]
-//!     weight = 6
-//!     floor = 100
-//!
-//!     [tool.tenants.team-support]
-//!     weight = 2
-//!     floor = 60
-//! "#)?;
-//! let limiter = Limiter::new(policy);
-//! let caller = Caller::new("team-research");
-//! match limiter.admit(&caller, "web_search", Cost::default()).await {
-//!     Ok(_ticket) => { /* call the tool */ }
-//!     Err(refusal) => println!("{}", refusal.to_json()),
+//! // Your auth layer decides who is calling and puts it in the request extensions. Never
+//! // take it from the body: whoever sets the caller chooses who gets charged.
+//! async fn auth(mut req: Request, next: Next) -> Response {
+//!     if let Some(key) = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()) {
+//!         let caller = match key {
+//!             "sk-acme" => Some(Caller::new("acme").with_instance("report-agent")),
+//!             _ => None,
+//!         };
+//!         if let Some(c) = caller {
+//!             req.extensions_mut().insert(c);
+//!         }
+//!     }
+//!     next.run(req).await
 //! }
-//! # Ok::<(), tower_fairshare::PolicyError>(())
-//! # }).unwrap();
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let limiter = Limiter::new(Policy::from_path("policy.toml")?);
+//! let app: Router = Router::new()
+//!     .route("/tools/{name}", post(|| async { "ok" }))
+//!     // Refuses before the handler runs: 429/403/401/503 with a JSON body, Retry-After and
+//!     // RateLimit headers. The tool is the `{name}` path segment.
+//!     .layer(FairShareLayer::new(limiter).tool_from_path("/tools/").headers(true))
+//!     .layer(middleware::from_fn(auth));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
 //! ```
+//!
+//! The [`Limiter`] can also be called directly, and [`DescribedLayer`] limits services that
+//! are not HTTP.
 //!
 //! ## Semantics in one screen
 //!
@@ -39,12 +48,24 @@
 //! spare `S = C − Σ floors` is `S × w / Σw`), a **ceiling** (default floor + share) and a
 //! **burst** (the most it takes at one instant above its floor). A call passes only if it
 //! passes every level — tool, tenant, instance, every calendar budget, every concurrency cap
-//! — and a refusal charges nothing anywhere. See [`admission::engine`] for the algorithm.
+//! — and a refusal charges nothing anywhere. Idle share is lent to busy callers, highest
+//! weight first, each up to its ceiling. See [`admission::engine`] for the algorithm and the
+//! README for what the property tests prove.
 //!
 //! ## Features
 //!
 //! * `memory` (default) — the in-process [`MemoryStore`].
-//! * `cli` — the `fairshare` command: `check` and `simulate`.
+//! * `redis` — `RedisStore`: state shared by every replica, one Lua round trip a decision.
+//! * `redis-bb8` — a bb8 pool for `RedisStore`.
+//! * `metrics` — counters, gauges and histograms through the `metrics` facade
+//!   ([`telemetry`]).
+//! * `axum`, `tonic` — `IntoResponse` / `From<Refusal> for Status` for handlers that call the
+//!   limiter themselves.
+//! * `tokio` — finish permit releases and cost corrections on the runtime when a store
+//!   cannot do it at once (implied by `redis`).
+//! * `cli` — the `fairshare` command.
+//!
+//! MSRV: 1.85 (declared; CI builds with stable).
 
 #![forbid(unsafe_code)]
 // A `Refusal` is the product's answer, not an exceptional error: it is returned by value so
