@@ -1,1 +1,461 @@
-fn main() {}
+//! tower-fairshare against its anchors, in one run on one machine: governor's keyed
+//! `check_key`, a bare tower service, `ConcurrencyLimitLayer` and tower_governor. The targets
+//! are ratios (see `docs/performance.md`); `scripts/bench-compare` runs this bench and prints
+//! them.
+//!
+//! `cargo bench --bench compare` (quick: `-- --warm-up-time 1 --measurement-time 2`)
+//!
+//! Criterion ids (the script reads `target/criterion/<group>/<id>/new/estimates.json`):
+//!
+//! - `decision/governor *` and `decision/fairshare *`: one decision in memory. Threaded cases
+//!   report wall time per decision across all threads, so lower is more throughput and
+//!   `1 thread / 2 threads` is the throughput gain.
+//! - `layer/*`: building a request and `ready().call()` through each stack; the added cost of a
+//!   layer is its time minus `layer/bare`.
+//!
+//! After criterion, a counting allocator measures the bytes of state the in-memory store keeps
+//! per tracked caller and writes `target/criterion/compare-memory.json`. Set
+//! `COMPARE_MEMORY_CALLERS` to change the number of callers (default 1,000,000);
+//! `COMPARE_MEMORY_CALLERS=0` skips it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::convert::Infallible;
+use std::future::Future;
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::Criterion;
+use governor::{Quota, RateLimiter};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tonic::body::Body;
+use tower::limit::ConcurrencyLimitLayer;
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_fairshare::{Caller, Cost, FairShareLayer, Limiter, MemoryStore, Policy, SystemClock};
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::GlobalKeyExtractor;
+use tower_governor::GovernorLayer;
+
+// ---------------------------------------------------------------------------------------------
+// Counting allocator: live bytes, counted only while `COUNTING` is on so the timed benches pay
+// one relaxed load per allocation and nothing else.
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+fn count(delta: isize) {
+    if COUNTING.load(Ordering::Relaxed) {
+        LIVE.fetch_add(delta, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every call forwards to `System` with the caller's own arguments; the counters are
+// plain atomics and never touch the allocation.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            count(layout.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            count(layout.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        count(-(layout.size() as isize));
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            count(new_size as isize - layout.size() as isize);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+// ---------------------------------------------------------------------------------------------
+// Policies.
+
+/// Tool + tenant + instance + one budget, generous enough that every decision is admitted.
+const POLICY: &str = r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+[[tool]]
+name = "exhausted"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+[tool.default_tenant]
+ceiling = 1
+burst = 1
+"#;
+
+fn limiter() -> Limiter<MemoryStore, SystemClock> {
+    Limiter::new(Policy::from_toml_str(POLICY).expect("the bench policy is valid"))
+}
+
+fn callers(prefix: &str, n: usize) -> Vec<Caller> {
+    (0..n)
+        .map(|i| Caller::new(format!("{prefix}{i}")).with_instance("agent"))
+        .collect()
+}
+
+/// Every future here is ready at its first poll (memory store, `service_fn` over an async
+/// block, tower's limit layers with capacity): poll once, no runtime in the measurement.
+fn now<F: Future>(f: F) -> F::Output {
+    let mut f = pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => panic!("every future in this bench is ready at once"),
+    }
+}
+
+/// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads; wall time per
+/// call, so two threads that do not contend take half the time of one.
+fn threaded(iters: u64, threads: u64, f: impl Fn(usize, usize) + Sync) -> Duration {
+    let per_thread = iters.div_ceil(threads) as usize;
+    let f = &f;
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads as usize {
+            s.spawn(move || {
+                for k in 0..per_thread {
+                    f(t, k);
+                }
+            });
+        }
+    });
+    start.elapsed() / threads as u32
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. One decision in memory.
+
+fn decisions(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+
+    let gov = RateLimiter::keyed(quota);
+    g.bench_function("governor 1 key", |b| {
+        b.iter(|| gov.check_key(black_box(&0u64)).is_ok())
+    });
+
+    let gov = RateLimiter::keyed(quota);
+    for k in 0..10_000u64 {
+        let _ = gov.check_key(&k);
+    }
+    let mut i = 0u64;
+    g.bench_function("governor 10000 keys", |b| {
+        b.iter(|| {
+            i = (i + 1) % 10_000;
+            gov.check_key(black_box(&i)).is_ok()
+        })
+    });
+
+    // Threaded: (name, threads, keys per thread, shared key space).
+    for (name, threads, keys, shared) in [
+        ("governor 1 thread", 1, 1, false),
+        ("governor 2 threads one key each", 2, 1, false),
+        ("governor 2 threads same key", 2, 1, true),
+        ("governor 1 thread 5000 keys", 1, 5_000, false),
+        ("governor 2 threads disjoint 5000 keys", 2, 5_000, false),
+    ] {
+        let gov = RateLimiter::keyed(quota);
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                threaded(iters, threads, |t, k| {
+                    let owner = if shared { 0 } else { t as u64 };
+                    let key = owner * 1_000_000 + (k as u64 % keys);
+                    let _ = black_box(gov.check_key(&key));
+                })
+            })
+        });
+    }
+
+    let l = limiter();
+    let one = callers("tenant", 1);
+    g.bench_function("fairshare 1 caller", |b| {
+        b.iter(|| now(l.admit(black_box(&one[0]), "search", Cost(1.0))).is_ok())
+    });
+
+    let l = limiter();
+    let many = callers("tenant", 10_000);
+    for c in &many {
+        now(l.admit(c, "search", Cost(1.0))).expect("admitted");
+    }
+    let mut i = 0;
+    g.bench_function("fairshare 10000 callers", |b| {
+        b.iter(|| {
+            i = (i + 1) % many.len();
+            now(l.admit(black_box(&many[i]), "search", Cost(1.0))).is_ok()
+        })
+    });
+
+    // Threaded: each thread cycles over 64 callers of its own tenant set, or all share one.
+    for (name, threads, shared) in [
+        ("fairshare 1 thread", 1, false),
+        ("fairshare 2 threads distinct tenants", 2, false),
+        ("fairshare 2 threads shared tenant", 2, true),
+    ] {
+        let l = limiter();
+        let who: Vec<Vec<Caller>> = (0..threads)
+            .map(|t| {
+                if shared {
+                    callers("shared", 1)
+                } else {
+                    callers(&format!("t{t}-"), 64)
+                }
+            })
+            .collect();
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                threaded(iters, threads, |t, k| {
+                    let mine = &who[t];
+                    let _ = black_box(now(l.admit(&mine[k % mine.len()], "search", Cost(1.0))));
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. The whole layer.
+
+/// `tonic::body::Body`: tower_governor builds its 429 through `From<GovernorError>`, which it
+/// implements for axum's and tonic's bodies only; it is also a body `FairShare` accepts.
+fn bare(
+) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send> + Clone
+{
+    service_fn(|_req: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::empty())) })
+}
+
+fn request(tool: &'static str) -> Request<Body> {
+    let mut req = Request::builder()
+        .uri(tool)
+        .body(Body::empty())
+        .expect("a valid request");
+    req.extensions_mut()
+        .insert(Caller::new("t").with_instance("a"));
+    req
+}
+
+/// `ready().call()` once, and the response status (the response is dropped inside the timed
+/// routine, as a server would).
+fn call<S, B>(svc: &mut S, req: Request<Body>) -> StatusCode
+where
+    S: Service<Request<Body>, Response = Response<B>>,
+    S::Error: std::fmt::Debug,
+{
+    let svc = now(svc.ready()).expect("ready");
+    now(svc.call(req)).expect("a response").status()
+}
+
+fn layers(c: &mut Criterion) {
+    let mut g = c.benchmark_group("layer");
+    const SEARCH: &str = "/tools/search";
+    const EXHAUSTED: &str = "/tools/exhausted";
+
+    fn case<S, B>(
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+        mut svc: S,
+        path: &'static str,
+        expect: StatusCode,
+    ) where
+        S: Service<Request<Body>, Response = Response<B>>,
+        S::Error: std::fmt::Debug,
+    {
+        // One call before timing: the refusal cases use it up.
+        call(&mut svc, request(path));
+        assert_eq!(call(&mut svc, request(path)), expect, "{name}");
+        g.bench_function(name, |b| b.iter(|| call(&mut svc, request(path))));
+    }
+
+    case(&mut g, "bare", bare(), SEARCH, StatusCode::OK);
+    case(
+        &mut g,
+        "concurrency limit",
+        ConcurrencyLimitLayer::new(1024).layer(bare()),
+        SEARCH,
+        StatusCode::OK,
+    );
+
+    let admit = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .key_extractor(GlobalKeyExtractor)
+        .finish()
+        .expect("a valid governor config");
+    case(
+        &mut g,
+        "tower_governor admitted",
+        GovernorLayer::new(admit).layer(bare()),
+        SEARCH,
+        StatusCode::OK,
+    );
+    let headers = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .key_extractor(GlobalKeyExtractor)
+        .use_headers()
+        .finish()
+        .expect("a valid governor config");
+    case(
+        &mut g,
+        "tower_governor headers",
+        GovernorLayer::new(headers).layer(bare()),
+        SEARCH,
+        StatusCode::OK,
+    );
+    let refuse = GovernorConfigBuilder::default()
+        .period(Duration::from_secs(3600))
+        .burst_size(1)
+        .key_extractor(GlobalKeyExtractor)
+        .finish()
+        .expect("a valid governor config");
+    // Its `From<GovernorError>` for tonic's body answers gRPC-style (HTTP 200): build the 429
+    // an axum user gets (`into_response()`, the text in a boxed body) instead.
+    let refuse = GovernorLayer::new(refuse).error_handler(|e: tower_governor::GovernorError| {
+        e.into_response()
+            .map(|text| Body::new(Full::new(Bytes::from(text))))
+    });
+    case(
+        &mut g,
+        "tower_governor refused",
+        refuse.layer(bare()),
+        SEARCH,
+        StatusCode::TOO_MANY_REQUESTS,
+    );
+
+    case(
+        &mut g,
+        "fairshare admitted",
+        FairShareLayer::new(limiter()).layer(bare()),
+        SEARCH,
+        StatusCode::OK,
+    );
+    case(
+        &mut g,
+        "fairshare headers",
+        FairShareLayer::new(limiter()).headers(true).layer(bare()),
+        SEARCH,
+        StatusCode::OK,
+    );
+    case(
+        &mut g,
+        "fairshare refused",
+        FairShareLayer::new(limiter()).layer(bare()),
+        EXHAUSTED,
+        StatusCode::TOO_MANY_REQUESTS,
+    );
+    g.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Memory per tracked caller.
+
+/// Live bytes after running `f`, minus those before; what `f` allocated and dropped nets out.
+fn live_bytes_after(f: impl FnOnce()) -> isize {
+    LIVE.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    f();
+    COUNTING.store(false, Ordering::SeqCst);
+    LIVE.load(Ordering::SeqCst)
+}
+
+fn memory(n: usize) {
+    let mut l = Some(limiter());
+    let start = Instant::now();
+    let ours = live_bytes_after(|| {
+        let l = l.as_ref().expect("built above");
+        for i in 0..n {
+            // Each caller is built and dropped inside the window: only the store's copy stays.
+            let caller = Caller::new(format!("tenant-{i}")).with_instance("agent");
+            now(l.admit(&caller, "search", Cost(1.0))).expect("admitted");
+        }
+    });
+    let elapsed = start.elapsed();
+    let entries = l.as_ref().map_or(0, |l| l.store().len());
+    let freed = live_bytes_after(|| drop(l.take()));
+
+    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+    let mut gov = Some(RateLimiter::keyed(quota));
+    let governor = live_bytes_after(|| {
+        let gov = gov.as_ref().expect("built above");
+        for k in 0..n as u64 {
+            let _ = gov.check_key(&k);
+        }
+    });
+    drop(gov.take());
+
+    let per_caller = ours as f64 / n as f64;
+    let per_key = governor as f64 / n as f64;
+    println!(
+        "memory: fairshare {per_caller:.1} bytes per tracked caller ({n} callers, {entries} store \
+         entries, {ours} bytes live, {} bytes freed on drop, {:.2} s); governor keyed {per_key:.1} \
+         bytes per u64 key",
+        -freed,
+        elapsed.as_secs_f64()
+    );
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
+        .join("criterion");
+    let json = format!(
+        "{{\"callers\":{n},\"store_entries\":{entries},\"live_bytes\":{ours},\
+         \"bytes_per_caller\":{per_caller:.1},\"governor_bytes_per_key\":{per_key:.1}}}\n"
+    );
+    if std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join("compare-memory.json"), json))
+        .is_err()
+    {
+        eprintln!("memory: could not write {}", dir.display());
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    decisions(&mut c);
+    layers(&mut c);
+    c.final_summary();
+
+    // `cargo test --benches` runs each bench once: keep the memory part small there too.
+    let quick = std::env::args().any(|a| a == "--test" || a == "--list");
+    let n = std::env::var("COMPARE_MEMORY_CALLERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 1_000 } else { 1_000_000 });
+    if n > 0 && !std::env::args().any(|a| a == "--list") {
+        memory(n);
+    }
+}
