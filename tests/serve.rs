@@ -285,3 +285,36 @@ fn a_bad_keys_file_is_refused_naming_the_field() {
         assert!(err.contains("keys.toml") && err.contains(expect), "{err}");
     }
 }
+
+#[tokio::test]
+async fn metrics_are_served_as_prometheus_text() {
+    let server = serve("metrics");
+    assert_eq!(
+        call(&server, "generate_report", Some("sk-acme"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        call(&server, "generate_report", None).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let response = client
+        .get(format!("http://{}/metrics", server.addr).parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = response.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    let admitted = text
+        .lines()
+        .find(|l| {
+            l.starts_with("fairshare_decisions_total{")
+                && l.contains("tenant=\"acme\"")
+                && l.contains("outcome=\"admitted\"")
+        })
+        .unwrap_or_else(|| panic!("no admitted acme decision in\n{text}"));
+    assert!(admitted.ends_with(" 1"), "{admitted}");
+    assert!(text.contains("# HELP fairshare_decisions_total"), "{text}");
+}

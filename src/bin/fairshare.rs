@@ -116,8 +116,8 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
     }
     let tools: Vec<String> = policy.tools().map(|t| t.name().to_owned()).collect();
     let n_keys = keys.len();
-    let app = cli::serve::router(policy, keys);
     runtime().block_on(async move {
+        let app = cli::serve::router(policy, keys, cli::serve::install_prometheus());
         let listener = match tokio::net::TcpListener::bind(listen).await {
             Ok(l) => l,
             Err(e) => {
@@ -131,7 +131,7 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
         // Scripts and tests read this line to learn the port.
         println!("fairshare serve: listening on http://{addr}");
         println!(
-            "  tools: {} (call POST or GET /tools/{{name}}); {n_keys} keys; header {}",
+            "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; metrics at /metrics",
             tools.join(", "),
             cli::serve::API_KEY
         );

@@ -177,7 +177,7 @@ pub(crate) async fn run(duration: Duration) -> ExitCode {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve::run(
         listener,
-        serve::router(policy, keys),
+        serve::router(policy, keys, None),
         async move {
             let _ = stopped.await;
         },

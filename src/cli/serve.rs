@@ -1,15 +1,19 @@
 //! `fairshare serve`: a reference axum gateway. The demo auth layer looks the `x-api-key`
 //! header up in the keys file and puts the [`Caller`] in the request extensions; the
 //! [`FairShareLayer`] behind it admits or refuses every `/tools/{name}` call as tool `name`.
+//! `/metrics` serves the limiter's metrics as Prometheus text.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Request, State};
+use axum::http::header::CONTENT_TYPE;
 use axum::middleware::{self, Next};
-use axum::response::Response;
-use axum::routing::any;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
 use axum::{Json, Router};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tower_fairshare::{Caller, Clock, FairShareLayer, Limiter, Policy, Store};
 
@@ -18,22 +22,42 @@ use super::keys::Keys;
 /// The header the demo auth layer reads.
 pub(crate) const API_KEY: &str = "x-api-key";
 
-/// The gateway with an in-process store and the system clock.
-pub(crate) fn router(policy: Policy, keys: Keys) -> Router {
-    router_with(Limiter::new(policy), keys)
+/// The gateway with an in-process store and the system clock; `/metrics` renders `metrics`
+/// (404 without it).
+pub(crate) fn router(policy: Policy, keys: Keys, metrics: Option<PrometheusHandle>) -> Router {
+    router_with(Limiter::new(policy), keys, metrics)
 }
 
 /// The gateway deciding with `limiter`.
-pub(crate) fn router_with<S: Store, C: Clock>(limiter: Limiter<S, C>, keys: Keys) -> Router {
-    Router::new()
-        .route("/tools/{name}", any(tool))
-        .layer(
-            FairShareLayer::new(limiter)
-                .tool_from_path("/tools/")
-                .headers(true),
-        )
-        // Outermost: the caller is known before the fair-share layer looks for it.
-        .layer(middleware::from_fn_with_state(Arc::new(keys), authenticate))
+pub(crate) fn router_with<S: Store, C: Clock>(
+    limiter: Limiter<S, C>,
+    keys: Keys,
+    metrics: Option<PrometheusHandle>,
+) -> Router {
+    let mut app = Router::new().route("/tools/{name}", any(tool));
+    if let Some(handle) = metrics {
+        app = app.route(
+            "/metrics",
+            get(move || {
+                let text = handle.render();
+                async move {
+                    (
+                        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+                        text,
+                    )
+                        .into_response()
+                }
+            }),
+        );
+    }
+    // `/metrics` is not under `/tools/`: the fair-share layer lets it through unmetered.
+    app.layer(
+        FairShareLayer::new(limiter)
+            .tool_from_path("/tools/")
+            .headers(true),
+    )
+    // Outermost: the caller is known before the fair-share layer looks for it.
+    .layer(middleware::from_fn_with_state(Arc::new(keys), authenticate))
 }
 
 /// The tool itself: every admitted call succeeds.
@@ -57,6 +81,30 @@ async fn authenticate(State(keys): State<Arc<Keys>>, mut req: Request, next: Nex
         req.extensions_mut().insert(caller);
     }
     next.run(req).await
+}
+
+/// Installs a Prometheus recorder as this process's `metrics` recorder, describes the
+/// limiter's metrics and keeps the recorder's histograms drained. `None` (with the reason on
+/// stderr) when another recorder is installed already.
+pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
+    match PrometheusBuilder::new().install_recorder() {
+        Ok(handle) => {
+            tower_fairshare::telemetry::describe_metrics();
+            let upkeep = handle.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    every.tick().await;
+                    upkeep.run_upkeep();
+                }
+            });
+            Some(handle)
+        }
+        Err(e) => {
+            eprintln!("warning: /metrics is off: cannot install the Prometheus recorder: {e}");
+            None
+        }
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets calls in flight finish.
