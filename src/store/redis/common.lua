@@ -16,18 +16,26 @@ local HOUR = 3600000000
 local DAY = 86400000000
 local HEADER = 19
 
+-- Redis's clock in µs, read once per script (every redis.call costs inside Redis).
+local redis_now_us = nil
+local function redis_us()
+  if not redis_now_us then
+    local t = redis.call('TIME')
+    redis_now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return redis_now_us
+end
+
 -- Redis's own clock in ms (TTLs run on it whatever clock the decisions use).
 local function redis_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return math.floor(redis_us() / 1000)
 end
 
 local function now_from(arg)
   if arg >= 0 then
     return arg
   end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return redis_us()
 end
 
 -- H. Hinnant's civil calendar, as in src/clock.rs (all values are small whole numbers).
