@@ -71,10 +71,8 @@ mod tonic_status {
 mod axum_response {
     use axum::body::Body;
     use axum::response::{IntoResponse, Response};
-    use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 
-    use crate::admission::{Reason, Refusal, Scope};
-    use crate::layer::{http_status, RATELIMIT, RATELIMIT_POLICY};
+    use crate::admission::Refusal;
 
     /// A refusal as an HTTP response, for axum handlers that call the limiter themselves.
     ///
@@ -126,36 +124,8 @@ mod axum_response {
     /// ```
     impl IntoResponse for Refusal {
         fn into_response(self) -> Response {
-            let mut res = Response::new(Body::from(self.to_json()));
-            *res.status_mut() = http_status(self.reason);
-            let h = res.headers_mut();
-            h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            // As the layer does: a store outage is always worth retrying.
-            if self.retryable || self.reason == Reason::StoreUnavailable {
-                h.insert(RETRY_AFTER, HeaderValue::from(self.retry_after_secs()));
-            }
-            // The layer's `RateLimit-Policy` / `RateLimit` for a refused rate or budget.
-            if let (Reason::RateLimited | Reason::CapExceeded, Some(limit), Some(w)) =
-                (self.reason, self.limit, self.window_secs)
-            {
-                let scope = self.scope.unwrap_or(Scope::Tool).as_str();
-                let quota = limit.floor();
-                let quota = if quota.abs() < 9.0e15 {
-                    itoa::Buffer::new().format(quota as i64).to_owned()
-                } else {
-                    format!("{quota:.0}")
-                };
-                let policy = format!("\"{scope}\";q={quota};w={w}");
-                let remaining = format!("\"{scope}\";r=0;t={}", self.retry_after_secs());
-                if let (Ok(policy), Ok(remaining)) = (
-                    HeaderValue::from_str(&policy),
-                    HeaderValue::from_str(&remaining),
-                ) {
-                    h.insert(RATELIMIT_POLICY, policy);
-                    h.insert(RATELIMIT, remaining);
-                }
-            }
-            res
+            // Exactly the layer's response: one builder serves both.
+            crate::layer::refusal_response::<Body>(&self, false).map(Body::new)
         }
     }
 }

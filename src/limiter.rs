@@ -182,7 +182,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let (tp, tenant, instance, keys) = resolve(&policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
-            let mut r = denial(Reason::PermissionDenied, tool, caller, "cost");
+            let mut r = denial(Reason::PermissionDenied, tool, caller, "invalid_cost");
             r.retryable = false;
             return Err(r);
         }
@@ -369,11 +369,11 @@ fn fill_caller(r: &mut Refusal, caller: &Caller) {
     r.instance = caller.instance().map(str::to_owned);
 }
 
-fn denial(reason: Reason, tool: &str, caller: &Caller, what: &str) -> Refusal {
+fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Refusal {
     let mut r = Refusal::new(reason, tool);
     fill_caller(&mut r, caller);
     r.scope = Some(Scope::Tool);
-    r.window = Some(what.to_owned());
+    r.detail = Some(what);
     r
 }
 
@@ -388,13 +388,18 @@ fn resolve<'p>(
 ) -> Result<Resolved<'p>, Refusal> {
     let Some(tp) = policy.tool(tool) else {
         let mut r = Refusal::new(Reason::PermissionDenied, tool);
-        r.window = Some("unknown_tool".into());
+        r.detail = Some("unknown_tool");
         fill_caller(&mut r, caller);
         return Err(r);
     };
     // Identity before permission: a caller without one is 401 whatever the tool's tier.
     if caller.tenant().is_none() && tp.require_tenant() {
-        return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant"));
+        return Err(denial(
+            Reason::UnidentifiedCaller,
+            tool,
+            caller,
+            "missing_tenant",
+        ));
     }
     if !tp.allows_tier(caller.tier()) {
         return Err(denial(Reason::PermissionDenied, tool, caller, "tier"));
@@ -402,20 +407,46 @@ fn resolve<'p>(
     let (tenant_name, untenanted, tenant_policy) = match caller.tenant() {
         Some(t) => match tp.tenant(t) {
             Some(p) => (t, false, p),
-            None => return Err(denial(Reason::PermissionDenied, tool, caller, "tenant")),
+            None => {
+                return Err(denial(
+                    Reason::PermissionDenied,
+                    tool,
+                    caller,
+                    "unlisted_tenant",
+                ))
+            }
         },
         None if tp.require_tenant() => {
-            return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant"))
+            return Err(denial(
+                Reason::UnidentifiedCaller,
+                tool,
+                caller,
+                "missing_tenant",
+            ))
         }
         None => match tp.default_tenant() {
             Some(p) => (caller.instance().unwrap_or(""), true, p),
-            None => return Err(denial(Reason::UnidentifiedCaller, tool, caller, "tenant")),
+            None => {
+                return Err(denial(
+                    Reason::UnidentifiedCaller,
+                    tool,
+                    caller,
+                    "missing_tenant",
+                ))
+            }
         },
     };
     let instance = match (untenanted, caller.instance()) {
         (false, Some(i)) if tenant_policy.has_instances() => match tenant_policy.instance(i) {
             Some(p) => Some(LevelRef { name: i, policy: p }),
-            None => return Err(denial(Reason::PermissionDenied, tool, caller, "instance")),
+            None => {
+                return Err(denial(
+                    Reason::PermissionDenied,
+                    tool,
+                    caller,
+                    "unlisted_instance",
+                ))
+            }
         },
         _ => None,
     };

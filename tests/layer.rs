@@ -58,6 +58,7 @@ fn limiter() -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
     )
 }
 
+#[allow(clippy::type_complexity)]
 fn counting() -> (
     Arc<AtomicUsize>,
     impl Service<

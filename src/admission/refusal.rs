@@ -88,6 +88,9 @@ pub struct Refusal {
     /// False only when retrying can never succeed (a cost above capacity, a tier denial,
     /// no identity).
     pub retryable: bool,
+    /// For refusals that are not about a window, what was wrong: `missing_tenant`, `tier`,
+    /// `unknown_tool`, `unlisted_tenant`, `unlisted_instance`, `invalid_cost`, `store`.
+    pub detail: Option<&'static str>,
 }
 
 impl Refusal {
@@ -105,6 +108,7 @@ impl Refusal {
             reset_at: None,
             retry_after: None,
             retryable: false,
+            detail: None,
         }
     }
 
@@ -151,6 +155,10 @@ impl Refusal {
         }
         o.push_str(",\"retryable\":");
         o.push_str(if self.retryable { "true" } else { "false" });
+        if let Some(d) = self.detail {
+            o.push_str(",\"detail\":");
+            json_str(&mut o, d);
+        }
         o.push('}');
         o
     }

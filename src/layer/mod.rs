@@ -32,6 +32,9 @@ use std::task::{Context, Waker};
 pub use body::ResponseBody;
 pub use generic::{Describe, Described, DescribedFuture, DescribedLayer, FairShareError};
 pub use layer::FairShareLayer;
+/// The refusal response the layer sends, for `IntoResponse for Refusal` (feature `axum`).
+#[cfg(feature = "axum")]
+pub(crate) use refusal::response as refusal_response;
 pub use refusal::{grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
 pub use select::{CallerFromExtensions, Identify, RequestHead, ToolName};
 pub use service::{FairShare, ResponseFuture};
