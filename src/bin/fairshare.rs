@@ -44,6 +44,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Also write an SVG chart of admitted calls per caller per period, against the floor
+        /// and ceiling each was owed.
+        #[arg(long, value_name = "OUT")]
+        svg: Option<PathBuf>,
     },
     /// Serve a reference HTTP gateway: `/tools/{name}` calls tool `name`, callers are the
     /// `x-api-key` header looked up in the keys file.
@@ -79,7 +83,8 @@ fn main() -> ExitCode {
             policy,
             scenario,
             json,
-        } => run_simulation(&policy, &scenario, json),
+            svg,
+        } => run_simulation(&policy, &scenario, json, svg.as_deref()),
         Command::Serve {
             policy,
             keys,
@@ -137,9 +142,7 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
+        let shutdown = shutdown_signal();
         match cli::serve::run(listener, app, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -148,6 +151,29 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
             }
         }
     })
+}
+
+/// Ctrl-C, or SIGTERM (what container runtimes send) on Unix.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 fn load(path: &Path) -> Result<Policy, ExitCode> {
@@ -243,7 +269,12 @@ fn budgets(b: &[(String, f64)]) -> String {
     }
 }
 
-fn run_simulation(policy_path: &Path, scenario_path: &Path, json: bool) -> ExitCode {
+fn run_simulation(
+    policy_path: &Path,
+    scenario_path: &Path,
+    json: bool,
+    svg: Option<&Path>,
+) -> ExitCode {
     let policy = match load(policy_path) {
         Ok(p) => p,
         Err(code) => return code,
@@ -265,13 +296,32 @@ fn run_simulation(policy_path: &Path, scenario_path: &Path, json: bool) -> ExitC
             return ExitCode::from(1);
         }
     };
+    let tool = policy.tool(&scenario.tool).expect("checked by simulate");
+    if let Some(out) = svg {
+        let title = format!(
+            "{} — {}",
+            scenario.tool,
+            scenario_path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        );
+        let chart = tower_fairshare::chart::svg(
+            &report,
+            &title,
+            tool.capacity(),
+            &tool.period().to_string(),
+        );
+        if let Err(e) = std::fs::write(out, chart) {
+            eprintln!("error: cannot write {}: {e}", out.display());
+            return ExitCode::from(1);
+        }
+    }
     if json {
         println!(
             "{}",
             serde_json::to_string(&report).expect("report serializes")
         );
     } else {
-        let tool = policy.tool(&scenario.tool).expect("checked by simulate");
         print!("{}", report.to_table(tool.capacity(), tool.period()));
     }
     ExitCode::SUCCESS
