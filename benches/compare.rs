@@ -17,6 +17,12 @@
 //! per tracked caller and writes `target/criterion/compare-memory.json`. Set
 //! `COMPARE_MEMORY_CALLERS` to change the number of callers (default 1,000,000);
 //! `COMPARE_MEMORY_CALLERS=0` skips it.
+//!
+//! With `--features redis` and `COMPARE_REDIS_URL` set (it runs `FLUSHALL` there: give it a
+//! Redis of its own, as `scripts/bench-compare` does), it also drives `RedisStore` and a one-key
+//! GCRA script at 1, 16 and 64 calls in flight for `COMPARE_REDIS_SECS` (default 3) each,
+//! with per-task progress and the worst latency, counts the Redis commands a refused
+//! parasite's flood costs, and writes `target/criterion/compare-redis.json`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
@@ -424,19 +430,227 @@ fn memory(n: usize) {
         -freed,
         elapsed.as_secs_f64()
     );
-    let dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
-        .join("criterion");
     let json = format!(
         "{{\"callers\":{n},\"store_entries\":{entries},\"live_bytes\":{ours},\
          \"bytes_per_caller\":{per_caller:.1},\"governor_bytes_per_key\":{per_key:.1}}}\n"
     );
+    write_result("compare-memory.json", &json);
+}
+
+/// Beside criterion's own results, where `scripts/bench-compare` reads them.
+fn write_result(file: &str, json: &str) {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
+        .join("criterion");
     if std::fs::create_dir_all(&dir)
-        .and_then(|()| std::fs::write(dir.join("compare-memory.json"), json))
+        .and_then(|()| std::fs::write(dir.join(file), json))
         .is_err()
     {
-        eprintln!("memory: could not write {}", dir.display());
+        eprintln!("could not write {}", dir.join(file).display());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Redis: our `RedisStore` against a one-key GCRA script over a multiplexed connection.
+
+#[cfg(feature = "redis")]
+mod redis_part {
+    use std::time::{Duration, Instant};
+
+    use tower_fairshare::store::RedisStore;
+    use tower_fairshare::{Caller, Cost, Limiter, Policy, SystemClock};
+
+    /// One key, one EVALSHA, Redis `TIME`: the shape of go-redis/redis_rate's GCRA.
+    const GCRA: &str = r#"
+local rate_per_s = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local t = redis.call("TIME")
+local now = (tonumber(t[1]) - 1700000000) + tonumber(t[2]) / 1000000
+local interval = 1 / rate_per_s
+local tat = tonumber(redis.call("GET", KEYS[1]) or now)
+if tat < now then tat = now end
+local new_tat = tat + interval
+if new_tat - interval * burst > now then
+  return {0, math.ceil((new_tat - interval * burst - now) * 1000)}
+end
+redis.call("SET", KEYS[1], tostring(new_tat), "PX", math.ceil((new_tat - now) * 1000) + 1)
+return {1, 0}
+"#;
+
+    /// Per task: calls made and each call's latency in µs.
+    struct Run {
+        in_flight: usize,
+        secs: f64,
+        calls: Vec<usize>,
+        latencies_us: Vec<u32>,
+        errors: usize,
+    }
+
+    impl Run {
+        fn json(&self, name: &str) -> String {
+            let mut l = self.latencies_us.clone();
+            l.sort_unstable();
+            let q = |p: f64| l.get(((l.len() as f64 * p) as usize).min(l.len().saturating_sub(1)));
+            let total: usize = self.calls.iter().sum();
+            let starved = self.calls.iter().filter(|&&c| c == 0).count();
+            let rate = total as f64 / self.secs;
+            let (p50, p99, max) = (
+                q(0.5).copied().unwrap_or(0),
+                q(0.99).copied().unwrap_or(0),
+                l.last().copied().unwrap_or(0),
+            );
+            let min_task = self.calls.iter().min().copied().unwrap_or(0);
+            println!(
+                "redis: {name:<9} {:>2} in flight: {rate:>9.0}/s  p50 {p50:>5} µs  p99 {p99:>6} µs  \
+                 worst {max:>7} µs  slowest task {min_task} calls  starved {starved}  errors {}",
+                self.in_flight, self.errors
+            );
+            format!(
+                "{{\"impl\":\"{name}\",\"in_flight\":{},\"per_s\":{rate:.1},\"p50_us\":{p50},\
+                 \"p99_us\":{p99},\"worst_us\":{max},\"min_task_calls\":{min_task},\
+                 \"starved\":{starved},\"errors\":{}}}",
+                self.in_flight, self.errors
+            )
+        }
+    }
+
+    /// `in_flight` tasks, each calling `op(task)` back to back for `secs`.
+    async fn drive<F, Fut>(in_flight: usize, secs: f64, op: F) -> Run
+    where
+        F: Fn(usize) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = bool> + Send,
+    {
+        let deadline = Instant::now() + Duration::from_secs_f64(secs);
+        let tasks: Vec<_> = (0..in_flight)
+            .map(|t| {
+                let op = op.clone();
+                tokio::spawn(async move {
+                    let (mut lat, mut errors) = (Vec::new(), 0);
+                    while Instant::now() < deadline {
+                        let start = Instant::now();
+                        errors += usize::from(!op(t).await);
+                        lat.push(start.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    }
+                    (lat, errors)
+                })
+            })
+            .collect();
+        let mut run = Run {
+            in_flight,
+            secs,
+            calls: Vec::new(),
+            latencies_us: Vec::new(),
+            errors: 0,
+        };
+        for t in tasks {
+            let (lat, errors) = t.await.expect("a bench task panicked");
+            run.calls.push(lat.len());
+            run.errors += errors;
+            run.latencies_us.extend(lat);
+        }
+        run
+    }
+
+    async fn commands_processed(con: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .query_async(con)
+            .await
+            .expect("INFO stats");
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_commands_processed:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("total_commands_processed in INFO stats")
+    }
+
+    pub(crate) fn run(url: &str, secs: f64) -> String {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        rt.block_on(async {
+            let client = redis::Client::open(url).expect("a redis url");
+            let mut info = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("redis is up");
+            let _: () = redis::cmd("FLUSHALL")
+                .query_async(&mut info)
+                .await
+                .expect("FLUSHALL");
+            let manager = client
+                .get_connection_manager()
+                .await
+                .expect("a connection manager");
+            let script = std::sync::Arc::new(redis::Script::new(GCRA));
+            let store = RedisStore::connect(url).await.expect("RedisStore connects");
+            let policy = Policy::from_toml_str(super::POLICY).expect("the bench policy is valid");
+            let limiter = Limiter::with_store(policy, store, SystemClock);
+
+            let mut rows = Vec::new();
+            for in_flight in [1, 16, 64] {
+                let (con, script) = (manager.clone(), script.clone());
+                let gcra = drive(in_flight, secs, move |t| {
+                    let (mut con, script) = (con.clone(), script.clone());
+                    async move {
+                        script
+                            .key(format!("gcra:{t}"))
+                            .arg(1_000_000_000u64)
+                            .arg(1_000_000_000u64)
+                            .invoke_async::<(i64, i64)>(&mut con)
+                            .await
+                            .is_ok()
+                    }
+                })
+                .await;
+                rows.push(gcra.json("gcra"));
+
+                let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
+                    (0..in_flight)
+                        .map(|t| Caller::new(format!("redis-{t}")).with_instance("agent"))
+                        .collect(),
+                );
+                let l = limiter.clone();
+                let ours = drive(in_flight, secs, move |t| {
+                    let (l, callers) = (l.clone(), callers.clone());
+                    async move { l.admit(&callers[t], "search", Cost(1.0)).await.is_ok() }
+                })
+                .await;
+                rows.push(ours.json("fairshare"));
+            }
+
+            // A parasite whose tenant is used up: after its first refusal, no Redis command
+            // until its retry time.
+            let parasite = Caller::new("parasite").with_instance("agent");
+            let _ = limiter.admit(&parasite, "exhausted", Cost(1.0)).await;
+            let refused = limiter
+                .admit(&parasite, "exhausted", Cost(1.0))
+                .await
+                .is_err();
+            let before = commands_processed(&mut info).await;
+            let flood = 10_000;
+            let mut admitted = 0;
+            for _ in 0..flood {
+                admitted += usize::from(
+                    limiter
+                        .admit(&parasite, "exhausted", Cost(1.0))
+                        .await
+                        .is_ok(),
+                );
+            }
+            // The second INFO counts itself.
+            let commands = commands_processed(&mut info).await - before - 1;
+            println!(
+                "redis: parasite flood of {flood} calls (refused before: {refused}): {admitted} \
+                 admitted, {commands} Redis commands"
+            );
+            format!(
+                "{{\"runs\":[{}],\"flood\":{{\"calls\":{flood},\"admitted\":{admitted},\
+                 \"redis_commands\":{commands}}}}}\n",
+                rows.join(",")
+            )
+        })
     }
 }
 
@@ -457,5 +671,16 @@ fn main() {
         .unwrap_or(if quick { 1_000 } else { 1_000_000 });
     if n > 0 && !std::env::args().any(|a| a == "--list") {
         memory(n);
+    }
+
+    // Only against a Redis given on purpose (scripts/bench-compare starts its own): FLUSHALL.
+    #[cfg(feature = "redis")]
+    if let Ok(url) = std::env::var("COMPARE_REDIS_URL") {
+        let secs = std::env::var("COMPARE_REDIS_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(if quick { 0.2 } else { 3.0 });
+        let json = redis_part::run(&url, secs);
+        write_result("compare-redis.json", &json);
     }
 }
