@@ -149,15 +149,18 @@ enum Op {
     Settle(u32),
     Refund,
     Release,
+    /// One caller's flood: this many calls of cost 1, 1 ms apart (the refusal cache engages).
+    Flood(usize, u32, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0usize..11, prop_oneof![3 => 0u64..400_000, 1 => 0u64..12_000_000, 1 => Just(3_600_000_000u64), 1 => Just(20 * 86_400_000_000u64)], 1u32..16, prop::bool::weighted(0.4), prop::bool::weighted(0.3))
+        8 => (0usize..11, prop_oneof![3 => 0u64..400_000, 1 => 0u64..12_000_000, 1 => Just(3_600_000_000u64), 1 => Just(20 * 86_400_000_000u64)], prop_oneof![3 => Just(1u32), 1 => 1u32..16], prop::bool::weighted(0.4), prop::bool::weighted(0.3))
             .prop_map(|(c, dt, cost, keep, other)| Op::Admit(c, dt, cost, keep, other)),
         1 => (0u32..300).prop_map(Op::Settle),
         1 => Just(Op::Refund),
         2 => Just(Op::Release),
+        1 => (0usize..11, 5u32..40, prop::bool::weighted(0.3)).prop_map(|(c, n, o)| Op::Flood(c, n, o)),
     ]
 }
 
@@ -179,6 +182,7 @@ fn redis_script_matches_the_engine_call_for_call() {
         failure_persistence: None,
         ..Config::default()
     });
+    let cache_hits = Cell::new(0u64);
     let compared = [Cell::new(0usize), Cell::new(0), Cell::new(0)];
     runner
         .run(&prop::collection::vec(op(), 50..250), |ops| {
@@ -197,9 +201,25 @@ fn redis_script_matches_the_engine_call_for_call() {
                 .unwrap();
             let mem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
             let red = Limiter::with_store(policy.clone(), redis, clock.clone());
+            // A third store, refusal cache on, in a namespace of its own: it must never refuse
+            // a call the engine admits.
+            let cached = rt
+                .block_on(
+                    RedisStore::builder(server.url())
+                        .injected_clock()
+                        .namespace("cached:")
+                        .timeout(Duration::from_secs(10))
+                        .connect(),
+                )
+                .unwrap();
+            let cac = Limiter::with_store(policy.clone(), cached, clock.clone());
             rt.block_on(async {
                 let mut held = Vec::new();
-                for (n, op) in ops.into_iter().enumerate() {
+                let ops = ops.into_iter().flat_map(|op| match op {
+                    Op::Flood(c, n, other) => vec![Op::Admit(c, 1000, 1, false, other); n as usize],
+                    op => vec![op],
+                });
+                for (n, op) in ops.enumerate() {
                     match op {
                         Op::Admit(who, dt, cost, keep, other) => {
                             clock.advance(Duration::from_micros(dt));
@@ -207,6 +227,18 @@ fn redis_script_matches_the_engine_call_for_call() {
                             let tool = if other { "u" } else { "t" };
                             let a = mem.admit(c, tool, Cost(cost as f64)).await;
                             let b = red.admit(c, tool, Cost(cost as f64)).await;
+                            let z = cac.admit(c, tool, Cost(cost as f64)).await;
+                            match (&a, &z) {
+                                (Ok(_), Ok(_)) => {}
+                                (Err(x), Err(y)) => prop_assert_eq!(x.reason, y.reason, "op {}", n),
+                                _ => prop_assert!(
+                                    false,
+                                    "op {}: memory {:?} but the cached store {:?}",
+                                    n,
+                                    a,
+                                    z
+                                ),
+                            }
                             match (&a, &b) {
                                 (Ok(x), Ok(y)) => {
                                     let (x, y) = (
@@ -241,12 +273,13 @@ fn redis_script_matches_the_engine_call_for_call() {
                                     b
                                 ),
                             }
-                            if let (Ok(x), Ok(y)) = (a, b) {
+                            if let (Ok(x), Ok(y), Ok(z)) = (a, b, z) {
                                 if keep {
-                                    held.push((x, y));
+                                    held.push((x, y, z));
                                 } else {
                                     mem.release(&x).await;
                                     red.release(&y).await;
+                                    cac.release(&z).await;
                                 }
                             }
                             // Every stored state the call touched is the same, bit for bit.
@@ -277,34 +310,46 @@ fn redis_script_matches_the_engine_call_for_call() {
                             }
                         }
                         Op::Settle(pct) if !held.is_empty() => {
-                            let (x, y) = &held[0];
+                            let (x, y, z) = &held[0];
                             let actual = Cost(
                                 x.admission.as_ref().unwrap().charge.cost * pct as f64 / 100.0,
                             );
                             mem.settle(x, actual).await;
                             red.settle(y, actual).await;
+                            cac.settle(z, actual).await;
                         }
                         Op::Refund if !held.is_empty() => {
-                            let (x, y) = held.remove(0);
+                            let (x, y, z) = held.remove(0);
                             mem.refund(&x).await;
                             red.refund(&y).await;
+                            cac.refund(&z).await;
                             mem.release(&x).await;
                             red.release(&y).await;
+                            cac.release(&z).await;
                         }
                         Op::Release if !held.is_empty() => {
-                            let (x, y) = held.remove(0);
+                            let (x, y, z) = held.remove(0);
                             mem.release(&x).await;
                             red.release(&y).await;
+                            cac.release(&z).await;
                         }
                         _ => {}
                     }
                 }
+                cache_hits.set(cache_hits.get() + cac.store().cached_refusals());
                 Ok(())
             })
         })
         .unwrap();
     let [admitted, refused, states] = compared.map(Cell::into_inner);
-    eprintln!("compared {admitted} admissions, {refused} refusals, {states} stored states");
+    eprintln!(
+        "compared {admitted} admissions, {refused} refusals, {states} stored states; {} refusals from the cache",
+        cache_hits.get()
+    );
+    assert!(
+        cache_hits.get() > 0,
+        "the refusal cache was never exercised"
+    );
     assert!(
         admitted > 100 && refused > 20,
         "too few comparisons: {admitted} admissions, {refused} refusals"
