@@ -223,7 +223,7 @@ fn decisions(c: &mut Criterion) {
         })
     });
 
-    // Threaded: each thread cycles over 64 callers of its own tenant set, or all share one.
+    // Threaded: each thread cycles over 64 callers, of its own tenants or of one shared tenant.
     for (name, threads, shared) in [
         ("fairshare 1 thread", 1, false),
         ("fairshare 2 threads distinct tenants", 2, false),
@@ -233,7 +233,10 @@ fn decisions(c: &mut Criterion) {
         let who: Vec<Vec<Caller>> = (0..threads)
             .map(|t| {
                 if shared {
-                    callers("shared", 1)
+                    // One tenant, 64 instances per thread.
+                    (0..64)
+                        .map(|i| Caller::new("shared").with_instance(format!("t{t}-{i}")))
+                        .collect()
                 } else {
                     callers(&format!("t{t}-"), 64)
                 }
@@ -485,6 +488,9 @@ return {1, 0}
         calls: Vec<usize>,
         latencies_us: Vec<u32>,
         errors: usize,
+        /// Redis commands, and µs spent running scripts inside Redis, during the run.
+        commands: u64,
+        script_us: f64,
     }
 
     impl Run {
@@ -501,15 +507,19 @@ return {1, 0}
                 l.last().copied().unwrap_or(0),
             );
             let min_task = self.calls.iter().min().copied().unwrap_or(0);
+            let per_call = |x: f64| if total == 0 { 0.0 } else { x / total as f64 };
+            let (commands, script_us) = (per_call(self.commands as f64), per_call(self.script_us));
             println!(
                 "redis: {name:<9} {:>2} in flight: {rate:>9.0}/s  p50 {p50:>5} µs  p99 {p99:>6} µs  \
-                 worst {max:>7} µs  slowest task {min_task} calls  starved {starved}  errors {}",
+                 worst {max:>7} µs  slowest task {min_task} calls  starved {starved}  errors {}  \
+                 {commands:.2} commands and {script_us:.1} µs of script in Redis per call",
                 self.in_flight, self.errors
             );
             format!(
                 "{{\"impl\":\"{name}\",\"in_flight\":{},\"per_s\":{rate:.1},\"p50_us\":{p50},\
                  \"p99_us\":{p99},\"worst_us\":{max},\"min_task_calls\":{min_task},\
-                 \"starved\":{starved},\"errors\":{}}}",
+                 \"starved\":{starved},\"errors\":{},\"commands_per_call\":{commands:.3},\
+                 \"script_us_per_call\":{script_us:.2}}}",
                 self.in_flight, self.errors
             )
         }
@@ -542,6 +552,8 @@ return {1, 0}
             calls: Vec::new(),
             latencies_us: Vec::new(),
             errors: 0,
+            commands: 0,
+            script_us: 0.0,
         };
         for t in tasks {
             let (lat, errors) = t.await.expect("a bench task panicked");
@@ -552,16 +564,49 @@ return {1, 0}
         run
     }
 
-    async fn commands_processed(con: &mut redis::aio::MultiplexedConnection) -> u64 {
+    /// Commands processed so far (this INFO not included), and µs spent in scripts
+    /// (`EVALSHA`, `EVAL`, `FCALL`) since the last `CONFIG RESETSTAT`.
+    async fn server_stats(con: &mut redis::aio::MultiplexedConnection) -> (u64, f64) {
         let info: String = redis::cmd("INFO")
             .arg("stats")
+            .arg("commandstats")
             .query_async(con)
             .await
-            .expect("INFO stats");
-        info.lines()
+            .expect("INFO stats commandstats");
+        let commands = info
+            .lines()
             .find_map(|l| l.strip_prefix("total_commands_processed:"))
             .and_then(|v| v.trim().parse().ok())
-            .expect("total_commands_processed in INFO stats")
+            .expect("total_commands_processed in INFO stats");
+        let script_us = info
+            .lines()
+            .filter(|l| {
+                ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
+                    .iter()
+                    .any(|p| l.starts_with(p))
+            })
+            .filter_map(|l| l.split(',').find_map(|f| f.strip_prefix("usec=")))
+            .filter_map(|v| v.parse::<f64>().ok())
+            .sum();
+        (commands, script_us)
+    }
+
+    /// Runs `run` between `CONFIG RESETSTAT` and an `INFO`, and records what Redis did.
+    async fn measured(
+        info: &mut redis::aio::MultiplexedConnection,
+        run: impl std::future::Future<Output = Run>,
+    ) -> Run {
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(info)
+            .await
+            .expect("CONFIG RESETSTAT");
+        let mut r = run.await;
+        let (commands, script_us) = server_stats(info).await;
+        // RESETSTAT counts itself once it has run.
+        r.commands = commands.saturating_sub(1);
+        r.script_us = script_us;
+        r
     }
 
     pub(crate) fn run(url: &str, secs: f64) -> String {
@@ -602,8 +647,8 @@ return {1, 0}
                             .await
                             .is_ok()
                     }
-                })
-                .await;
+                });
+                let gcra = measured(&mut info, gcra).await;
                 rows.push(gcra.json("gcra"));
 
                 let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
@@ -615,8 +660,8 @@ return {1, 0}
                 let ours = drive(in_flight, secs, move |t| {
                     let (l, callers) = (l.clone(), callers.clone());
                     async move { l.admit(&callers[t], "search", Cost(1.0)).await.is_ok() }
-                })
-                .await;
+                });
+                let ours = measured(&mut info, ours).await;
                 rows.push(ours.json("fairshare"));
             }
 
@@ -628,7 +673,7 @@ return {1, 0}
                 .admit(&parasite, "exhausted", Cost(1.0))
                 .await
                 .is_err();
-            let before = commands_processed(&mut info).await;
+            let (before, _) = server_stats(&mut info).await;
             let flood = 10_000;
             let mut admitted = 0;
             for _ in 0..flood {
@@ -640,7 +685,7 @@ return {1, 0}
                 );
             }
             // The second INFO counts itself.
-            let commands = commands_processed(&mut info).await - before - 1;
+            let commands = server_stats(&mut info).await.0 - before - 1;
             println!(
                 "redis: parasite flood of {flood} calls (refused before: {refused}): {admitted} \
                  admitted, {commands} Redis commands"
