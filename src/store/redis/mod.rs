@@ -63,6 +63,17 @@
 //! is a guess (concurrency, too many tracked callers) are not cached, and a local refund or a
 //! downward correction at a tool forgets that tool's cached refusals.
 //!
+//! # Performance
+//!
+//! One decision is one round trip, but the script does a nested decision's work (three
+//! levels, trackers, budgets): measured by `tests/redis_bench.rs` on the 2-core VM (loaded by
+//! a parallel build), it costs ≈ 140 µs inside Redis against ≈ 9–16 µs for a one-key GCRA
+//! script in the same run, so one Redis core serves ≈ 5k decisions/s (GCRA: ≈ 45k/s at 64 in
+//! flight). Packed doubles are the cheapest encoding we found in Redis's Lua (`%.17g` text is
+//! ≈ 15× slower); each `SET … PX` costs ≈ 6 µs. The multiplexed connection is the default: a
+//! bb8 pool of 16 was no faster and, at 64 tasks in flight, left one task with a single call
+//! in 3 s (starved), while every multiplexed task progressed (worst latency ≈ 1.3× p99).
+//!
 //! ```no_run
 //! use tower_fairshare::store::RedisStore;
 //! use tower_fairshare::{Limiter, Policy, SystemClock};
