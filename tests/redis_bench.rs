@@ -8,6 +8,9 @@
 //! Each case runs N tasks in flight for a few seconds and reports decisions/s, p50, p99, the
 //! worst latency, and the least progress of any task (0 means a task starved).
 
+// Needs the `redis` feature: `cargo test --features redis` (or --all-features).
+#![cfg(feature = "redis")]
+
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};

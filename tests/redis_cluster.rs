@@ -2,6 +2,9 @@
 //! suite (the scripts run unchanged), how keys land on the masters, and exactness across
 //! replicas.
 
+// Needs the `redis` feature: `cargo test --features redis` (or --all-features).
+#![cfg(feature = "redis")]
+
 mod conformance;
 mod support;
 

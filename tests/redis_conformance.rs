@@ -2,6 +2,9 @@
 //! differential test: the same random calls through `MemoryStore` and `RedisStore` must give
 //! identical verdicts and identical stored states (the Lua script mirrors the engine).
 
+// Needs the `redis` feature: `cargo test --features redis` (or --all-features).
+#![cfg(feature = "redis")]
+
 mod conformance;
 mod support;
 

@@ -1,6 +1,9 @@
 //! RedisStore behaviour beyond the conformance suite: exactness across replicas, faults, the
 //! refusal cache, and expiry. Every test starts its own redis-server on a free loopback port.
 
+// Needs the `redis` feature: `cargo test --features redis` (or --all-features).
+#![cfg(feature = "redis")]
+
 mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
