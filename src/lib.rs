@@ -63,7 +63,7 @@
 //!   limiter themselves.
 //! * `tokio` — finish permit releases and cost corrections on the runtime when a store
 //!   cannot do it at once (implied by `redis`).
-//! * `cli` — the `fairshare` command.
+//! * `cli` — the `fairshare` command: check, simulate, serve, demo.
 //!
 //! MSRV: 1.85 (declared; CI builds with stable).
 
@@ -101,4 +101,6 @@ pub use policy::{
     BudgetPeriod, InstanceBuilder, OnStoreError, Period, Policy, PolicyBuilder, PolicyError,
     TenantBuilder, ToolBuilder, Unit,
 };
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 pub use store::{MemoryStore, Store, StoreError};

@@ -48,6 +48,10 @@ enum Command {
         /// and ceiling each was owed.
         #[arg(long, value_name = "OUT")]
         svg: Option<PathBuf>,
+        /// Run against a Redis store at this URL (e.g. redis://127.0.0.1:6379/) instead of the
+        /// in-process store; the virtual clock is injected, keys go under a fresh namespace.
+        #[arg(long, value_name = "URL")]
+        redis: Option<String>,
     },
     /// Serve a reference HTTP gateway: `/tools/{name}` calls tool `name`, callers are the
     /// `x-api-key` header looked up in the keys file.
@@ -61,6 +65,9 @@ enum Command {
         /// Where to listen (port 0: any free port; the bound address is printed).
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
+        /// Keep state in Redis at this URL (shared by every replica) instead of in process.
+        #[arg(long, value_name = "URL")]
+        redis: Option<String>,
     },
     /// Run the acceptance test over loopback HTTP: a heavy tenant at 10x its share, a quiet
     /// tenant, an interactive agent beside a runaway teammate. Exits 1 if a property fails.
@@ -84,12 +91,14 @@ fn main() -> ExitCode {
             scenario,
             json,
             svg,
-        } => run_simulation(&policy, &scenario, json, svg.as_deref()),
+            redis,
+        } => run_simulation(&policy, &scenario, json, svg.as_deref(), redis.as_deref()),
         Command::Serve {
             policy,
             keys,
             listen,
-        } => serve(&policy, &keys, listen),
+            redis,
+        } => serve(&policy, &keys, listen, redis),
         Command::Demo { duration } => runtime().block_on(cli::demo::run(duration)),
     }
 }
@@ -101,7 +110,12 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
+fn serve(
+    policy_path: &Path,
+    keys_path: &Path,
+    listen: SocketAddr,
+    redis: Option<String>,
+) -> ExitCode {
     let policy = match load(policy_path) {
         Ok(p) => p,
         Err(code) => return code,
@@ -121,8 +135,31 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
     }
     let tools: Vec<String> = policy.tools().map(|t| t.name().to_owned()).collect();
     let n_keys = keys.len();
+    let policy_file = policy_path.to_owned();
     runtime().block_on(async move {
-        let app = cli::serve::router(policy, keys, cli::serve::install_prometheus());
+        let metrics = cli::serve::install_prometheus();
+        let app = match redis {
+            None => {
+                let limiter = tower_fairshare::Limiter::new(policy);
+                watch_policy(limiter.clone(), policy_file);
+                cli::serve::router_with(limiter, keys, metrics)
+            }
+            Some(url) => match tower_fairshare::store::RedisStore::connect(&url).await {
+                Ok(store) => {
+                    let limiter = tower_fairshare::Limiter::with_store(
+                        policy,
+                        store,
+                        tower_fairshare::SystemClock,
+                    );
+                    watch_policy(limiter.clone(), policy_file);
+                    cli::serve::router_with(limiter, keys, metrics)
+                }
+                Err(e) => {
+                    eprintln!("error: cannot use Redis at {url}: {e}");
+                    return ExitCode::from(1);
+                }
+            },
+        };
         let listener = match tokio::net::TcpListener::bind(listen).await {
             Ok(l) => l,
             Err(e) => {
@@ -151,6 +188,55 @@ fn serve(policy_path: &Path, keys_path: &Path, listen: SocketAddr) -> ExitCode {
             }
         }
     })
+}
+
+/// Reloads the policy file on SIGHUP and whenever it changes (checked every second). An
+/// invalid file is rejected with the error logged, and the policy in force stays.
+fn watch_policy<S: tower_fairshare::Store, C: tower_fairshare::Clock>(
+    limiter: tower_fairshare::Limiter<S, C>,
+    path: PathBuf,
+) {
+    tokio::spawn(async move {
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let mut seen = modified(&path);
+        #[cfg(unix)]
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            #[cfg(unix)]
+            let signalled = {
+                let hup_recv = async {
+                    match hup.as_mut() {
+                        Some(h) => {
+                            h.recv().await;
+                        }
+                        None => std::future::pending::<()>().await,
+                    }
+                };
+                tokio::select! {
+                    _ = every.tick() => false,
+                    _ = hup_recv => true,
+                }
+            };
+            #[cfg(not(unix))]
+            let signalled = {
+                every.tick().await;
+                false
+            };
+            let now = modified(&path);
+            if signalled || now != seen {
+                seen = now;
+                match limiter.reload_from_path(&path) {
+                    Ok(()) => eprintln!("fairshare serve: policy reloaded from {}", path.display()),
+                    Err(e) => eprintln!(
+                        "error: policy file {} rejected, keeping the policy in force:\n  {}",
+                        path.display(),
+                        e.to_string().replace('\n', "\n  ")
+                    ),
+                }
+            }
+        }
+    });
 }
 
 /// Ctrl-C, or SIGTERM (what container runtimes send) on Unix.
@@ -274,6 +360,7 @@ fn run_simulation(
     scenario_path: &Path,
     json: bool,
     svg: Option<&Path>,
+    redis: Option<&str>,
 ) -> ExitCode {
     let policy = match load(policy_path) {
         Ok(p) => p,
@@ -287,9 +374,43 @@ fn run_simulation(
         }
     };
     let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .expect("a single-threaded runtime");
-    let report = match rt.block_on(simulate(&policy, &scenario)) {
+    let run = async {
+        match redis {
+            None => Ok::<_, String>(simulate(&policy, &scenario).await),
+            Some(url) => {
+                // A fresh namespace per run: runs never see each other's state.
+                let namespace = format!(
+                    "simulate-{}-{}",
+                    std::process::id(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_micros())
+                );
+                let store = tower_fairshare::store::RedisStore::builder(url)
+                    .injected_clock()
+                    .namespace(namespace)
+                    .connect()
+                    .await
+                    .map_err(|e| format!("cannot use Redis at {url}: {e}"))?;
+                let clock = tower_fairshare::ManualClock::new(tower_fairshare::simulate::EPOCH);
+                Ok(
+                    tower_fairshare::simulate::simulate_with(&policy, store, &clock, &scenario)
+                        .await,
+                )
+            }
+        }
+    };
+    let report = match rt.block_on(run) {
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+        Ok(r) => r,
+    };
+    let report = match report {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
