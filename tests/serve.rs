@@ -318,3 +318,60 @@ async fn metrics_are_served_as_prometheus_text() {
     assert!(admitted.ends_with(" 1"), "{admitted}");
     assert!(text.contains("# HELP fairshare_decisions_total"), "{text}");
 }
+
+/// Hot reload: the gateway picks up a changed policy file by itself (and on SIGHUP); usage
+/// so far still counts; an invalid file is rejected and the policy in force stays.
+#[tokio::test]
+async fn serve_reloads_its_policy_file_and_rejects_an_invalid_one() {
+    let server = serve("reload");
+    let policy = server._dir.0.join("policy.toml");
+    for _ in 0..3 {
+        assert_eq!(
+            call(&server, "generate_report", Some("sk-acme"))
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        call(&server, "generate_report", Some("sk-acme"))
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Raise the allowance to 10. The file is polled every second.
+    std::thread::sleep(std::time::Duration::from_millis(1100)); // a new modification time
+    std::fs::write(
+        &policy,
+        POLICY.replace("ceiling = 3\nburst = 3", "ceiling = 10\nburst = 10"),
+    )
+    .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    // globex (untouched so far) now has 10, not 3.
+    for k in 0..10 {
+        assert_eq!(
+            call(&server, "generate_report", Some("sk-globex"))
+                .await
+                .status,
+            StatusCode::OK,
+            "call {k}"
+        );
+    }
+    let refused = call(&server, "generate_report", Some("sk-globex")).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.json["limit"], 10);
+    // acme's 3 calls still count: its bank is not refilled by the reload.
+    assert_eq!(
+        call(&server, "generate_report", Some("sk-acme"))
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // An invalid file changes nothing: the limit in force is still 10.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    std::fs::write(&policy, "[[tool]]\nname = \"generate_report\"\nunit = \"calls\"\nrate = { limit = -1, per = \"1m\" }\n").unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let still = call(&server, "generate_report", Some("sk-globex")).await;
+    assert_eq!(still.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(still.json["limit"], 10);
+}
