@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 #[test]
 fn demo_holds_every_property() {
     let started = Instant::now();
+    let chart = std::env::temp_dir().join(format!("fairshare-demo-{}.svg", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_fairshare"))
-        .args(["demo", "--duration", "10s"])
+        .args(["demo", "--duration", "10s", "--svg"])
+        .arg(&chart)
         .output()
         .expect("fairshare demo runs");
     let took = started.elapsed();
@@ -16,6 +18,12 @@ fn demo_holds_every_property() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(stdout.contains("every property held"), "{stdout}");
+    let svg = std::fs::read_to_string(&chart).expect("--svg writes the chart");
+    let _ = std::fs::remove_file(&chart);
+    assert!(
+        svg.starts_with("<svg") && svg.contains("heavy/crawler"),
+        "{svg}"
+    );
     for property in [
         "transport:",
         "floors:",

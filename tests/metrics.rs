@@ -92,3 +92,102 @@ fn decisions_headroom_and_latency_are_recorded() {
         "described:\n{text}"
     );
 }
+
+/// A store that is always down: the tool's `on_store_error` applies, and both the store error
+/// and the fallback are counted.
+struct Down;
+
+impl tower_fairshare::Store for Down {
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+    async fn decide(
+        &self,
+        _: &tower_fairshare::admission::Plan<'_>,
+        _: &tower_fairshare::store::CallKeys,
+    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
+        Err(tower_fairshare::StoreError::Unavailable(
+            "down for the test".into(),
+        ))
+    }
+    async fn adjust(
+        &self,
+        _: &tower_fairshare::store::Admission,
+        _: f64,
+        _: tower_fairshare::Timestamp,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        Ok(())
+    }
+    async fn release(
+        &self,
+        _: &tower_fairshare::store::Admission,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        Ok(())
+    }
+    async fn inspect(
+        &self,
+        _: &tower_fairshare::store::CallKeys,
+    ) -> Result<[Option<tower_fairshare::admission::NodeState>; 3], tower_fairshare::StoreError>
+    {
+        Ok(Default::default())
+    }
+}
+
+#[test]
+fn store_errors_and_fallbacks_are_counted() {
+    use tower_fairshare::telemetry::{STORE_ERRORS, STORE_FALLBACKS};
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let policy = Policy::from_toml_str(
+            r#"
+            [[tool]]
+            name = "closed"
+            unit = "calls"
+            rate = { limit = 60, per = "1m" }
+            [tool.default_tenant]
+            [[tool]]
+            name = "open"
+            unit = "calls"
+            rate = { limit = 60, per = "1m" }
+            on_store_error = "allow"
+            [tool.default_tenant]
+            "#,
+        )
+        .unwrap();
+        let limiter = Limiter::with_store(policy, Down, ManualClock::new(EPOCH));
+        let c = Caller::new("acme");
+        let r = now(limiter.admit(&c, "closed", Cost(1.0))).unwrap_err();
+        assert_eq!(r.reason.as_str(), "store_unavailable");
+        for _ in 0..2 {
+            let t = now(limiter.admit(&c, "open", Cost(1.0))).unwrap();
+            assert!(t.admission.is_none(), "fail open: unmetered");
+        }
+    });
+    let text = handle.render();
+    assert_eq!(
+        value(&text, STORE_ERRORS, &["tool=\"closed\"", "store=\"down\""]),
+        1.0
+    );
+    assert_eq!(value(&text, STORE_ERRORS, &["tool=\"open\""]), 2.0);
+    assert_eq!(
+        value(
+            &text,
+            STORE_FALLBACKS,
+            &["tool=\"closed\"", "mode=\"deny\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(&text, STORE_FALLBACKS, &["tool=\"open\"", "mode=\"allow\""]),
+        2.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            DECISIONS,
+            &["tool=\"open\"", "outcome=\"unmetered\""]
+        ),
+        2.0
+    );
+}

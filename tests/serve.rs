@@ -289,12 +289,20 @@ fn a_bad_keys_file_is_refused_naming_the_field() {
 #[tokio::test]
 async fn metrics_are_served_as_prometheus_text() {
     let server = serve("metrics");
-    assert_eq!(
-        call(&server, "generate_report", Some("sk-acme"))
-            .await
-            .status,
-        StatusCode::OK
-    );
+    // A scripted mix: acme 3 admitted then 2 refused (ceiling 3), 1 call without identity.
+    for k in 0..5 {
+        let want = if k < 3 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(
+            call(&server, "generate_report", Some("sk-acme"))
+                .await
+                .status,
+            want
+        );
+    }
     assert_eq!(
         call(&server, "generate_report", None).await.status,
         StatusCode::UNAUTHORIZED
@@ -306,17 +314,58 @@ async fn metrics_are_served_as_prometheus_text() {
         .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     let text = response.into_body().collect().await.unwrap().to_bytes();
-    let text = String::from_utf8_lossy(&text);
-    let admitted = text
-        .lines()
-        .find(|l| {
-            l.starts_with("fairshare_decisions_total{")
-                && l.contains("tenant=\"acme\"")
-                && l.contains("outcome=\"admitted\"")
-        })
-        .unwrap_or_else(|| panic!("no admitted acme decision in\n{text}"));
-    assert!(admitted.ends_with(" 1"), "{admitted}");
-    assert!(text.contains("# HELP fairshare_decisions_total"), "{text}");
+    let text = String::from_utf8_lossy(&text).into_owned();
+    let value = |name: &str, labels: &[&str]| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+            .unwrap_or_else(|| panic!("no {name} {labels:?} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let d = "fairshare_decisions_total{";
+    assert_eq!(value(d, &["tenant=\"acme\"", "outcome=\"admitted\""]), 3.0);
+    assert_eq!(
+        value(
+            d,
+            &[
+                "tenant=\"acme\"",
+                "outcome=\"refused\"",
+                "reason=\"rate_limited\"",
+                "scope=\"tenant\""
+            ]
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(
+            d,
+            &["outcome=\"refused\"", "reason=\"unidentified_caller\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value("fairshare_tenant_headroom{", &["tenant=\"acme\""]),
+        0.0
+    );
+    assert!(value("fairshare_tool_headroom{", &["tool=\"generate_report\""]) >= 0.0);
+    assert_eq!(
+        value(
+            "fairshare_decision_duration_seconds_count{",
+            &["store=\"memory\""]
+        ),
+        5.0
+    );
+    for name in [
+        "fairshare_decisions_total",
+        "fairshare_tool_headroom",
+        "fairshare_tenant_headroom",
+        "fairshare_decision_duration_seconds",
+    ] {
+        assert!(
+            text.contains(&format!("# HELP {name}")),
+            "{name} is described"
+        );
+    }
 }
 
 /// Hot reload: the gateway picks up a changed policy file by itself (and on SIGHUP); usage

@@ -75,6 +75,9 @@ enum Command {
         /// How long to offer load, e.g. `30s` (whole periods of the demo policy's 5s).
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
         duration: Duration,
+        /// Also write an SVG chart of admitted calls per caller per window.
+        #[arg(long, value_name = "OUT")]
+        svg: Option<PathBuf>,
     },
 }
 
@@ -99,7 +102,9 @@ fn main() -> ExitCode {
             listen,
             redis,
         } => serve(&policy, &keys, listen, redis),
-        Command::Demo { duration } => runtime().block_on(cli::demo::run(duration)),
+        Command::Demo { duration, svg } => {
+            runtime().block_on(cli::demo::run(duration, svg.as_deref()))
+        }
     }
 }
 

@@ -145,7 +145,7 @@ struct Tally {
 }
 
 /// Runs the demo; exit code 0 when every property held.
-pub(crate) async fn run(duration: Duration) -> ExitCode {
+pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> ExitCode {
     let policy = Policy::from_toml_str(POLICY).expect("the demo policy is valid");
     let keys = Keys::from_toml_str(KEYS).expect("the demo keys are valid");
     let allocation = policy.allocation();
@@ -345,6 +345,18 @@ pub(crate) async fn run(duration: Duration) -> ExitCode {
             &tool.period().to_string()
         )
     );
+    if let Some(out) = svg {
+        let chart = tower_fairshare::chart::svg(
+            &chart_report(&tallies, &owed),
+            "fairshare demo: the three-part acceptance over real HTTP",
+            capacity,
+            &tool.period().to_string(),
+        );
+        match std::fs::write(out, chart) {
+            Ok(()) => println!("chart written to {}", out.display()),
+            Err(e) => eprintln!("error: cannot write {}: {e}", out.display()),
+        }
+    }
     let all_held = verdicts(&tallies, &owed, capacity, alloc.burst)
         .iter()
         .all(|v| v.held);
@@ -355,6 +367,46 @@ pub(crate) async fn run(duration: Duration) -> ExitCode {
         println!("some property did NOT hold");
         ExitCode::from(1)
     }
+}
+
+/// The demo's per-window admissions as a simulation report, for the chart.
+fn chart_report(t: &[Tally], owed: &[Owed]) -> tower_fairshare::simulate::Report {
+    use tower_fairshare::simulate::{CallerRow, PeriodRow, Report};
+    let windows = t.first().map_or(0, |c| c.per_window.len());
+    let row = |i: usize, admitted: u64| {
+        let (tenant, instance) = DRIVERS[i]
+            .label
+            .split_once('/')
+            .unwrap_or((DRIVERS[i].label, ""));
+        CallerRow {
+            tenant: Some(tenant.to_owned()),
+            instance: (!instance.is_empty()).then(|| instance.to_owned()),
+            offered: DRIVERS[i].per_window,
+            admitted,
+            refused: DRIVERS[i].per_window.saturating_sub(admitted),
+            floor: owed[i].floor,
+            ceiling: owed[i].ceiling,
+        }
+    };
+    let periods: Vec<PeriodRow> = (0..windows)
+        .map(|w| {
+            let callers: Vec<CallerRow> =
+                (0..t.len()).map(|i| row(i, t[i].per_window[w])).collect();
+            PeriodRow {
+                start_ms: 0,
+                admitted: callers.iter().map(|c| c.admitted).sum(),
+                callers,
+            }
+        })
+        .collect();
+    let totals = (0..t.len())
+        .map(|i| CallerRow {
+            offered: t[i].offered,
+            refused: t[i].refused,
+            ..row(i, t[i].admitted)
+        })
+        .collect();
+    Report { periods, totals }
 }
 
 /// One property of the acceptance test and whether the run kept it.
