@@ -431,6 +431,35 @@ fn common(
     }
 }
 
+/// How many distinct callers a template (`default_tenant` / `default_instance`) tracks at
+/// once: the written bound, or the default when it has no floor; the bound is an error
+/// anywhere else. `(field, place, default)` name the bound for one kind of template.
+fn template_bound(
+    cx: &mut Ctx,
+    level: &mut LevelPolicy,
+    written: Option<f64>,
+    path: &str,
+    (field, place, default): (&'static str, &'static str, u64),
+) {
+    match (level.template, written) {
+        (true, Some(m)) => level.max_tracked = cx.count(&format!("{path}.{field}"), m),
+        (true, None) => {
+            if level.floor > 0.0 {
+                cx.err(
+                    format!("{path}.floor"),
+                    Problem::TemplateFloorNeedsMax(field),
+                );
+            }
+            level.max_tracked = default;
+        }
+        (false, Some(_)) => cx.err(
+            format!("{path}.{field}"),
+            Problem::Misplaced { field, place },
+        ),
+        (false, None) => {}
+    }
+}
+
 fn tenant(
     cx: &mut Ctx,
     name: &str,
@@ -452,26 +481,13 @@ fn tenant(
         &raw.budgets,
         tool_burst,
     );
-    match (template, raw.max_tenants) {
-        (true, Some(m)) => t.max_tracked = cx.count(&format!("{path}.max_tenants"), m),
-        (true, None) => {
-            if t.floor > 0.0 {
-                cx.err(
-                    format!("{path}.floor"),
-                    Problem::TemplateFloorNeedsMax("max_tenants"),
-                );
-            }
-            t.max_tracked = DEFAULT_MAX_TENANTS;
-        }
-        (false, Some(_)) => cx.err(
-            format!("{path}.max_tenants"),
-            Problem::Misplaced {
-                field: "max_tenants",
-                place: "default_tenant",
-            },
-        ),
-        (false, None) => {}
-    }
+    template_bound(
+        cx,
+        &mut t,
+        raw.max_tenants,
+        path,
+        ("max_tenants", "default_tenant", DEFAULT_MAX_TENANTS),
+    );
     for (iname, i) in &raw.instances.0 {
         let ipath = format!("{path}.instances.{iname}");
         if iname.is_empty() {
@@ -528,25 +544,12 @@ fn instance(
         &raw.budgets,
         tenant_burst,
     );
-    match (template, raw.max_instances) {
-        (true, Some(m)) => i.max_tracked = cx.count(&format!("{path}.max_instances"), m),
-        (true, None) => {
-            if i.floor > 0.0 {
-                cx.err(
-                    format!("{path}.floor"),
-                    Problem::TemplateFloorNeedsMax("max_instances"),
-                );
-            }
-            i.max_tracked = DEFAULT_MAX_INSTANCES;
-        }
-        (false, Some(_)) => cx.err(
-            format!("{path}.max_instances"),
-            Problem::Misplaced {
-                field: "max_instances",
-                place: "default_instance",
-            },
-        ),
-        (false, None) => {}
-    }
+    template_bound(
+        cx,
+        &mut i,
+        raw.max_instances,
+        path,
+        ("max_instances", "default_instance", DEFAULT_MAX_INSTANCES),
+    );
     i
 }
