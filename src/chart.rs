@@ -3,20 +3,11 @@
 
 use std::fmt::Write as _;
 
-use crate::simulate::{CallerRow, Report};
+use crate::simulate::{label, CallerRow, Report};
 
 const COLORS: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
 ];
-
-fn label(r: &CallerRow) -> String {
-    match (&r.tenant, &r.instance) {
-        (Some(t), Some(i)) => format!("{t}/{i}"),
-        (Some(t), None) => t.clone(),
-        (None, Some(i)) => format!("(untenanted)/{i}"),
-        (None, None) => "(untenanted)".into(),
-    }
-}
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")

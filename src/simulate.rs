@@ -414,7 +414,8 @@ pub async fn simulate_with<S: Store>(
     Ok(Report { periods, totals })
 }
 
-fn label(r: &CallerRow) -> String {
+/// `tenant/instance`, as tables and charts name a caller.
+pub(crate) fn label(r: &CallerRow) -> String {
     match (&r.tenant, &r.instance) {
         (Some(t), Some(i)) => format!("{t}/{i}"),
         (Some(t), None) => t.clone(),

@@ -5,12 +5,7 @@
 -- ARGV: 1 packed doubles: now (-1: Redis TIME), factor, cost, window, permit TTL (ms), then per
 --       key: level (0 tool, 1 tenant, 2 instance), floor, floor_depth, share, share_depth,
 --       ceiling, ceiling_depth, nb, nb x (period_code start).
-local P = { struct.unpack('<' .. string.rep('d', #ARGV[1] / 8), ARGV[1]) }
-local cur = 0
-local function nxt()
-  cur = cur + 1
-  return P[cur]
-end
+local nxt = argv_reader()
 local now = now_from(nxt())
 local factor = nxt()
 local cost = nxt()

@@ -6,12 +6,7 @@
 -- ARGV: 1 the plan, packed doubles (see `encode_plan` in mod.rs).
 -- Returns {1, admission} or {0, refusal, window label}, numbers packed as doubles.
 
-local P = { struct.unpack('<' .. string.rep('d', #ARGV[1] / 8), ARGV[1]) }
-local cur = 0
-local function nxt()
-  cur = cur + 1
-  return P[cur]
-end
+local nxt = argv_reader()
 
 local now = now_from(nxt())
 local c = nxt()

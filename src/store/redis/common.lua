@@ -31,6 +31,16 @@ local function redis_ms()
   return math.floor(redis_us() / 1000)
 end
 
+-- ARGV[1] is a run of packed little-endian doubles; the reader hands them out in order.
+local function argv_reader()
+  local p = { struct.unpack('<' .. string.rep('d', #ARGV[1] / 8), ARGV[1]) }
+  local i = 0
+  return function()
+    i = i + 1
+    return p[i]
+  end
+end
+
 local function now_from(arg)
   if arg >= 0 then
     return arg
