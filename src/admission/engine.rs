@@ -220,22 +220,71 @@ pub enum Verdict {
     Refuse(Box<Refusal>),
 }
 
+#[derive(Copy, Clone)]
 struct Bucket {
     rate: f64,
     depth: f64,
 }
 
+/// The numbers of a level's state, copied out of the store's `NodeState`, brought up to date
+/// and drawn on; written back only when the call is admitted. Copying these few doubles is
+/// cheaper than cloning a `NodeState` (its budget list lives on the heap).
+#[derive(Copy, Clone, Default)]
+struct Scalars {
+    live: bool,
+    t: f64,
+    floor: f64,
+    share: f64,
+    ceiling: f64,
+    window: f64,
+    total: f64,
+    non_floor: f64,
+    floor_used: f64,
+    in_flight: f64,
+}
+
+impl Scalars {
+    fn of(s: &NodeState) -> Self {
+        Scalars {
+            live: s.live,
+            t: s.t,
+            floor: s.floor,
+            share: s.share,
+            ceiling: s.ceiling,
+            window: s.window,
+            total: s.total,
+            non_floor: s.non_floor,
+            floor_used: s.floor_used,
+            in_flight: s.in_flight,
+        }
+    }
+
+    fn write(&self, s: &mut NodeState) {
+        s.live = self.live;
+        s.t = self.t;
+        s.floor = self.floor;
+        s.share = self.share;
+        s.ceiling = self.ceiling;
+        s.window = self.window;
+        s.total = self.total;
+        s.non_floor = self.non_floor;
+        s.floor_used = self.floor_used;
+        s.in_flight = self.in_flight;
+    }
+}
+
+#[derive(Copy, Clone)]
 struct Level<'a> {
     scope: Scope,
     numbers: LevelNumbers,
     floor_b: Bucket,
     share_b: Bucket,
     ceil_b: Bucket,
-    state: NodeState,
+    state: Scalars,
     policy: Option<&'a LevelPolicy>,
 }
 
-fn refill(s: &mut NodeState, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
+fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
     if !s.live {
         s.live = true;
         s.t = now;
@@ -253,7 +302,7 @@ fn refill(s: &mut NodeState, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, perio
     }
 }
 
-fn roll_window(s: &mut NodeState, window: f64) {
+fn roll_window(s: &mut Scalars, window: f64) {
     if s.window != window {
         s.window = window;
         s.total = 0.0;
@@ -281,11 +330,20 @@ fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
     }
 }
 
+/// The window a refusal names: the tool's period, or a fixed word. Rendered only when the
+/// refusal is built, so a draw that fails and is retried allocates nothing.
+#[derive(Copy, Clone)]
+enum Label {
+    Period,
+    Word(&'static str),
+}
+
+#[derive(Copy, Clone)]
 struct Fail {
     reason: Reason,
     scope: Scope,
     wait: f64,
-    window: String,
+    window: Label,
     window_secs: Option<u64>,
     limit: f64,
     used: f64,
@@ -299,7 +357,7 @@ struct PathCtx<'l, 'a> {
     period: f64,
     now: f64,
     next_window: f64,
-    period_label: &'l crate::policy::Period,
+    period_secs: u64,
 }
 
 impl PathCtx<'_, '_> {
@@ -402,8 +460,8 @@ impl PathCtx<'_, '_> {
             reason: Reason::RateLimited,
             scope: l.scope,
             wait,
-            window: self.period_label.to_string(),
-            window_secs: Some(self.period_label.as_secs_ceil()),
+            window: Label::Period,
+            window_secs: Some(self.period_secs),
             limit: l.numbers.ceiling,
             used: s.total,
             reset_at: None,
@@ -413,6 +471,58 @@ impl PathCtx<'_, '_> {
 
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.
 pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
+    let mut tool = snap.tool.clone();
+    let mut tenant = snap.tenant.clone();
+    let mut instance = if plan.instance.is_some() {
+        snap.instance.clone()
+    } else {
+        NodeState::default()
+    };
+    let tracking = [snap.tenant_tracking, snap.instance_tracking];
+    let inst = plan.instance.is_some().then_some(&mut instance);
+    match decide_in_place(plan, &mut tool, &mut tenant, inst, tracking) {
+        Err(r) => Verdict::Refuse(r),
+        Ok(o) => Verdict::Admit(Box::new(Admitted {
+            tool,
+            tenant,
+            instance,
+            expires: o.expires,
+            track_tenant_until: o.track_tenant_until,
+            track_instance_until: o.track_instance_until,
+            charge: o.charge,
+            remaining: o.remaining,
+            quota: o.quota,
+            reset_in: o.reset_in,
+            slack: o.slack,
+            views: o.views,
+        })),
+    }
+}
+
+/// What an admitted call changed besides the states: [`Admitted`] without them.
+#[derive(Clone, Debug)]
+pub(crate) struct Outcome {
+    pub(crate) expires: [f64; 3],
+    pub(crate) track_tenant_until: Option<f64>,
+    pub(crate) track_instance_until: Option<f64>,
+    pub(crate) charge: Charge,
+    pub(crate) remaining: f64,
+    pub(crate) quota: f64,
+    pub(crate) reset_in: f64,
+    pub(crate) slack: f64,
+    pub(crate) views: [LevelView; 2],
+}
+
+/// [`decide`] over the stored states themselves: they are read, and written only when the call
+/// is admitted (a refusal leaves them untouched). `instance` is `Some` exactly when the plan
+/// has an instance; `tracking` is the tenant's and the instance's template tracking.
+pub(crate) fn decide_in_place(
+    plan: &Plan<'_>,
+    tool_state: &mut NodeState,
+    tenant_state: &mut NodeState,
+    instance_state: Option<&mut NodeState>,
+    tracking: [Tracking; 2],
+) -> Result<Outcome, Box<Refusal>> {
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
     let period = tool.period.as_micros() as f64;
@@ -420,7 +530,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     let next_window = (window + 1.0) * period;
     let c = plan.cost;
 
-    let refuse = |f: Fail| -> Verdict {
+    let refuse = |f: Fail| -> Box<Refusal> {
         let mut r = Refusal::new(f.reason, &tool.name);
         r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
         r.instance = if plan.untenanted {
@@ -429,7 +539,10 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
             plan.instance.map(|i| i.name.to_owned())
         };
         r.scope = Some(f.scope);
-        r.window = Some(f.window);
+        r.window = Some(match f.window {
+            Label::Period => tool.period.to_string(),
+            Label::Word(w) => w.to_owned(),
+        });
         r.limit = Some(f.limit);
         r.used = Some(f.used);
         r.window_secs = f.window_secs;
@@ -439,41 +552,41 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
             r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
             r.retryable = true;
         }
-        Verdict::Refuse(Box::new(r))
+        Box::new(r)
     };
 
     // 1. Tracked template callers: a flood of new identities stops here.
     let t_pol = plan.tenant.policy;
-    let mut n_tenants = snap.tenant_tracking.count;
-    if t_pol.template && !snap.tenant_tracking.tracked {
+    let mut n_tenants = tracking[0].count;
+    if t_pol.template && !tracking[0].tracked {
         if n_tenants >= t_pol.max_tracked {
-            return refuse(Fail {
+            return Err(refuse(Fail {
                 reason: Reason::CapExceeded,
                 scope: Scope::Tenant,
                 wait: period,
-                window: "callers".into(),
+                window: Label::Word("callers"),
                 window_secs: None,
                 limit: t_pol.max_tracked as f64,
                 used: n_tenants as f64,
                 reset_at: None,
-            });
+            }));
         }
         n_tenants += 1;
     }
-    let mut n_instances = snap.instance_tracking.count;
+    let mut n_instances = tracking[1].count;
     if let Some(i) = plan.instance {
-        if i.policy.template && !snap.instance_tracking.tracked {
+        if i.policy.template && !tracking[1].tracked {
             if n_instances >= i.policy.max_tracked {
-                return refuse(Fail {
+                return Err(refuse(Fail {
                     reason: Reason::CapExceeded,
                     scope: Scope::Instance,
                     wait: period,
-                    window: "callers".into(),
+                    window: Label::Word("callers"),
                     window_secs: None,
                     limit: i.policy.max_tracked as f64,
                     used: n_instances as f64,
                     reset_at: None,
-                });
+                }));
             }
             n_instances += 1;
         }
@@ -487,8 +600,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         tool.configured_weight
             + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
     );
-    let mut levels: Vec<Level<'_>> = Vec::with_capacity(3);
-    levels.push(Level {
+    let tool_level = Level {
         scope: Scope::Tool,
         numbers: LevelNumbers {
             weight: 0.0,
@@ -502,33 +614,37 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         floor_b: bucket(0.0, 0.0),
         share_b: bucket(0.0, 0.0),
         ceil_b: bucket(spare, tool.burst),
-        state: snap.tool.clone(),
+        state: Scalars::of(tool_state),
         policy: None,
-    });
-    levels.push(Level {
+    };
+    let tenant_level = Level {
         scope: Scope::Tenant,
         floor_b: bucket(tn.own_floor, tn.own_floor),
         share_b: bucket(tn.share_rate, t_pol.burst),
         ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
         numbers: tn,
-        state: snap.tenant.clone(),
+        state: Scalars::of(tenant_state),
         policy: Some(t_pol),
-    });
-    if let Some(i) = plan.instance {
+    };
+    let mut levels = [tool_level, tenant_level, tool_level];
+    let mut n = 2;
+    if let (Some(i), Some(s)) = (plan.instance, instance_state.as_deref()) {
         let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
         let inner_weight = t_pol.configured_child_weight
             + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
         let inn = level_numbers(i.policy, inner_spare, inner_weight);
-        levels.push(Level {
+        levels[2] = Level {
             scope: Scope::Instance,
             floor_b: bucket(inn.own_floor, inn.own_floor),
             share_b: bucket(inn.share_rate, i.policy.burst),
             ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
             numbers: inn,
-            state: snap.instance.clone(),
+            state: Scalars::of(s),
             policy: Some(i.policy),
-        });
+        };
+        n = 3;
     }
+    let levels = &mut levels[..n];
     // What the children of the tool and of the tenant can hold in their share banks.
     let banks = [
         tool.configured_tenant_burst
@@ -551,21 +667,26 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     for (l, cap) in levels.iter().zip(caps) {
         if let Some(cap) = cap {
             if l.state.in_flight + 1.0 > cap as f64 {
-                return refuse(Fail {
+                return Err(refuse(Fail {
                     reason: Reason::ConcurrencyExceeded,
                     scope: l.scope,
                     wait: 1_000_000.0,
-                    window: "in_flight".into(),
+                    window: Label::Word("in_flight"),
                     window_secs: None,
                     limit: cap as f64,
                     used: l.state.in_flight,
                     reset_at: None,
-                });
+                }));
             }
         }
     }
 
-    let mut fails: Vec<Fail> = Vec::new();
+    // The refusal with the longest wait, of every check that failed (the first on a tie).
+    let mut worst: Option<Fail> = None;
+    let mut fail = |f: Fail| match &worst {
+        Some(w) if f.wait <= w.wait => {}
+        _ => worst = Some(f),
+    };
 
     // 4. Budgets: every matching calendar window must have room.
     let budget_lists = [
@@ -573,19 +694,23 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         &t_pol.budgets[..],
         plan.instance.map_or(&[][..], |i| &i.policy.budgets[..]),
     ];
-    for (l, list) in levels.iter().zip(budget_lists) {
-        for b in list {
+    let mut targets: [Option<&mut NodeState>; 3] =
+        [Some(tool_state), Some(tenant_state), instance_state];
+    for (idx, l) in levels.iter().enumerate() {
+        let Some(target) = targets[idx].as_deref() else {
+            continue;
+        };
+        for b in budget_lists[idx] {
             let (start, end) = b.period.window(plan.now);
             let start = start.as_micros() as f64;
-            let used = l
-                .state
+            let used = target
                 .budgets
                 .iter()
                 .find(|x| x.period == b.period && x.start == start)
                 .map_or(0.0, |x| x.used);
             if used + c > b.max + EPS {
                 let end = end.as_micros() as f64;
-                fails.push(Fail {
+                fail(Fail {
                     reason: Reason::CapExceeded,
                     scope: l.scope,
                     wait: if c > b.max + EPS {
@@ -593,7 +718,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
                     } else {
                         end - now
                     },
-                    window: b.period.as_str().into(),
+                    window: Label::Word(b.period.as_str()),
                     window_secs: Some(((end - start) / 1e6) as u64),
                     limit: b.max,
                     used,
@@ -606,35 +731,29 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     // 5. The draw, from the caller up to the tool: share first (a floor bucket left full
     // loses nothing the caller is owed, a full share bank would), the floor for the rest;
     // if that path is blocked, floor first.
-    let leaf = levels.len() - 1;
+    let leaf = n - 1;
     let ctx = PathCtx {
-        levels: &levels,
+        levels,
         banks,
         cost: c,
         period,
         now,
         next_window,
-        period_label: &tool.period,
+        period_secs: tool.period.as_secs_ceil(),
     };
     let takes = match ctx.draw(true) {
         Ok(t) => t,
         Err(_) => match ctx.draw(false) {
             Ok(t) => t,
             Err(f) => {
-                fails.push(f);
+                fail(f);
                 [[0.0; 3]; 3]
             }
         },
     };
 
-    if !fails.is_empty() {
-        let mut worst = fails.remove(0);
-        for f in fails {
-            if f.wait > worst.wait {
-                worst = f;
-            }
-        }
-        return refuse(worst);
+    if let Some(f) = worst {
+        return Err(refuse(f));
     }
 
     // 6. Commit.
@@ -646,6 +765,9 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     let mut expires = [now; 3];
     let mut floor_units = 0.0;
     for (idx, l) in levels.iter_mut().enumerate() {
+        let Some(target) = targets[idx].as_deref_mut() else {
+            continue;
+        };
         let [f, h, k] = takes[idx];
         floor_units += f;
         let s = &mut l.state;
@@ -659,16 +781,25 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         if permit {
             s.in_flight += 1.0;
         }
+        let list = budget_lists[idx];
         let mut charged_budgets = Vec::new();
-        for b in budget_lists[idx] {
+        if !list.is_empty() {
+            charged_budgets.reserve_exact(list.len());
+            if target.budgets.capacity() < list.len() {
+                target
+                    .budgets
+                    .reserve_exact(list.len() - target.budgets.len());
+            }
+        }
+        for b in list {
             let start = b.period.window(plan.now).0.as_micros() as f64;
-            match s.budgets.iter_mut().find(|x| x.period == b.period) {
+            match target.budgets.iter_mut().find(|x| x.period == b.period) {
                 Some(x) if x.start == start => x.used += c,
                 Some(x) => {
                     x.start = start;
                     x.used = c;
                 }
-                None => s.budgets.push(BudgetCounter {
+                None => target.budgets.push(BudgetCounter {
                     period: b.period,
                     start,
                     used: c,
@@ -689,6 +820,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         };
         expires[idx] = expiry(
             s,
+            &target.budgets,
             &l.floor_b,
             &l.share_b,
             &l.ceil_b,
@@ -705,7 +837,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         .min(lf.state.floor)
         .max(0.0);
     let mut non_floor_room = f64::INFINITY;
-    for l in &levels {
+    for l in levels.iter() {
         let room = l
             .state
             .ceiling
@@ -724,17 +856,13 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         })
     };
     let views = [view(levels.get(1)), view(levels.get(2))];
-    let quota = levels[leaf].numbers.ceiling;
-    let slack = levels[0].state.ceiling;
+    for (l, target) in levels.iter().zip(targets.iter_mut()) {
+        if let Some(target) = target.as_deref_mut() {
+            l.state.write(target);
+        }
+    }
     let track_until = now + period;
-    let mut it = levels.into_iter();
-    let tool_state = it.next().map(|l| l.state).unwrap_or_default();
-    let tenant_state = it.next().map(|l| l.state).unwrap_or_default();
-    let instance_state = it.next().map(|l| l.state).unwrap_or_default();
-    Verdict::Admit(Box::new(Admitted {
-        tool: tool_state,
-        tenant: tenant_state,
-        instance: instance_state,
+    Ok(Outcome {
         expires,
         track_tenant_until: t_pol.template.then_some(track_until),
         track_instance_until: plan
@@ -742,17 +870,19 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
             .and_then(|i| i.policy.template.then_some(track_until)),
         charge,
         remaining,
-        quota,
+        quota: levels[leaf].numbers.ceiling,
         reset_in: next_window - now,
-        slack,
+        slack: levels[0].state.ceiling,
         views,
-    }))
+    })
 }
 
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
 /// budget counters over. (Permits held keep a state alive regardless: the store checks.)
+#[allow(clippy::too_many_arguments)]
 fn expiry(
-    s: &NodeState,
+    s: &Scalars,
+    budgets: &[BudgetCounter],
     f: &Bucket,
     h: &Bucket,
     k: &Bucket,
@@ -769,7 +899,7 @@ fn expiry(
     if s.total > 0.0 {
         at = at.max(next_window);
     }
-    for b in &s.budgets {
+    for b in budgets {
         if b.used > 0.0 {
             let (_, end) = b.period.window(Timestamp(b.start as u64));
             at = at.max(end.as_micros() as f64);
