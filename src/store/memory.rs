@@ -73,7 +73,6 @@ struct ToolEntry {
 
 /// A tenant (or an untenanted caller) of one tool, with its instances.
 struct TenantEntry {
-    hash: u64,
     tool: Arc<ToolCell>,
     tenant: Arc<str>,
     untenanted: bool,
@@ -83,8 +82,8 @@ struct TenantEntry {
     tracked: Option<Arc<AtomicU64>>,
     /// Sorted by name.
     instances: Vec<InstanceEntry>,
-    /// Template instances counted; boxed, as most tenants have none.
-    tracker: Option<Box<Tracker>>,
+    /// Template instances counted.
+    tracker: Tracker,
 }
 
 struct InstanceEntry {
@@ -107,9 +106,7 @@ impl TenantEntry {
     fn sweep(&mut self, now: u64) -> bool {
         self.instances
             .retain(|i| alive(&i.state, i.expires, i.tracked.as_deref(), now));
-        if let Some(t) = self.tracker.as_mut() {
-            t.prune(now);
-        }
+        self.tracker.prune(now);
         !alive(&self.state, self.expires, self.tracked.as_deref(), now) && self.instances.is_empty()
     }
 }
@@ -194,6 +191,10 @@ impl Tracker {
     fn touch(&mut self, cell: &Arc<AtomicU64>, until: u64, now: u64) {
         if cell.swap(until, Relaxed) <= now {
             self.count += 1;
+            if self.heap.len() == self.heap.capacity() {
+                // Most trackers count a few children: grow by half, not double.
+                self.heap.reserve_exact((self.heap.len() / 2).max(1));
+            }
             self.heap.push(Reverse(Slot {
                 until,
                 cell: cell.clone(),
@@ -322,10 +323,16 @@ fn sweep_shard(s: &mut Shard, now: u64) {
 }
 
 fn micros_ceil(x: f64) -> u64 {
-    if x.is_finite() {
-        x.max(0.0).ceil() as u64
+    if !x.is_finite() {
+        return u64::MAX;
+    }
+    // `x as u64` truncates (and saturates); one more when that dropped a fraction. Cheaper
+    // than `f64::ceil`, which is a library call on baseline x86-64.
+    let t = x.max(0.0) as u64;
+    if (t as f64) < x {
+        t.saturating_add(1)
     } else {
-        u64::MAX
+        t
     }
 }
 
@@ -371,10 +378,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         None => None,
     };
     let instance_tracking = match (&inst, instance_template) {
-        (Some(i), true) => match tracker.as_mut() {
-            Some(t) => t.tracking(i.tracked.as_deref(), now),
-            None => Tracking::default(),
-        },
+        (Some(i), true) => tracker.tracking(i.tracked.as_deref(), now),
         _ => Tracking::default(),
     };
     let ToolEntry {
@@ -416,9 +420,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         *expires = micros_ceil(o.expires[2]);
         if let Some(until) = o.track_instance_until {
             let c = tracked.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
-            tracker
-                .get_or_insert_with(Box::default)
-                .touch(c, micros_ceil(until), now);
+            tracker.touch(c, micros_ceil(until), now);
         }
     }
     if let (Some(Err(at)), Some(i)) = (slot, fresh) {
@@ -454,7 +456,6 @@ impl MemoryStore {
             return decide_on(entry, plan, keys, now);
         }
         let mut entry = Box::new(TenantEntry {
-            hash,
             tool: self.tool_cell(&keys.tool),
             tenant: keys.tenant.clone(),
             untenanted: keys.untenanted,
@@ -462,11 +463,14 @@ impl MemoryStore {
             expires: 0,
             tracked: None,
             instances: Vec::new(),
-            tracker: None,
+            tracker: Tracker::default(),
         });
         let decision = decide_on(&mut entry, plan, keys, now);
         if matches!(decision, Decision::Admitted(_)) {
-            shard.tenants.insert_unique(hash, entry, |e| e.hash);
+            let hasher = &self.hasher;
+            shard.tenants.insert_unique(hash, entry, |e| {
+                hash_tenant(hasher, &e.tool.name, &e.tenant, e.untenanted)
+            });
         }
         decision
     }
