@@ -125,7 +125,8 @@ impl Started {
 
     #[cfg(feature = "metrics")]
     pub(crate) fn record(self, store: &'static str) {
-        metrics::histogram!(DECISION_SECONDS, "store" => store).record(self.0.elapsed().as_secs_f64());
+        metrics::histogram!(DECISION_SECONDS, "store" => store)
+            .record(self.0.elapsed().as_secs_f64());
     }
 
     #[cfg(not(feature = "metrics"))]

@@ -61,6 +61,9 @@ struct Shard {
 /// One tool's state, and the template tenants it counts.
 struct ToolCell {
     name: Arc<str>,
+    /// The count of template tenants, published after each decision under the lock, read
+    /// without it as a first guess.
+    published: AtomicU64,
     inner: Mutex<ToolEntry>,
 }
 
@@ -251,7 +254,10 @@ impl MemoryStore {
             .iter()
             .map(|s| {
                 let s = lock(&s.0);
-                s.tenants.iter().map(|t| 1 + t.instances.len()).sum::<usize>()
+                s.tenants
+                    .iter()
+                    .map(|t| 1 + t.instances.len())
+                    .sum::<usize>()
             })
             .sum();
         let tools = self
@@ -302,6 +308,7 @@ impl MemoryStore {
         }
         let cell = Arc::new(ToolCell {
             name: tool.clone(),
+            published: AtomicU64::new(0),
             inner: Mutex::new(ToolEntry::default()),
         });
         let mut next = Vec::with_capacity(tools.len() + 1);
@@ -348,12 +355,6 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         tracker,
         ..
     } = entry;
-    let mut tool = lock(&cell.inner);
-    let tenant_tracking = if plan.tenant.policy.template {
-        tool.tenants.tracking(tenant_cell.as_deref(), now)
-    } else {
-        Tracking::default()
-    };
     // The instance: stored, or fresh (inserted only if the call is admitted).
     let mut fresh = None;
     let slot = match (plan.instance.is_some(), keys.instance.as_ref()) {
@@ -381,11 +382,6 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         (Some(i), true) => tracker.tracking(i.tracked.as_deref(), now),
         _ => Tracking::default(),
     };
-    let ToolEntry {
-        state: tool_state,
-        expires: tool_expires,
-        tenants,
-    } = &mut *tool;
     let (inst_state, inst) = match inst {
         Some(i) => {
             let InstanceEntry {
@@ -398,24 +394,61 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         }
         None => (None, None),
     };
-    let outcome = engine::decide_in_place(
-        plan,
-        tool_state,
-        tenant_state,
-        inst_state,
-        [tenant_tracking, instance_tracking],
-    );
-    let o = match outcome {
-        Err(r) => return Decision::Refused(r),
-        Ok(o) => o,
+    // Everything below the tool is worked out before the tool is locked, with the tool's
+    // count of template tenants as last published; under the lock, the count is checked and
+    // the first half redone in the rare case it moved. The tool's lock is held only for the
+    // tool's own part.
+    let tenant_template = plan.tenant.policy.template;
+    let guess = if tenant_template {
+        Tracking {
+            count: cell.published.load(Relaxed),
+            tracked: tenant_cell
+                .as_deref()
+                .is_some_and(|c| c.load(Relaxed) > now),
+        }
+    } else {
+        Tracking::default()
     };
-    *tool_expires = micros_ceil(o.expires[0]);
-    *tenant_expires = micros_ceil(o.expires[1]);
-    if let Some(until) = o.track_tenant_until {
+    let mut below = engine::below(
+        plan,
+        tenant_state,
+        inst_state.as_deref(),
+        [guess, instance_tracking],
+    );
+    let mut tool = lock(&cell.inner);
+    let ToolEntry {
+        state: tool_state,
+        expires: tool_expires,
+        tenants,
+    } = &mut *tool;
+    if tenant_template {
+        let actual = tenants.tracking(tenant_cell.as_deref(), now);
+        if actual != guess {
+            below = engine::below(
+                plan,
+                tenant_state,
+                inst_state.as_deref(),
+                [actual, instance_tracking],
+            );
+        }
+    }
+    let top = engine::above(plan, &mut below, tool_state);
+    let top = match top {
+        Ok(t) => t,
+        Err(r) => {
+            cell.published.store(tenants.count, Relaxed);
+            return Decision::Refused(r);
+        }
+    };
+    *tool_expires = micros_ceil(top.expires());
+    if tenant_template {
         let c = tenant_cell.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
-        tenants.touch(c, micros_ceil(until), now);
+        tenants.touch(c, micros_ceil(below.track_until()), now);
+        cell.published.store(tenants.count, Relaxed);
     }
     drop(tool);
+    let o = engine::commit_below(plan, below, top, tenant_state, inst_state);
+    *tenant_expires = micros_ceil(o.expires[1]);
     if let Some((expires, tracked)) = inst {
         *expires = micros_ceil(o.expires[2]);
         if let Some(until) = o.track_instance_until {
@@ -484,7 +517,12 @@ impl MemoryStore {
             .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
         let cell = match &entry {
             Some(e) => Some(e.tool.clone()),
-            None => self.tools.load().iter().find(|c| c.name == keys.tool).cloned(),
+            None => self
+                .tools
+                .load()
+                .iter()
+                .find(|c| c.name == keys.tool)
+                .cloned(),
         };
         if let Some(cell) = cell {
             let mut tool = lock(&cell.inner);

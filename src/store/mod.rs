@@ -116,11 +116,7 @@ pub trait Store: Send + Sync + 'static {
     /// Decides one call without waiting, when this store can (the in-process store always
     /// can); `None` when the answer needs I/O, and then nothing has been done: use
     /// [`decide`](Self::decide). Lets callers skip allocating a future. The default is `None`.
-    fn decide_now(
-        &self,
-        plan: &Plan<'_>,
-        keys: &CallKeys,
-    ) -> Option<Result<Decision, StoreError>> {
+    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
         let _ = (plan, keys);
         None
     }
@@ -160,11 +156,7 @@ impl<S: Store> Store for Arc<S> {
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
         (**self).decide(plan, keys)
     }
-    fn decide_now(
-        &self,
-        plan: &Plan<'_>,
-        keys: &CallKeys,
-    ) -> Option<Result<Decision, StoreError>> {
+    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
         (**self).decide_now(plan, keys)
     }
     fn adjust<'a>(
