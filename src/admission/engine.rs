@@ -584,8 +584,8 @@ pub(crate) struct Below<'a> {
     concurrency: Option<Fail>,
     /// The worst failing budget of the tenant and the instance.
     budgets: Option<Fail>,
-    /// The walk up to the tool, share first and floor first.
-    walks: [Result<Walk, Fail>; 2],
+    /// The walk up to the tool, share first (floor first is walked only if needed).
+    walk: Result<Walk, Fail>,
 }
 
 /// The worst failure so far: the longest wait, the first one on a tie.
@@ -629,7 +629,7 @@ impl Below<'_> {
             callers: None,
             concurrency: None,
             budgets: None,
-            walks: [Ok(walk); 2],
+            walk: Ok(walk),
         }
     }
 }
@@ -782,8 +782,8 @@ pub(crate) fn below<'a>(
     }
 
     // 5. The walk from the caller up to the tool: share first (a floor bucket left full loses
-    // nothing the caller is owed, a full share bank would), the floor for the rest; and floor
-    // first, for when the first path is blocked.
+    // nothing the caller is owed, a full share bank would), the floor for the rest. (Floor
+    // first, for when that path is blocked, is walked in `above` only then.)
     let ctx = PathCtx {
         levels: &b.levels[..n],
         banks: b.banks,
@@ -793,7 +793,7 @@ pub(crate) fn below<'a>(
         next_window,
         period_secs: tool.period.as_secs_ceil(),
     };
-    b.walks = [ctx.below(true), ctx.below(false)];
+    b.walk = ctx.below(true);
 }
 
 fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
@@ -952,9 +952,9 @@ pub(crate) fn above(
         next_window: b.next_window,
         period_secs: tool.period.as_secs_ceil(),
     };
-    let takes = match b.walks[0].and_then(|w| ctx.at_tool(w, true)) {
+    let takes = match b.walk.and_then(|w| ctx.at_tool(w, true)) {
         Ok(t) => t,
-        Err(_) => match b.walks[1].and_then(|w| ctx.at_tool(w, false)) {
+        Err(_) => match ctx.below(false).and_then(|w| ctx.at_tool(w, false)) {
             Ok(t) => t,
             Err(f) => {
                 worse(&mut worst, f);
