@@ -456,6 +456,32 @@ struct Prepared<'p> {
     keys: CallKeys,
 }
 
+/// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
+/// decision clones and drops the name it is charged to; on the policy's own `Arc` that would
+/// be two atomic writes to one counter shared by every thread deciding for the tool, the one
+/// cache line all of them would fight over. Keys compare by content, so a per-thread copy is
+/// the same key.
+fn tool_name(shared: &Arc<str>) -> Arc<str> {
+    /// Tool names this thread has seen (a handful; bounded, then the shared one is used).
+    const MAX: usize = 32;
+    thread_local! {
+        static NAMES: std::cell::RefCell<Vec<Arc<str>>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    NAMES
+        .try_with(|names| {
+            let mut names = names.borrow_mut();
+            if let Some(n) = names.iter().find(|n| ***n == **shared) {
+                return n.clone();
+            }
+            if names.len() < MAX {
+                names.push(Arc::from(&**shared));
+                return names[names.len() - 1].clone();
+            }
+            shared.clone()
+        })
+        .unwrap_or_else(|_| shared.clone())
+}
+
 type Resolved<'p> = (&'p ToolPolicy, LevelRef<'p>, Option<LevelRef<'p>>, CallKeys);
 
 /// Who is charged for `caller` calling `tool`: the identity and tool checks of the order of
@@ -531,7 +557,7 @@ fn resolve<'p>(
     };
     // Shared, not copied: a decision allocates no key strings.
     let keys = CallKeys {
-        tool: tp.name_arc().clone(),
+        tool: tool_name(tp.name_arc()),
         tenant: match (untenanted, caller.tenant_arc(), caller.instance_arc()) {
             (false, Some(t), _) | (true, _, Some(t)) => t.clone(),
             _ => Arc::from(tenant_name),

@@ -52,6 +52,17 @@ impl std::fmt::Debug for MemoryStore {
 #[repr(align(128))]
 struct Padded(Mutex<Shard>);
 
+/// A value on cache lines of its own.
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 #[derive(Default)]
 struct Shard {
     tenants: HashTable<Box<TenantEntry>>,
@@ -62,9 +73,10 @@ struct Shard {
 struct ToolCell {
     name: Arc<str>,
     /// The count of template tenants, published after each decision under the lock, read
-    /// without it as a first guess.
-    published: AtomicU64,
-    inner: Mutex<ToolEntry>,
+    /// without it as a first guess. On its own line: the lock's line moves between threads on
+    /// every decision, this one only when the count changes.
+    published: Line<AtomicU64>,
+    inner: Line<Mutex<ToolEntry>>,
 }
 
 #[derive(Default)]
@@ -308,8 +320,8 @@ impl MemoryStore {
         }
         let cell = Arc::new(ToolCell {
             name: tool.clone(),
-            published: AtomicU64::new(0),
-            inner: Mutex::new(ToolEntry::default()),
+            published: Line(AtomicU64::new(0)),
+            inner: Line(Mutex::new(ToolEntry::default())),
         });
         let mut next = Vec::with_capacity(tools.len() + 1);
         next.extend(tools.iter().cloned());
@@ -327,6 +339,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn sweep_shard(s: &mut Shard, now: u64) {
     s.tenants.retain(|t| !t.sweep(now));
+}
+
+/// Publishes the tool's count of template tenants; written only when it moved, so the cache
+/// line is not dirtied on every decision.
+fn publish(cell: &ToolCell, count: u64) {
+    if cell.published.load(Relaxed) != count {
+        cell.published.store(count, Relaxed);
+    }
 }
 
 fn micros_ceil(x: f64) -> u64 {
@@ -439,7 +459,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     let mut top = match top {
         Ok(t) => t,
         Err(r) => {
-            cell.published.store(tenants.count, Relaxed);
+            publish(cell, tenants.count);
             return Decision::Refused(r);
         }
     };
@@ -447,7 +467,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     if tenant_template {
         let c = tenant_cell.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
         tenants.touch(c, micros_ceil(below.track_until()), now);
-        cell.published.store(tenants.count, Relaxed);
+        publish(cell, tenants.count);
     }
     drop(tool);
     let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
