@@ -62,6 +62,15 @@ impl Identify for CallerFromExtensions {
     }
 }
 
+/// How the layer finds the caller.
+#[derive(Clone)]
+pub(crate) enum Identity {
+    /// The [`Caller`] extension, borrowed: no clone on the way to the limiter.
+    Extension,
+    /// An [`Identify`] of the app's.
+    With(Arc<dyn Identify>),
+}
+
 /// A function from a request to the tool it calls.
 pub(crate) type SelectFn = dyn Fn(&RequestHead<'_>) -> Option<Arc<str>> + Send + Sync;
 
@@ -89,17 +98,44 @@ impl std::fmt::Debug for ToolSelector {
     }
 }
 
-impl ToolSelector {
-    pub(crate) fn select(&self, req: &RequestHead<'_>) -> Option<Arc<str>> {
+/// The tool a request calls, borrowed from the request or the layer when it can be: a
+/// decision the store makes at once needs no owned copy.
+pub(crate) enum Tool<'a> {
+    Borrowed(&'a str),
+    Shared(&'a Arc<str>),
+    Owned(Arc<str>),
+}
+
+impl Tool<'_> {
+    pub(crate) fn as_str(&self) -> &str {
         match self {
-            ToolSelector::Fixed(t) => Some(t.clone()),
+            Tool::Borrowed(s) => s,
+            Tool::Shared(s) => s,
+            Tool::Owned(s) => s,
+        }
+    }
+
+    /// An owned name, for a decision that has to wait for the store.
+    pub(crate) fn into_arc(self) -> Arc<str> {
+        match self {
+            Tool::Borrowed(s) => Arc::from(s),
+            Tool::Shared(s) => s.clone(),
+            Tool::Owned(s) => s,
+        }
+    }
+}
+
+impl ToolSelector {
+    pub(crate) fn select<'a>(&'a self, req: &RequestHead<'a>) -> Option<Tool<'a>> {
+        match self {
+            ToolSelector::Fixed(t) => Some(Tool::Shared(t)),
             ToolSelector::Path(prefix) => {
                 let rest = req.uri.path().strip_prefix(&**prefix)?;
                 let name = rest.split('/').next().filter(|n| !n.is_empty())?;
-                Some(Arc::from(name))
+                Some(Tool::Borrowed(name))
             }
-            ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| t.0.clone()),
-            ToolSelector::With(f) => f(req),
+            ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| Tool::Shared(&t.0)),
+            ToolSelector::With(f) => f(req).map(Tool::Owned),
         }
     }
 }

@@ -13,10 +13,10 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::layer::Shared;
-use super::refusal::{admitted_headers, is_grpc, response};
-use super::select::RequestHead;
+use super::refusal::{admitted_headers, is_grpc, render};
+use super::select::{Identity, RequestHead};
 use super::{BoxFuture, Held};
-use crate::identity::Cost;
+use crate::identity::{Caller, Cost};
 use crate::limiter::Ticket;
 use crate::Refusal;
 
@@ -50,6 +50,18 @@ impl<S> FairShare<S> {
     }
 }
 
+/// What `call` does once it has looked at the request.
+// Lives for one `match`; boxing the decision would cost an allocation a call.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    /// No tool: through, unmetered.
+    Pass,
+    /// The store decided at once.
+    Decided(Result<Ticket, Refusal>),
+    /// The store has to be waited for.
+    Wait(Caller, Arc<str>, Cost),
+}
+
 impl<S, ReqB, ResB> Service<Request<ReqB>> for FairShare<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
@@ -65,34 +77,54 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let head = RequestHead::of(&req);
-        let Some(tool) = self.shared.tool.select(&head) else {
-            return ResponseFuture {
-                state: State::Passthrough {
-                    fut: self.inner.call(req),
-                },
-            };
+        let shared = &*self.shared;
+        // Everything borrowed from the request ends with this block, before it moves on.
+        let step = {
+            let head = RequestHead::of(&req);
+            match shared.tool.select(&head) {
+                None => Step::Pass,
+                Some(tool) => {
+                    let identified;
+                    let caller = match &shared.identify {
+                        Identity::Extension => req.extensions().get::<Caller>(),
+                        Identity::With(identify) => {
+                            identified = identify.identify(&head);
+                            identified.as_ref()
+                        }
+                    };
+                    let anonymous;
+                    let caller = match caller {
+                        Some(c) => c,
+                        None => {
+                            anonymous = Caller::default();
+                            &anonymous
+                        }
+                    };
+                    let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
+                    match shared.limiter.try_admit(caller, tool.as_str(), cost) {
+                        Some(outcome) => Step::Decided(outcome),
+                        None => Step::Wait(caller.clone(), tool.into_arc(), cost),
+                    }
+                }
+            }
         };
-        let caller = self.shared.identify.identify(&head).unwrap_or_default();
-        let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
-        let grpc = is_grpc(req.headers());
-        let mut admission = self.shared.limiter.admit(caller, tool, cost);
-        // The service was driven ready; a clone takes its place for the next call.
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        // Stores that answer at once (the memory store) skip a round of polling.
-        let state = match admission
-            .as_mut()
-            .poll(&mut Context::from_waker(std::task::Waker::noop()))
-        {
-            Poll::Ready(outcome) => after_admission(outcome, ready, req, &self.shared, grpc),
-            Poll::Pending => State::Admitting {
-                admission,
-                inner: Some(ready),
-                req: Some(req),
-                shared: self.shared.clone(),
-                grpc,
+        let state = match step {
+            Step::Pass => State::Passthrough {
+                fut: self.inner.call(req),
             },
+            // The service was driven ready and the call goes on at once: no clone needed.
+            Step::Decided(outcome) => after_admission(outcome, &mut self.inner, req, &self.shared),
+            Step::Wait(caller, tool, cost) => {
+                let admission = shared.limiter.admit(caller, tool, cost);
+                // The service was driven ready; a clone takes its place for the next call.
+                let clone = self.inner.clone();
+                State::Admitting {
+                    admission,
+                    inner: Some(std::mem::replace(&mut self.inner, clone)),
+                    req: Some(req),
+                    shared: self.shared.clone(),
+                }
+            }
         };
         ResponseFuture { state }
     }
@@ -100,19 +132,17 @@ where
 
 fn after_admission<S, ReqB, ResB>(
     outcome: Result<Ticket, Refusal>,
-    mut inner: S,
+    inner: &mut S,
     req: Request<ReqB>,
     shared: &Arc<Shared>,
-    grpc: bool,
 ) -> State<S, ReqB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
     match outcome {
         Ok(ticket) => State::Calling {
-            held: Held::new(&ticket, &shared.limiter),
+            held: Some(Held::new(ticket, &shared.limiter)),
             fut: inner.call(req),
-            ticket: Some(ticket),
             shared: shared.clone(),
         },
         Err(refusal) if !shared.enforce => {
@@ -122,8 +152,7 @@ where
             }
         }
         Err(refusal) => State::Refused {
-            refusal: Some(Box::new(refusal)),
-            grpc,
+            res: Some(render(&refusal, is_grpc(req.headers()))),
         },
     }
 }
@@ -150,12 +179,11 @@ pin_project! {
             inner: Option<S>,
             req: Option<Request<ReqB>>,
             shared: Arc<Shared>,
-            grpc: bool,
         },
         Calling {
             #[pin]
             fut: S::Future,
-            ticket: Option<Ticket>,
+            // Dropped with the future (inner error, cancellation): permits come back.
             held: Option<Held>,
             shared: Arc<Shared>,
         },
@@ -164,8 +192,7 @@ pin_project! {
             fut: S::Future,
         },
         Refused {
-            refusal: Option<Box<Refusal>>,
-            grpc: bool,
+            res: Option<Response<Option<Bytes>>>,
         },
     }
 }
@@ -195,39 +222,35 @@ where
                     inner,
                     req,
                     shared,
-                    grpc,
                 } => {
                     let outcome = ready!(admission.as_mut().poll(cx));
-                    let (Some(inner), Some(req)) = (inner.take(), req.take()) else {
+                    let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
                         panic!("ResponseFuture polled after completion");
                     };
-                    after_admission(outcome, inner, req, shared, *grpc)
+                    after_admission(outcome, &mut inner, req, shared)
                 }
-                StateProj::Calling {
-                    fut,
-                    ticket,
-                    held,
-                    shared,
-                } => {
-                    // An inner error drops `held` with the future: the permits come back.
+                StateProj::Calling { fut, held, shared } => {
+                    // An inner error drops `charged` with the future: the permits come back.
                     let mut res = ready!(fut.poll(cx))?;
-                    let ticket = ticket.take().expect("polled after completion");
+                    let held = held.take().expect("polled after completion");
+                    let ticket = held.ticket();
                     if let Some(actual) = res.extensions().get::<Cost>().copied() {
                         shared.limiter.settle(ticket.clone(), actual);
                     }
                     if shared.headers {
-                        admitted_headers(&ticket, res.headers_mut());
+                        admitted_headers(ticket, res.headers_mut());
                     }
-                    let held = held.take();
+                    // Boxed only when it holds permits: the body stays small otherwise.
+                    let held = held.holds_permits().then(|| Box::new(held));
                     return Poll::Ready(Ok(res.map(|b| ResponseBody::inner(b, held))));
                 }
                 StateProj::Passthrough { fut } => {
                     let res = ready!(fut.poll(cx))?;
                     return Poll::Ready(Ok(res.map(|b| ResponseBody::inner(b, None))));
                 }
-                StateProj::Refused { refusal, grpc } => {
-                    let r = refusal.take().expect("polled after completion");
-                    return Poll::Ready(Ok(response(&r, *grpc)));
+                StateProj::Refused { res } => {
+                    let res = res.take().expect("polled after completion");
+                    return Poll::Ready(Ok(res.map(ResponseBody::refusal)));
                 }
             };
             self.as_mut().project().state.set(next);
