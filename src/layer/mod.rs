@@ -123,6 +123,7 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    #[inline]
     pub(crate) fn new(ticket: Ticket, limiter: &Arc<dyn Admit>) -> Held {
         let holds = ticket
             .admission

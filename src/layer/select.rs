@@ -131,8 +131,10 @@ impl ToolSelector {
             ToolSelector::Fixed(t) => Some(Tool::Shared(t)),
             ToolSelector::Path(prefix) => {
                 let rest = req.uri.path().strip_prefix(&**prefix)?;
-                let name = rest.split('/').next().filter(|n| !n.is_empty())?;
-                Some(Tool::Borrowed(name))
+                // Tool names are short: a plain scan beats a searcher's setup.
+                let end = rest.bytes().position(|b| b == b'/').unwrap_or(rest.len());
+                let name = &rest[..end];
+                (!name.is_empty()).then_some(Tool::Borrowed(name))
             }
             ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| Tool::Shared(&t.0)),
             ToolSelector::With(f) => f(req).map(Tool::Owned),

@@ -130,6 +130,7 @@ where
     }
 }
 
+#[inline]
 fn after_admission<S, ReqB, ResB>(
     outcome: Result<Ticket, Refusal>,
     inner: &mut S,
@@ -230,18 +231,26 @@ where
                     after_admission(outcome, &mut inner, req, shared)
                 }
                 StateProj::Calling { fut, held, shared } => {
-                    // An inner error drops `charged` with the future: the permits come back.
+                    // An inner error drops `held` with the future: the permits come back.
                     let mut res = ready!(fut.poll(cx))?;
-                    let held = held.take().expect("polled after completion");
-                    let ticket = held.ticket();
+                    let Some(h) = held.as_ref() else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    let ticket = h.ticket();
                     if let Some(actual) = res.extensions().get::<Cost>().copied() {
                         shared.limiter.settle(ticket.clone(), actual);
                     }
                     if shared.headers {
                         admitted_headers(ticket, res.headers_mut());
                     }
-                    // Boxed only when it holds permits: the body stays small otherwise.
-                    let held = held.holds_permits().then(|| Box::new(held));
+                    // Only permits outlive the call, in the body; boxed, so the body stays small.
+                    // Otherwise the ticket is dropped in place (it is large: no move).
+                    let held = if h.holds_permits() {
+                        held.take().map(Box::new)
+                    } else {
+                        *held = None;
+                        None
+                    };
                     return Poll::Ready(Ok(res.map(|b| ResponseBody::inner(b, held))));
                 }
                 StateProj::Passthrough { fut } => {
