@@ -266,3 +266,159 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The path for stores that cannot decide at once (Redis): the memory store always can, so
+    //! the integration tests never take it.
+
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Waker;
+
+    use http::StatusCode;
+    use http_body_util::{BodyExt, Full};
+    use tower::{service_fn, Layer, ServiceExt};
+
+    use super::*;
+    use crate::clock::{ManualClock, Timestamp};
+    use crate::layer::select::ToolSelector;
+    use crate::layer::{Admit, FairShareLayer};
+    use crate::{Limiter, MemoryStore, Policy, Store};
+
+    /// A limiter whose every decision waits one poll.
+    struct Waits(Limiter<MemoryStore, ManualClock>);
+
+    impl Admit for Waits {
+        fn try_admit(&self, _: &Caller, _: &str, _: Cost) -> Option<Result<Ticket, Refusal>> {
+            None
+        }
+        fn admit(
+            &self,
+            caller: Caller,
+            tool: Arc<str>,
+            cost: Cost,
+        ) -> BoxFuture<Result<Ticket, Refusal>> {
+            let limiter = self.0.clone();
+            Box::pin(async move {
+                let mut yielded = false;
+                std::future::poll_fn(|cx| {
+                    if yielded {
+                        return Poll::Ready(());
+                    }
+                    yielded = true;
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                })
+                .await;
+                limiter.admit(&caller, &tool, cost).await
+            })
+        }
+        fn release(&self, ticket: Ticket) {
+            Admit::release(&self.0, ticket)
+        }
+        fn settle(&self, ticket: Ticket, actual: Cost) {
+            Admit::settle(&self.0, ticket, actual)
+        }
+    }
+
+    const POLICY: &str = r#"
+        [[tool]]
+        name = "report"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 2
+        burst = 2
+        max_concurrency = 1
+    "#;
+
+    fn layer(limiter: &Limiter<MemoryStore, ManualClock>) -> FairShareLayer {
+        FairShareLayer {
+            shared: Arc::new(Shared {
+                limiter: Arc::new(Waits(limiter.clone())),
+                identify: Identity::Extension,
+                tool: ToolSelector::Path(Arc::from("/tools/")),
+                headers: true,
+                enforce: true,
+            }),
+        }
+    }
+
+    fn request(path: &str) -> Request<Full<Bytes>> {
+        let mut req = Request::get(path).body(Full::new(Bytes::new())).unwrap();
+        req.extensions_mut().insert(Caller::new("acme"));
+        req
+    }
+
+    #[tokio::test]
+    async fn a_store_that_waits_admits_refuses_and_gets_permits_back() {
+        let limiter = Limiter::with_store(
+            Policy::from_toml_str(POLICY).unwrap(),
+            MemoryStore::new(),
+            ManualClock::new(Timestamp(1_767_225_600_000_000)),
+        );
+        let keys = limiter.call_keys(&Caller::new("acme"), "report").unwrap();
+        let in_flight = || async {
+            let s = limiter.store().inspect(&keys).await.unwrap();
+            s[1].as_ref().map_or(0.0, |s| s.in_flight)
+        };
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let inner = service_fn(move |_req: Request<Full<Bytes>>| {
+            c.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))) }
+        });
+        let mut svc = layer(&limiter).layer(inner);
+
+        // Admitted after one pending poll; the permit lives in the body.
+        let mut fut = Box::pin(svc.ready().await.unwrap().call(request("/tools/report")));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "not called before admission"
+        );
+        let res = fut.await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.headers().contains_key(super::super::RATELIMIT_POLICY));
+        assert_eq!(in_flight().await, 1.0);
+
+        // Concurrency refusal through the waiting path: JSON, the inner service untouched.
+        let refused = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/report"))
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        let body = refused.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"], "concurrency_exceeded");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        // The body ends: the permit comes back.
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        assert_eq!(in_flight().await, 0.0);
+
+        // Dropped while the store is deciding: nothing charged, nothing held.
+        let mut fut = Box::pin(svc.ready().await.unwrap().call(request("/tools/report")));
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        drop(fut);
+        assert_eq!(in_flight().await, 0.0);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        // Unknown tool: refused on the waiting path as well.
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/nope"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::FORBIDDEN);
+    }
+}
