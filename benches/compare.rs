@@ -113,6 +113,18 @@ budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
 max_instances = 100
 
+# As "search", with a period long enough that nothing goes idle (and is swept) while the memory
+# part runs: every caller stays resident and is counted.
+[[tool]]
+name = "resident"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1h" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
 [[tool]]
 name = "exhausted"
 unit = "calls"
@@ -415,11 +427,13 @@ fn memory(n: usize) {
         for i in 0..n {
             // Each caller is built and dropped inside the window: only the store's copy stays.
             let caller = Caller::new(format!("tenant-{i}")).with_instance("agent");
-            now(l.admit(&caller, "search", Cost(1.0))).expect("admitted");
+            now(l.admit(&caller, "resident", Cost(1.0))).expect("admitted");
         }
     });
     let elapsed = start.elapsed();
     let entries = l.as_ref().map_or(0, |l| l.store().len());
+    // A tenant and its instance are two entries; the tool is one.
+    assert_eq!(entries, 2 * n + 1, "every caller must still be resident");
     let freed = live_bytes_after(|| drop(l.take()));
 
     let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));

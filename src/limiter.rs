@@ -177,28 +177,100 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         outcome
     }
 
+    /// Decides one call like [`admit`](Self::admit), without waiting: `Some` when the store
+    /// can answer at once (the in-process store always can), `None` when it needs I/O — then
+    /// nothing has been decided or recorded, and [`admit`](Self::admit) is the way.
+    ///
+    /// ```
+    /// use tower_fairshare::{Caller, Cost, Limiter, Policy};
+    ///
+    /// let policy = Policy::from_toml_str(r#"
+    ///     [[tool]]
+    ///     name = "search"
+    ///     unit = "calls"
+    ///     rate = { limit = 60, per = "1m" }
+    ///     [tool.default_tenant]
+    ///     ceiling = 1
+    ///     burst = 1
+    /// "#).unwrap();
+    /// let limiter = Limiter::new(policy);
+    /// let acme = Caller::new("acme");
+    /// assert!(matches!(limiter.try_admit(&acme, "search", Cost::default()), Some(Ok(_))));
+    /// assert!(matches!(limiter.try_admit(&acme, "search", Cost::default()), Some(Err(_))));
+    /// ```
+    pub fn try_admit(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+    ) -> Option<Result<Ticket, Refusal>> {
+        let policy = self.inner.policy.load();
+        let outcome = match self.prepare(&policy, caller, tool, cost) {
+            Err(r) => Err(r),
+            Ok(p) => {
+                let started = telemetry::Started::now();
+                let decided = self.inner.store.decide_now(&p.plan, &p.keys)?;
+                started.record(self.inner.store.kind());
+                self.conclude(p, caller, tool, decided)
+            }
+        };
+        self.record(caller, tool, cost, &outcome);
+        Some(outcome)
+    }
+
     async fn decide(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
         let policy = self.inner.policy.load();
-        let (tp, tenant, instance, keys) = resolve(&policy, caller, tool)?;
+        let p = self.prepare(&policy, caller, tool, cost)?;
+        let store = &self.inner.store;
+        let started = telemetry::Started::now();
+        let decided = match store.decide_now(&p.plan, &p.keys) {
+            Some(d) => d,
+            None => store.decide(&p.plan, &p.keys).await,
+        };
+        started.record(store.kind());
+        self.conclude(p, caller, tool, decided)
+    }
+
+    /// Everything before the store: who is charged for what, at what time.
+    fn prepare<'p>(
+        &self,
+        policy: &'p Policy,
+        caller: &'p Caller,
+        tool: &str,
+        cost: Cost,
+    ) -> Result<Prepared<'p>, Refusal> {
+        let (tp, tenant, instance, keys) = resolve(policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
             let mut r = denial(Reason::PermissionDenied, tool, caller, "invalid_cost");
             r.retryable = false;
             return Err(r);
         }
+        Ok(Prepared {
+            plan: Plan {
+                now: self.inner.clock.now(),
+                cost: c,
+                tool: tp,
+                tenant,
+                instance,
+                untenanted: keys.untenanted,
+            },
+            keys,
+        })
+    }
+
+    /// The store's answer as a ticket or a refusal, with shadow mode and the store-error
+    /// policy applied.
+    fn conclude(
+        &self,
+        p: Prepared<'_>,
+        caller: &Caller,
+        tool: &str,
+        decided: Result<Decision, crate::store::StoreError>,
+    ) -> Result<Ticket, Refusal> {
+        let tp = p.plan.tool;
         let window_secs = tp.period().as_secs_ceil();
-        let plan = Plan {
-            now: self.inner.clock.now(),
-            cost: c,
-            tool: tp,
-            tenant,
-            instance,
-            untenanted: keys.untenanted,
-        };
         let store = &self.inner.store;
-        let started = std::time::Instant::now();
-        let decided = store.decide(&plan, &keys).await;
-        telemetry::latency(store.kind(), started.elapsed().as_secs_f64());
         match decided {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
                 admission: Some(*a),
@@ -207,7 +279,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }),
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
-                if r.instance.is_none() && !keys.untenanted {
+                if r.instance.is_none() && !p.keys.untenanted {
                     r.instance = caller.instance().map(str::to_owned);
                 }
                 if tp.enforce() {
@@ -375,6 +447,12 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Re
     r.scope = Some(Scope::Tool);
     r.detail = Some(what);
     r
+}
+
+/// A call resolved and timed, ready for the store.
+struct Prepared<'p> {
+    plan: Plan<'p>,
+    keys: CallKeys,
 }
 
 type Resolved<'p> = (&'p ToolPolicy, LevelRef<'p>, Option<LevelRef<'p>>, CallKeys);

@@ -111,13 +111,27 @@ pub(crate) fn headroom(tool: &str, tenant: &str, tool_slack: f64, tenant_remaini
 #[cfg(not(feature = "metrics"))]
 pub(crate) fn headroom(_: &str, _: &str, _: f64, _: f64) {}
 
-#[cfg(feature = "metrics")]
-pub(crate) fn latency(store: &'static str, seconds: f64) {
-    metrics::histogram!(DECISION_SECONDS, "store" => store).record(seconds);
-}
+/// When a store call started, for the latency histogram: reads the clock only when metrics
+/// are compiled in.
+pub(crate) struct Started(#[cfg(feature = "metrics")] std::time::Instant);
 
-#[cfg(not(feature = "metrics"))]
-pub(crate) fn latency(_: &'static str, _: f64) {}
+impl Started {
+    pub(crate) fn now() -> Self {
+        Started(
+            #[cfg(feature = "metrics")]
+            std::time::Instant::now(),
+        )
+    }
+
+    #[cfg(feature = "metrics")]
+    pub(crate) fn record(self, store: &'static str) {
+        metrics::histogram!(DECISION_SECONDS, "store" => store)
+            .record(self.0.elapsed().as_secs_f64());
+    }
+
+    #[cfg(not(feature = "metrics"))]
+    pub(crate) fn record(self, _: &'static str) {}
+}
 
 #[cfg(feature = "metrics")]
 pub(crate) fn store_error(tool: &str, store: &'static str, mode: &'static str) {

@@ -220,22 +220,71 @@ pub enum Verdict {
     Refuse(Box<Refusal>),
 }
 
+#[derive(Copy, Clone)]
 struct Bucket {
     rate: f64,
     depth: f64,
 }
 
+/// The numbers of a level's state, copied out of the store's `NodeState`, brought up to date
+/// and drawn on; written back only when the call is admitted. Copying these few doubles is
+/// cheaper than cloning a `NodeState` (its budget list lives on the heap).
+#[derive(Copy, Clone, Default)]
+struct Scalars {
+    live: bool,
+    t: f64,
+    floor: f64,
+    share: f64,
+    ceiling: f64,
+    window: f64,
+    total: f64,
+    non_floor: f64,
+    floor_used: f64,
+    in_flight: f64,
+}
+
+impl Scalars {
+    fn of(s: &NodeState) -> Self {
+        Scalars {
+            live: s.live,
+            t: s.t,
+            floor: s.floor,
+            share: s.share,
+            ceiling: s.ceiling,
+            window: s.window,
+            total: s.total,
+            non_floor: s.non_floor,
+            floor_used: s.floor_used,
+            in_flight: s.in_flight,
+        }
+    }
+
+    fn write(&self, s: &mut NodeState) {
+        s.live = self.live;
+        s.t = self.t;
+        s.floor = self.floor;
+        s.share = self.share;
+        s.ceiling = self.ceiling;
+        s.window = self.window;
+        s.total = self.total;
+        s.non_floor = self.non_floor;
+        s.floor_used = self.floor_used;
+        s.in_flight = self.in_flight;
+    }
+}
+
+#[derive(Copy, Clone)]
 struct Level<'a> {
     scope: Scope,
     numbers: LevelNumbers,
     floor_b: Bucket,
     share_b: Bucket,
     ceil_b: Bucket,
-    state: NodeState,
+    state: Scalars,
     policy: Option<&'a LevelPolicy>,
 }
 
-fn refill(s: &mut NodeState, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
+fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
     if !s.live {
         s.live = true;
         s.t = now;
@@ -253,7 +302,7 @@ fn refill(s: &mut NodeState, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, perio
     }
 }
 
-fn roll_window(s: &mut NodeState, window: f64) {
+fn roll_window(s: &mut Scalars, window: f64) {
     if s.window != window {
         s.window = window;
         s.total = 0.0;
@@ -281,11 +330,20 @@ fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
     }
 }
 
+/// The window a refusal names: the tool's period, or a fixed word. Rendered only when the
+/// refusal is built, so a draw that fails and is retried allocates nothing.
+#[derive(Copy, Clone)]
+enum Label {
+    Period,
+    Word(&'static str),
+}
+
+#[derive(Copy, Clone)]
 struct Fail {
     reason: Reason,
     scope: Scope,
     wait: f64,
-    window: String,
+    window: Label,
     window_secs: Option<u64>,
     limit: f64,
     used: f64,
@@ -299,83 +357,109 @@ struct PathCtx<'l, 'a> {
     period: f64,
     now: f64,
     next_window: f64,
-    period_label: &'l crate::policy::Period,
+    period_secs: u64,
+}
+
+/// Where a walk from the caller up stands: what each level takes so far, what is left to
+/// place higher up, and whether everything so far was within its share.
+#[derive(Copy, Clone)]
+struct Walk {
+    takes: [[f64; 3]; 3],
+    rem: f64,
+    own_chain: bool,
+    child_threshold: f64,
 }
 
 impl PathCtx<'_, '_> {
-    /// Units to take per level (floor, share, ceiling), walking from the caller up to the
-    /// tool, or why the call cannot pass.
-    fn draw(&self, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
-        let levels = self.levels;
-        let leaf = levels.len() - 1;
-        let mut takes = [[0.0f64; 3]; 3];
-        let mut rem = self.cost;
-        let mut own_chain = true;
-        let mut child_threshold = 0.5;
-        for idx in (0..levels.len()).rev() {
-            if rem <= EPS {
+    /// The walk from the caller up to (not including) the tool: share first (or floor first),
+    /// or why the call cannot pass below the tool. Needs no tool state.
+    fn below(&self, share_first: bool) -> Result<Walk, Fail> {
+        let mut w = Walk {
+            takes: [[0.0f64; 3]; 3],
+            rem: self.cost,
+            own_chain: true,
+            child_threshold: 0.5,
+        };
+        for idx in (1..self.levels.len()).rev() {
+            if w.rem <= EPS {
                 break;
             }
-            let l = &levels[idx];
-            let s = &l.state;
-            // The level's own floor (a caller's floor, a tenant's residual floor), for what
-            // its share cannot cover.
-            let own_floor = l.numbers.own_floor;
-            if own_floor > 0.0 {
-                let covered = if share_first && idx > 0 {
-                    s.share.min(s.ceiling).min(rem).max(0.0)
-                } else {
-                    0.0
-                };
-                let x = (rem - covered)
-                    .min(s.floor)
-                    .min(own_floor - s.floor_used)
-                    .max(0.0);
-                takes[idx][0] = x;
-                rem -= x;
-                if rem <= EPS {
-                    break;
-                }
-            }
-            // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
-            // only take what lies above every child's share bank, so the pool always holds at
-            // least the share tokens its children have banked and an own-share draw never
-            // fails for a borrower's sake; inside the lending room, heavier borrowers see a
-            // lower bar than lighter ones.
-            let threshold = if idx < leaf && !own_chain {
-                let banks = self.banks[idx];
-                banks + child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
+            self.step(idx, share_first, &mut w)?;
+        }
+        Ok(w)
+    }
+
+    /// The tool's part of a walk: units per level (floor, share, ceiling), or why not.
+    fn at_tool(&self, mut w: Walk, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
+        if w.rem > EPS {
+            self.step(0, share_first, &mut w)?;
+        }
+        Ok(w.takes)
+    }
+
+    /// One level of the walk.
+    fn step(&self, idx: usize, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
+        let leaf = self.levels.len() - 1;
+        let l = &self.levels[idx];
+        let s = &l.state;
+        // The level's own floor (a caller's floor, a tenant's residual floor), for what its
+        // share cannot cover.
+        let own_floor = l.numbers.own_floor;
+        if own_floor > 0.0 {
+            let covered = if share_first && idx > 0 {
+                s.share.min(s.ceiling).min(w.rem).max(0.0)
             } else {
                 0.0
             };
-            let need = rem + threshold;
-            // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`,
-            // so never more than C a period); a caller's ceiling is its bucket's business, and a
-            // per-window cap there would round a fractional allowance down every period.
-            // Borrowers also leave the banks' worth of the window to own-share draws.
-            let window_cap = if idx > 0 {
-                f64::INFINITY
-            } else if threshold > 0.0 {
-                l.numbers.ceiling_rate - self.banks[idx]
-            } else {
-                l.numbers.ceiling_rate
-            };
-            let bucket_ok = s.ceiling + EPS >= need;
-            let window_ok = s.non_floor + rem <= window_cap + EPS;
-            if !(bucket_ok && window_ok) {
-                return Err(self.fail(l, need, rem, window_ok, window_cap));
-            }
-            takes[idx][2] = rem;
-            if idx > 0 {
-                if s.share + EPS >= rem {
-                    takes[idx][1] = rem;
-                } else {
-                    own_chain = false;
-                }
-                child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+            let x = (w.rem - covered)
+                .min(s.floor)
+                .min(own_floor - s.floor_used)
+                .max(0.0);
+            w.takes[idx][0] = x;
+            w.rem -= x;
+            if w.rem <= EPS {
+                return Ok(());
             }
         }
-        Ok(takes)
+        // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
+        // only take what lies above every child's share bank, so the pool always holds at
+        // least the share tokens its children have banked and an own-share draw never fails
+        // for a borrower's sake; inside the lending room, heavier borrowers see a lower bar
+        // than lighter ones.
+        let rem = w.rem;
+        let threshold = if idx < leaf && !w.own_chain {
+            let banks = self.banks[idx];
+            banks + w.child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
+        } else {
+            0.0
+        };
+        let need = rem + threshold;
+        // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`, so
+        // never more than C a period); a caller's ceiling is its bucket's business, and a
+        // per-window cap there would round a fractional allowance down every period.
+        // Borrowers also leave the banks' worth of the window to own-share draws.
+        let window_cap = if idx > 0 {
+            f64::INFINITY
+        } else if threshold > 0.0 {
+            l.numbers.ceiling_rate - self.banks[idx]
+        } else {
+            l.numbers.ceiling_rate
+        };
+        let bucket_ok = s.ceiling + EPS >= need;
+        let window_ok = s.non_floor + rem <= window_cap + EPS;
+        if !(bucket_ok && window_ok) {
+            return Err(self.fail(l, need, rem, window_ok, window_cap));
+        }
+        w.takes[idx][2] = rem;
+        if idx > 0 {
+            if s.share + EPS >= rem {
+                w.takes[idx][1] = rem;
+            } else {
+                w.own_chain = false;
+            }
+            w.child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+        }
+        Ok(())
     }
 
     fn fail(&self, l: &Level<'_>, need: f64, rem: f64, window_ok: bool, window_cap: f64) -> Fail {
@@ -402,8 +486,8 @@ impl PathCtx<'_, '_> {
             reason: Reason::RateLimited,
             scope: l.scope,
             wait,
-            window: self.period_label.to_string(),
-            window_secs: Some(self.period_label.as_secs_ceil()),
+            window: Label::Period,
+            window_secs: Some(self.period_secs),
             limit: l.numbers.ceiling,
             used: s.total,
             reset_at: None,
@@ -413,67 +497,171 @@ impl PathCtx<'_, '_> {
 
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.
 pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
+    let mut tool = snap.tool.clone();
+    let mut tenant = snap.tenant.clone();
+    let mut instance = if plan.instance.is_some() {
+        snap.instance.clone()
+    } else {
+        NodeState::default()
+    };
+    let tracking = [snap.tenant_tracking, snap.instance_tracking];
+    let inst = plan.instance.is_some().then_some(&mut instance);
+    match decide_in_place(plan, &mut tool, &mut tenant, inst, tracking) {
+        Err(r) => Verdict::Refuse(r),
+        Ok(o) => Verdict::Admit(Box::new(Admitted {
+            tool,
+            tenant,
+            instance,
+            expires: o.expires,
+            track_tenant_until: o.track_tenant_until,
+            track_instance_until: o.track_instance_until,
+            charge: o.charge,
+            remaining: o.remaining,
+            quota: o.quota,
+            reset_in: o.reset_in,
+            slack: o.slack,
+            views: o.views,
+        })),
+    }
+}
+
+/// What an admitted call changed besides the states: [`Admitted`] without them.
+#[derive(Clone, Debug)]
+pub(crate) struct Outcome {
+    pub(crate) expires: [f64; 3],
+    pub(crate) track_tenant_until: Option<f64>,
+    pub(crate) track_instance_until: Option<f64>,
+    pub(crate) charge: Charge,
+    pub(crate) remaining: f64,
+    pub(crate) quota: f64,
+    pub(crate) reset_in: f64,
+    pub(crate) slack: f64,
+    pub(crate) views: [LevelView; 2],
+}
+
+/// [`decide`] over the stored states themselves: they are read, and written only when the call
+/// is admitted (a refusal leaves them untouched). `instance` is `Some` exactly when the plan
+/// has an instance; `tracking` is the tenant's and the instance's template tracking.
+pub(crate) fn decide_in_place(
+    plan: &Plan<'_>,
+    tool_state: &mut NodeState,
+    tenant_state: &mut NodeState,
+    instance_state: Option<&mut NodeState>,
+    tracking: [Tracking; 2],
+) -> Result<Outcome, Box<Refusal>> {
+    let mut b = below(plan, tenant_state, instance_state.as_deref(), tracking);
+    let top = above(plan, &mut b, tool_state)?;
+    Ok(commit_below(plan, b, top, tenant_state, instance_state))
+}
+
+/// A decision's first half: everything below the tool (the caller's tenant and instance),
+/// worked out from their states and the template tracking assumed. Reads no tool state, so a
+/// store can compute it before it locks the tool; [`above`] finishes the decision.
+pub(crate) struct Below<'a> {
+    levels: [Level<'a>; 3],
+    n: usize,
+    banks: [f64; 3],
+    now: f64,
+    period: f64,
+    window: f64,
+    next_window: f64,
+    /// A refusal for too many template callers (decided before anything else).
+    callers: Option<Fail>,
+    /// The first of the tenant's and the instance's concurrency caps that is full.
+    concurrency: Option<Fail>,
+    /// The worst failing budget of the tenant and the instance.
+    budgets: Option<Fail>,
+    /// The walk up to the tool, share first and floor first.
+    walks: [Result<Walk, Fail>; 2],
+}
+
+/// The worst failure so far: the longest wait, the first one on a tie.
+fn worse(worst: &mut Option<Fail>, f: Fail) {
+    match worst {
+        Some(w) if f.wait <= w.wait => {}
+        _ => *worst = Some(f),
+    }
+}
+
+fn placeholder<'a>() -> Level<'a> {
+    let none = bucket(0.0, 0.0);
+    Level {
+        scope: Scope::Tool,
+        numbers: LevelNumbers::default(),
+        floor_b: none,
+        share_b: none,
+        ceil_b: none,
+        state: Scalars::default(),
+        policy: None,
+    }
+}
+
+/// The first half of a decision (see [`Below`]).
+pub(crate) fn below<'a>(
+    plan: &Plan<'a>,
+    tenant_state: &NodeState,
+    instance_state: Option<&NodeState>,
+    tracking: [Tracking; 2],
+) -> Below<'a> {
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
     let period = tool.period.as_micros() as f64;
     let window = (now / period).floor();
     let next_window = (window + 1.0) * period;
     let c = plan.cost;
-
-    let refuse = |f: Fail| -> Verdict {
-        let mut r = Refusal::new(f.reason, &tool.name);
-        r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
-        r.instance = if plan.untenanted {
-            Some(plan.tenant.name.to_owned())
-        } else {
-            plan.instance.map(|i| i.name.to_owned())
-        };
-        r.scope = Some(f.scope);
-        r.window = Some(f.window);
-        r.limit = Some(f.limit);
-        r.used = Some(f.used);
-        r.window_secs = f.window_secs;
-        if f.wait.is_finite() {
-            let wait = f.wait.max(1.0).ceil();
-            r.retry_after = Some(Duration::from_micros(wait as u64));
-            r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
-            r.retryable = true;
-        }
-        Verdict::Refuse(Box::new(r))
+    let mut b = Below {
+        levels: [placeholder(), placeholder(), placeholder()],
+        n: 2,
+        banks: [0.0; 3],
+        now,
+        period,
+        window,
+        next_window,
+        callers: None,
+        concurrency: None,
+        budgets: None,
+        walks: [Ok(Walk {
+            takes: [[0.0; 3]; 3],
+            rem: 0.0,
+            own_chain: true,
+            child_threshold: 0.5,
+        }); 2],
     };
 
     // 1. Tracked template callers: a flood of new identities stops here.
     let t_pol = plan.tenant.policy;
-    let mut n_tenants = snap.tenant_tracking.count;
-    if t_pol.template && !snap.tenant_tracking.tracked {
+    let mut n_tenants = tracking[0].count;
+    if t_pol.template && !tracking[0].tracked {
         if n_tenants >= t_pol.max_tracked {
-            return refuse(Fail {
+            b.callers = Some(Fail {
                 reason: Reason::CapExceeded,
                 scope: Scope::Tenant,
                 wait: period,
-                window: "callers".into(),
+                window: Label::Word("callers"),
                 window_secs: None,
                 limit: t_pol.max_tracked as f64,
                 used: n_tenants as f64,
                 reset_at: None,
             });
+            return b;
         }
         n_tenants += 1;
     }
-    let mut n_instances = snap.instance_tracking.count;
+    let mut n_instances = tracking[1].count;
     if let Some(i) = plan.instance {
-        if i.policy.template && !snap.instance_tracking.tracked {
+        if i.policy.template && !tracking[1].tracked {
             if n_instances >= i.policy.max_tracked {
-                return refuse(Fail {
+                b.callers = Some(Fail {
                     reason: Reason::CapExceeded,
                     scope: Scope::Instance,
                     wait: period,
-                    window: "callers".into(),
+                    window: Label::Word("callers"),
                     window_secs: None,
                     limit: i.policy.max_tracked as f64,
                     used: n_instances as f64,
                     reset_at: None,
                 });
+                return b;
             }
             n_instances += 1;
         }
@@ -487,8 +675,197 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         tool.configured_weight
             + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
     );
-    let mut levels: Vec<Level<'_>> = Vec::with_capacity(3);
-    levels.push(Level {
+    b.levels[1] = Level {
+        scope: Scope::Tenant,
+        floor_b: bucket(tn.own_floor, tn.own_floor),
+        share_b: bucket(tn.share_rate, t_pol.burst),
+        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
+        numbers: tn,
+        state: Scalars::of(tenant_state),
+        policy: Some(t_pol),
+    };
+    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
+        let inn = level_numbers(i.policy, inner_spare, inner_weight);
+        b.levels[2] = Level {
+            scope: Scope::Instance,
+            floor_b: bucket(inn.own_floor, inn.own_floor),
+            share_b: bucket(inn.share_rate, i.policy.burst),
+            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
+            numbers: inn,
+            state: Scalars::of(s),
+            policy: Some(i.policy),
+        };
+        b.n = 3;
+    }
+    // What the children of the tool and of the tenant can hold in their share banks.
+    b.banks = [
+        tool.configured_tenant_burst
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.burst) * n_tenants as f64,
+        t_pol.configured_child_burst
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.burst) * n_instances as f64,
+        0.0,
+    ];
+    let n = b.n;
+    for l in b.levels[1..n].iter_mut() {
+        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
+        roll_window(&mut l.state, window);
+    }
+
+    // 3. Concurrency (the tool's cap is checked first, in `above`).
+    let caps = [
+        None,
+        t_pol.max_concurrency,
+        plan.instance.and_then(|i| i.policy.max_concurrency),
+    ];
+    for (l, cap) in b.levels[..n].iter().zip(caps) {
+        if let Some(cap) = cap {
+            if l.state.in_flight + 1.0 > cap as f64 {
+                b.concurrency = Some(Fail {
+                    reason: Reason::ConcurrencyExceeded,
+                    scope: l.scope,
+                    wait: 1_000_000.0,
+                    window: Label::Word("in_flight"),
+                    window_secs: None,
+                    limit: cap as f64,
+                    used: l.state.in_flight,
+                    reset_at: None,
+                });
+                return b;
+            }
+        }
+    }
+
+    // 4. Budgets: every matching calendar window must have room.
+    let states = [None, Some(tenant_state), instance_state];
+    for (idx, s) in states.iter().enumerate().take(n).skip(1) {
+        if let Some(s) = s {
+            budget_fails(
+                plan,
+                budget_list(plan, idx),
+                s,
+                b.levels[idx].scope,
+                &mut b.budgets,
+            );
+        }
+    }
+
+    // 5. The walk from the caller up to the tool: share first (a floor bucket left full loses
+    // nothing the caller is owed, a full share bank would), the floor for the rest; and floor
+    // first, for when the first path is blocked.
+    let ctx = PathCtx {
+        levels: &b.levels[..n],
+        banks: b.banks,
+        cost: c,
+        period,
+        now,
+        next_window,
+        period_secs: tool.period.as_secs_ceil(),
+    };
+    b.walks = [ctx.below(true), ctx.below(false)];
+    b
+}
+
+fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
+    match idx {
+        0 => &plan.tool.budgets[..],
+        1 => &plan.tenant.policy.budgets[..],
+        _ => plan.instance.map_or(&[][..], |i| &i.policy.budgets[..]),
+    }
+}
+
+fn budget_fails(
+    plan: &Plan<'_>,
+    list: &[crate::policy::Budget],
+    s: &NodeState,
+    scope: Scope,
+    worst: &mut Option<Fail>,
+) {
+    let now = plan.now.as_micros() as f64;
+    let c = plan.cost;
+    for b in list {
+        let (start, end) = b.period.window(plan.now);
+        let start = start.as_micros() as f64;
+        let used = s
+            .budgets
+            .iter()
+            .find(|x| x.period == b.period && x.start == start)
+            .map_or(0.0, |x| x.used);
+        if used + c > b.max + EPS {
+            let end = end.as_micros() as f64;
+            worse(
+                worst,
+                Fail {
+                    reason: Reason::CapExceeded,
+                    scope,
+                    wait: if c > b.max + EPS {
+                        f64::INFINITY
+                    } else {
+                        end - now
+                    },
+                    window: Label::Word(b.period.as_str()),
+                    window_secs: Some(((end - start) / 1e6) as u64),
+                    limit: b.max,
+                    used,
+                    reset_at: Some(end),
+                },
+            );
+        }
+    }
+}
+
+/// The tool's half of an admitted decision, already written to the tool's state.
+pub(crate) struct Top {
+    takes: [[f64; 3]; 3],
+    charge: LevelCharge,
+    expires: f64,
+    room: f64,
+    slack: f64,
+}
+
+fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
+    let tool = plan.tool;
+    let mut r = Refusal::new(f.reason, &tool.name);
+    r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
+    r.instance = if plan.untenanted {
+        Some(plan.tenant.name.to_owned())
+    } else {
+        plan.instance.map(|i| i.name.to_owned())
+    };
+    r.scope = Some(f.scope);
+    r.window = Some(match f.window {
+        Label::Period => tool.period.to_string(),
+        Label::Word(w) => w.to_owned(),
+    });
+    r.limit = Some(f.limit);
+    r.used = Some(f.used);
+    r.window_secs = f.window_secs;
+    if f.wait.is_finite() {
+        let wait = f.wait.max(1.0).ceil();
+        r.retry_after = Some(Duration::from_micros(wait as u64));
+        r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
+        r.retryable = true;
+    }
+    Box::new(r)
+}
+
+/// A decision's second half: the tool's checks and draw, with the tool's state (locked by the
+/// store for just this). Admitted: the tool's state is written and the rest is for
+/// [`commit_below`]. Refused: nothing is written anywhere.
+pub(crate) fn above(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    tool_state: &mut NodeState,
+) -> Result<Top, Box<Refusal>> {
+    let (now, period) = (b.now, b.period);
+    if let Some(f) = b.callers {
+        return Err(refuse(plan, now, f));
+    }
+    let tool = plan.tool;
+    let spare = tool.spare();
+    let mut t = Level {
         scope: Scope::Tool,
         numbers: LevelNumbers {
             weight: 0.0,
@@ -502,257 +879,262 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         floor_b: bucket(0.0, 0.0),
         share_b: bucket(0.0, 0.0),
         ceil_b: bucket(spare, tool.burst),
-        state: snap.tool.clone(),
+        state: Scalars::of(tool_state),
         policy: None,
-    });
-    levels.push(Level {
-        scope: Scope::Tenant,
-        floor_b: bucket(tn.own_floor, tn.own_floor),
-        share_b: bucket(tn.share_rate, t_pol.burst),
-        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
-        numbers: tn,
-        state: snap.tenant.clone(),
-        policy: Some(t_pol),
-    });
-    if let Some(i) = plan.instance {
-        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
-        let inner_weight = t_pol.configured_child_weight
-            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
-        let inn = level_numbers(i.policy, inner_spare, inner_weight);
-        levels.push(Level {
-            scope: Scope::Instance,
-            floor_b: bucket(inn.own_floor, inn.own_floor),
-            share_b: bucket(inn.share_rate, i.policy.burst),
-            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
-            numbers: inn,
-            state: snap.instance.clone(),
-            policy: Some(i.policy),
-        });
-    }
-    // What the children of the tool and of the tenant can hold in their share banks.
-    let banks = [
-        tool.configured_tenant_burst
-            + tool.default_tenant.as_ref().map_or(0.0, |d| d.burst) * n_tenants as f64,
-        t_pol.configured_child_burst
-            + t_pol.default_child.as_ref().map_or(0.0, |d| d.burst) * n_instances as f64,
-        0.0,
-    ];
-    for l in levels.iter_mut() {
-        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
-        roll_window(&mut l.state, window);
-    }
+    };
+    refill(&mut t.state, &t.floor_b, &t.share_b, &t.ceil_b, now, period);
+    roll_window(&mut t.state, b.window);
+    b.levels[0] = t;
 
-    // 3. Concurrency, before any rate is looked at.
-    let caps = [
-        tool.max_concurrency,
-        t_pol.max_concurrency,
-        plan.instance.and_then(|i| i.policy.max_concurrency),
-    ];
-    for (l, cap) in levels.iter().zip(caps) {
-        if let Some(cap) = cap {
-            if l.state.in_flight + 1.0 > cap as f64 {
-                return refuse(Fail {
+    // 3. Concurrency, before any rate is looked at: the tool's cap, then the caller's.
+    if let Some(cap) = tool.max_concurrency {
+        if t.state.in_flight + 1.0 > cap as f64 {
+            return Err(refuse(
+                plan,
+                now,
+                Fail {
                     reason: Reason::ConcurrencyExceeded,
-                    scope: l.scope,
+                    scope: Scope::Tool,
                     wait: 1_000_000.0,
-                    window: "in_flight".into(),
+                    window: Label::Word("in_flight"),
                     window_secs: None,
                     limit: cap as f64,
-                    used: l.state.in_flight,
+                    used: t.state.in_flight,
                     reset_at: None,
-                });
-            }
+                },
+            ));
         }
     }
-
-    let mut fails: Vec<Fail> = Vec::new();
-
-    // 4. Budgets: every matching calendar window must have room.
-    let budget_lists = [
-        &tool.budgets[..],
-        &t_pol.budgets[..],
-        plan.instance.map_or(&[][..], |i| &i.policy.budgets[..]),
-    ];
-    for (l, list) in levels.iter().zip(budget_lists) {
-        for b in list {
-            let (start, end) = b.period.window(plan.now);
-            let start = start.as_micros() as f64;
-            let used = l
-                .state
-                .budgets
-                .iter()
-                .find(|x| x.period == b.period && x.start == start)
-                .map_or(0.0, |x| x.used);
-            if used + c > b.max + EPS {
-                let end = end.as_micros() as f64;
-                fails.push(Fail {
-                    reason: Reason::CapExceeded,
-                    scope: l.scope,
-                    wait: if c > b.max + EPS {
-                        f64::INFINITY
-                    } else {
-                        end - now
-                    },
-                    window: b.period.as_str().into(),
-                    window_secs: Some(((end - start) / 1e6) as u64),
-                    limit: b.max,
-                    used,
-                    reset_at: Some(end),
-                });
-            }
-        }
+    if let Some(f) = b.concurrency {
+        return Err(refuse(plan, now, f));
     }
 
-    // 5. The draw, from the caller up to the tool: share first (a floor bucket left full
-    // loses nothing the caller is owed, a full share bank would), the floor for the rest;
-    // if that path is blocked, floor first.
-    let leaf = levels.len() - 1;
+    // 4. Budgets, the tool's first; 5. the tool's part of the walk.
+    let mut worst = None;
+    budget_fails(plan, &tool.budgets, tool_state, Scope::Tool, &mut worst);
+    if let Some(f) = b.budgets {
+        worse(&mut worst, f);
+    }
     let ctx = PathCtx {
-        levels: &levels,
-        banks,
-        cost: c,
+        levels: &b.levels[..b.n],
+        banks: b.banks,
+        cost: plan.cost,
         period,
         now,
-        next_window,
-        period_label: &tool.period,
+        next_window: b.next_window,
+        period_secs: tool.period.as_secs_ceil(),
     };
-    let takes = match ctx.draw(true) {
+    let takes = match b.walks[0].and_then(|w| ctx.at_tool(w, true)) {
         Ok(t) => t,
-        Err(_) => match ctx.draw(false) {
+        Err(_) => match b.walks[1].and_then(|w| ctx.at_tool(w, false)) {
             Ok(t) => t,
             Err(f) => {
-                fails.push(f);
+                worse(&mut worst, f);
                 [[0.0; 3]; 3]
             }
         },
     };
-
-    if !fails.is_empty() {
-        let mut worst = fails.remove(0);
-        for f in fails {
-            if f.wait > worst.wait {
-                worst = f;
-            }
-        }
-        return refuse(worst);
+    if let Some(f) = worst {
+        return Err(refuse(plan, now, f));
     }
 
-    // 6. Commit.
+    // 6. Commit the tool.
+    let (charge, expires) = commit_level(plan, b, 0, takes[0], tool_state);
+    // The tool counts every floor unit drawn below it, for the window report.
+    let mut floor_units = 0.0;
+    for take in &takes[..b.n] {
+        floor_units += take[0];
+    }
+    let s = &mut b.levels[0].state;
+    s.floor_used += floor_units - takes[0][0];
+    s.write(tool_state);
+    let l = &b.levels[0];
+    Ok(Top {
+        takes,
+        charge,
+        expires,
+        room: room(l),
+        slack: l.state.ceiling,
+    })
+}
+
+impl Top {
+    /// When the tool's state may be forgotten (µs).
+    pub(crate) fn expires(&self) -> f64 {
+        self.expires
+    }
+}
+
+impl Below<'_> {
+    /// Until when an admitted template caller counts as tracked (µs).
+    pub(crate) fn track_until(&self) -> f64 {
+        self.now + self.period
+    }
+}
+
+/// Non-floor units a level could still pass now.
+fn room(l: &Level<'_>) -> f64 {
+    l.state
+        .ceiling
+        .min(l.numbers.ceiling_rate - l.state.non_floor)
+        .max(0.0)
+}
+
+/// Takes `take` (floor, share, ceiling) from level `idx`, counts the call in its windows and
+/// budgets, and writes the budgets to `target` (the bucket numbers stay in `b` until written).
+fn commit_level(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    idx: usize,
+    take: [f64; 3],
+    target: &mut NodeState,
+) -> (LevelCharge, f64) {
+    let c = plan.cost;
+    let l = &mut b.levels[idx];
+    let [f, h, k] = take;
+    let s = &mut l.state;
+    s.floor -= f;
+    s.share -= h;
+    s.ceiling -= k;
+    s.total += c;
+    s.non_floor += k;
+    s.floor_used += f;
+    let permit = match idx {
+        0 => plan.tool.max_concurrency.is_some(),
+        1 => plan.tenant.policy.max_concurrency.is_some(),
+        _ => plan
+            .instance
+            .is_some_and(|i| i.policy.max_concurrency.is_some()),
+    };
+    if permit {
+        s.in_flight += 1.0;
+    }
+    let list = budget_list(plan, idx);
+    let mut charged = Vec::new();
+    if !list.is_empty() {
+        charged.reserve_exact(list.len());
+        if target.budgets.capacity() < list.len() {
+            target
+                .budgets
+                .reserve_exact(list.len() - target.budgets.len());
+        }
+    }
+    for bud in list {
+        let start = bud.period.window(plan.now).0.as_micros() as f64;
+        match target.budgets.iter_mut().find(|x| x.period == bud.period) {
+            Some(x) if x.start == start => x.used += c,
+            Some(x) => {
+                x.start = start;
+                x.used = c;
+            }
+            None => target.budgets.push(BudgetCounter {
+                period: bud.period,
+                start,
+                used: c,
+            }),
+        }
+        charged.push((bud.period, start));
+    }
+    let charge = LevelCharge {
+        present: true,
+        floor: f,
+        floor_depth: l.floor_b.depth,
+        share: h,
+        share_depth: l.share_b.depth,
+        ceiling: k,
+        ceiling_depth: l.ceil_b.depth,
+        permit,
+        budgets: charged,
+    };
+    let expires = expiry(
+        &l.state,
+        &target.budgets,
+        &l.floor_b,
+        &l.share_b,
+        &l.ceil_b,
+        b.now,
+        b.period,
+        b.next_window,
+    );
+    (charge, expires)
+}
+
+/// A decision's last part, once [`above`] admitted it: writes the tenant's and the
+/// instance's states. Needs no tool state.
+pub(crate) fn commit_below(
+    plan: &Plan<'_>,
+    mut b: Below<'_>,
+    top: Top,
+    tenant_state: &mut NodeState,
+    instance_state: Option<&mut NodeState>,
+) -> Outcome {
+    let n = b.n;
     let mut charge = Charge {
-        cost: c,
-        window,
+        cost: plan.cost,
+        window: b.window,
         levels: Default::default(),
     };
-    let mut expires = [now; 3];
-    let mut floor_units = 0.0;
-    for (idx, l) in levels.iter_mut().enumerate() {
-        let [f, h, k] = takes[idx];
-        floor_units += f;
-        let s = &mut l.state;
-        s.floor -= f;
-        s.share -= h;
-        s.ceiling -= k;
-        s.total += c;
-        s.non_floor += k;
-        s.floor_used += f;
-        let permit = caps[idx].is_some();
-        if permit {
-            s.in_flight += 1.0;
-        }
-        let mut charged_budgets = Vec::new();
-        for b in budget_lists[idx] {
-            let start = b.period.window(plan.now).0.as_micros() as f64;
-            match s.budgets.iter_mut().find(|x| x.period == b.period) {
-                Some(x) if x.start == start => x.used += c,
-                Some(x) => {
-                    x.start = start;
-                    x.used = c;
-                }
-                None => s.budgets.push(BudgetCounter {
-                    period: b.period,
-                    start,
-                    used: c,
-                }),
-            }
-            charged_budgets.push((b.period, start));
-        }
-        charge.levels[idx] = LevelCharge {
-            present: true,
-            floor: f,
-            floor_depth: l.floor_b.depth,
-            share: h,
-            share_depth: l.share_b.depth,
-            ceiling: k,
-            ceiling_depth: l.ceil_b.depth,
-            permit,
-            budgets: charged_budgets,
-        };
-        expires[idx] = expiry(
-            s,
-            &l.floor_b,
-            &l.share_b,
-            &l.ceil_b,
-            now,
-            period,
-            next_window,
-        );
+    let mut expires = [b.now; 3];
+    charge.levels[0] = top.charge;
+    expires[0] = top.expires;
+    let (c1, e1) = commit_level(plan, &mut b, 1, top.takes[1], tenant_state);
+    charge.levels[1] = c1;
+    expires[1] = e1;
+    b.levels[1].state.write(tenant_state);
+    if let (3, Some(s)) = (n, instance_state) {
+        let (c2, e2) = commit_level(plan, &mut b, 2, top.takes[2], s);
+        charge.levels[2] = c2;
+        expires[2] = e2;
+        b.levels[2].state.write(s);
     }
-    // The tool counts every floor unit drawn below it, for the window report.
-    levels[0].state.floor_used += floor_units - takes[0][0];
 
-    let lf = &levels[leaf];
+    let leaf = n - 1;
+    let lf = &b.levels[leaf];
     let mut remaining = (lf.numbers.own_floor - lf.state.floor_used)
         .min(lf.state.floor)
         .max(0.0);
-    let mut non_floor_room = f64::INFINITY;
-    for l in &levels {
-        let room = l
-            .state
-            .ceiling
-            .min(l.numbers.ceiling_rate - l.state.non_floor)
-            .max(0.0);
-        non_floor_room = non_floor_room.min(room);
+    let mut non_floor_room = f64::INFINITY.min(top.room);
+    for l in &b.levels[1..n] {
+        non_floor_room = non_floor_room.min(room(l));
     }
     remaining += non_floor_room;
 
-    let view = |l: Option<&Level<'_>>| {
-        l.map_or(LevelView::default(), |l| LevelView {
-            weight: l.numbers.weight,
-            floor: l.numbers.floor,
-            share: l.numbers.share,
-            ceiling: l.numbers.ceiling,
-        })
+    let view = |l: &Level<'_>| LevelView {
+        weight: l.numbers.weight,
+        floor: l.numbers.floor,
+        share: l.numbers.share,
+        ceiling: l.numbers.ceiling,
     };
-    let views = [view(levels.get(1)), view(levels.get(2))];
-    let quota = levels[leaf].numbers.ceiling;
-    let slack = levels[0].state.ceiling;
-    let track_until = now + period;
-    let mut it = levels.into_iter();
-    let tool_state = it.next().map(|l| l.state).unwrap_or_default();
-    let tenant_state = it.next().map(|l| l.state).unwrap_or_default();
-    let instance_state = it.next().map(|l| l.state).unwrap_or_default();
-    Verdict::Admit(Box::new(Admitted {
-        tool: tool_state,
-        tenant: tenant_state,
-        instance: instance_state,
+    let views = [
+        view(&b.levels[1]),
+        if n == 3 {
+            view(&b.levels[2])
+        } else {
+            LevelView::default()
+        },
+    ];
+    let track_until = b.now + b.period;
+    Outcome {
         expires,
-        track_tenant_until: t_pol.template.then_some(track_until),
+        track_tenant_until: plan.tenant.policy.template.then_some(track_until),
         track_instance_until: plan
             .instance
             .and_then(|i| i.policy.template.then_some(track_until)),
         charge,
         remaining,
-        quota,
-        reset_in: next_window - now,
-        slack,
+        quota: b.levels[leaf].numbers.ceiling,
+        reset_in: b.next_window - b.now,
+        slack: top.slack,
         views,
-    }))
+    }
 }
 
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
 /// budget counters over. (Permits held keep a state alive regardless: the store checks.)
+#[allow(clippy::too_many_arguments)]
 fn expiry(
-    s: &NodeState,
+    s: &Scalars,
+    budgets: &[BudgetCounter],
     f: &Bucket,
     h: &Bucket,
     k: &Bucket,
@@ -769,7 +1151,7 @@ fn expiry(
     if s.total > 0.0 {
         at = at.max(next_window);
     }
-    for b in &s.budgets {
+    for b in budgets {
         if b.used > 0.0 {
             let (_, end) = b.period.window(Timestamp(b.start as u64));
             at = at.max(end.as_micros() as f64);

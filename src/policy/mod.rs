@@ -37,6 +37,10 @@ mod validate;
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+
+/// Name → position, read on every decision: a fast seeded hash (the keys come from the policy
+/// file, not from callers, so flooding is not a concern).
+pub(crate) type NameIndex = HashMap<String, usize, foldhash::fast::RandomState>;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -101,7 +105,7 @@ impl Budget {
 #[derive(Clone, Debug)]
 pub struct Policy {
     pub(crate) tools: Vec<Arc<ToolPolicy>>,
-    pub(crate) by_name: HashMap<String, usize>,
+    pub(crate) by_name: NameIndex,
     pub(crate) warnings: Vec<Warning>,
 }
 
@@ -120,7 +124,7 @@ pub struct ToolPolicy {
     pub(crate) enforce: bool,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) tenants: Vec<LevelPolicy>,
-    pub(crate) tenant_index: HashMap<String, usize>,
+    pub(crate) tenant_index: NameIndex,
     pub(crate) default_tenant: Option<LevelPolicy>,
     /// Σ of the tenants' reserved floors (templates counted `max_tenants` times).
     pub(crate) reserved_floors: f64,
@@ -156,7 +160,7 @@ pub struct LevelPolicy {
     /// For a template: how many distinct callers may be tracked at once.
     pub(crate) max_tracked: u64,
     pub(crate) children: Vec<LevelPolicy>,
-    pub(crate) child_index: HashMap<String, usize>,
+    pub(crate) child_index: NameIndex,
     pub(crate) default_child: Option<Box<LevelPolicy>>,
     pub(crate) configured_child_weight: f64,
     pub(crate) max_child_weight: f64,

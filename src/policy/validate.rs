@@ -1,6 +1,5 @@
 //! Raw policy → validated [`Policy`]. Every problem found is reported, each with its path.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::raw::{RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
@@ -78,7 +77,7 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
         warnings: Vec::new(),
     };
     let mut tools = Vec::new();
-    let mut by_name = HashMap::new();
+    let mut by_name = super::NameIndex::default();
     for (i, t) in raw.tool.into_iter().enumerate() {
         let path = format!("tool[{i}]");
         let tp = tool(&mut cx, t, &path);
@@ -137,7 +136,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
 
     // First pass: each tenant's own numbers.
     let mut tenants = Vec::new();
-    let mut tenant_index = HashMap::new();
+    let mut tenant_index = super::NameIndex::default();
     for (name, t) in &raw.tenants.0 {
         let tpath = format!("{path}.tenants.{name}");
         if name.is_empty() {
@@ -424,7 +423,7 @@ fn common(
         budgets,
         max_tracked: 0,
         children: Vec::new(),
-        child_index: HashMap::new(),
+        child_index: super::NameIndex::default(),
         default_child: None,
         configured_child_weight: 0.0,
         max_child_weight: 0.0,

@@ -1,128 +1,208 @@
 //! The in-process store: state in a sharded map, one short lock per shard a decision touches.
 
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 use std::future::{ready, Future};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
+use hashbrown::HashTable;
 
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{self, NodeState, Snapshot, Tracking, Verdict};
+use crate::admission::engine::{self, NodeState, Tracking};
 use crate::admission::Plan;
 use crate::clock::Timestamp;
 
 /// Keeps admission state in this process.
 ///
-/// State is spread over independently locked shards; a decision locks only the (at most
-/// three) shards holding its tool, tenant and instance, always in ascending order, so there is
-/// no global lock and no deadlock. Idle state is swept out once it is equivalent to fresh
-/// state (buckets full, windows closed, no permits held), and template callers are bounded by
-/// `max_tenants` / `max_instances`, so an identity flood cannot grow memory without limit.
+/// Tenants (with their instances inside them) are spread over independently locked shards;
+/// each tool's state sits behind a lock of its own that every tenant entry points to. A
+/// decision locks its tenant's shard, then its tool: one hash lookup, two short locks, no
+/// global lock and no lock-order cycle. Idle state is swept out once it is equivalent to fresh
+/// state (buckets full, windows closed, no permits held, no longer counted as a template
+/// caller), and template callers are bounded by `max_tenants` / `max_instances`, so an
+/// identity flood cannot grow memory without limit.
 ///
 /// ```
 /// use tower_fairshare::MemoryStore;
 /// let store = MemoryStore::new();
 /// assert_eq!(store.len(), 0);
 /// ```
-#[derive(Debug)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[Padded]>,
+    tools: ArcSwap<Vec<Arc<ToolCell>>>,
+    /// Serialises adding a tool (rare: once per tool name).
+    adding_tool: Mutex<()>,
     hasher: RandomState,
 }
 
-/// A level's key: structured, so injective by construction, and built from the caller's
-/// shared strings without allocating.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct NodeKey {
-    kind: u8,
-    tool: Arc<str>,
-    tenant: Option<Arc<str>>,
-    instance: Option<Arc<str>>,
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shards.len())
+            .field("states", &self.len())
+            .finish()
+    }
 }
 
-fn node_keys(k: &CallKeys) -> [Option<NodeKey>; 3] {
-    [
-        Some(NodeKey {
-            kind: 0,
-            tool: k.tool.clone(),
-            tenant: None,
-            instance: None,
-        }),
-        Some(NodeKey {
-            kind: if k.untenanted { 3 } else { 1 },
-            tool: k.tool.clone(),
-            tenant: Some(k.tenant.clone()),
-            instance: None,
-        }),
-        k.instance.as_ref().map(|i| NodeKey {
-            kind: 2,
-            tool: k.tool.clone(),
-            tenant: Some(k.tenant.clone()),
-            instance: Some(i.clone()),
-        }),
-    ]
-}
+/// A shard on a cache line of its own, so threads locking neighbouring shards do not share one.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Shard {
-    map: HashMap<NodeKey, Entry, RandomState>,
+    tenants: HashTable<Box<TenantEntry>>,
     ops: u64,
 }
 
-#[derive(Debug)]
-struct Entry {
-    state: NodeState,
-    expires: u64,
-    tracker: Option<Tracker>,
+/// One tool's state, and the template tenants it counts.
+struct ToolCell {
+    name: Arc<str>,
+    /// The count of template tenants, published after each decision under the lock, read
+    /// without it as a first guess.
+    published: AtomicU64,
+    inner: Mutex<ToolEntry>,
 }
 
-/// Template children seen recently, with when each stops counting.
-#[derive(Debug, Default)]
+#[derive(Default)]
+struct ToolEntry {
+    state: NodeState,
+    expires: u64,
+    tenants: Tracker,
+}
+
+/// A tenant (or an untenanted caller) of one tool, with its instances.
+struct TenantEntry {
+    tool: Arc<ToolCell>,
+    tenant: Arc<str>,
+    untenanted: bool,
+    state: NodeState,
+    expires: u64,
+    /// Until when this tenant counts as one of its tool's template tenants (µs; 0: not).
+    tracked: Option<Arc<AtomicU64>>,
+    /// Sorted by name.
+    instances: Vec<InstanceEntry>,
+    /// Template instances counted.
+    tracker: Tracker,
+}
+
+struct InstanceEntry {
+    name: Arc<str>,
+    state: NodeState,
+    expires: u64,
+    tracked: Option<Arc<AtomicU64>>,
+}
+
+impl TenantEntry {
+    fn is(&self, tool: &str, tenant: &str, untenanted: bool) -> bool {
+        self.untenanted == untenanted && *self.tenant == *tenant && *self.tool.name == *tool
+    }
+
+    fn instance(&self, name: &str) -> Result<usize, usize> {
+        self.instances.binary_search_by(|i| (*i.name).cmp(name))
+    }
+
+    /// Drops idle instances; whether the tenant itself can go.
+    fn sweep(&mut self, now: u64) -> bool {
+        self.instances
+            .retain(|i| alive(&i.state, i.expires, i.tracked.as_deref(), now));
+        self.tracker.prune(now);
+        !alive(&self.state, self.expires, self.tracked.as_deref(), now) && self.instances.is_empty()
+    }
+}
+
+fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: InstanceEntry) {
+    if instances.len() == instances.capacity() {
+        // Grow by half, not double: most tenants have one or a few instances.
+        instances.reserve_exact((instances.len() / 2).max(1));
+    }
+    instances.insert(at, entry);
+}
+
+fn alive(state: &NodeState, expires: u64, tracked: Option<&AtomicU64>, now: u64) -> bool {
+    expires > now || state.in_flight > 0.0 || tracked.is_some_and(|t| t.load(Relaxed) > now)
+}
+
+/// Template children counted now, exactly: each one's own `tracked` cell says until when it
+/// counts; a min-heap of those times finds the ones that stop counting without scanning.
+/// Every access happens under the lock of the level that owns the tracker.
+#[derive(Default)]
 struct Tracker {
-    by_member: HashMap<NodeKey, u64, RandomState>,
-    by_expiry: BTreeSet<(u64, NodeKey)>,
+    count: u64,
+    heap: BinaryHeap<Reverse<Slot>>,
+}
+
+struct Slot {
+    until: u64,
+    cell: Arc<AtomicU64>,
+}
+
+impl PartialEq for Slot {
+    fn eq(&self, other: &Self) -> bool {
+        self.until == other.until
+    }
+}
+impl Eq for Slot {}
+impl PartialOrd for Slot {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Slot {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.until.cmp(&other.until)
+    }
 }
 
 impl Tracker {
+    /// Stops counting every child whose time is up. A child whose time was extended since it
+    /// was queued goes back in the queue at its new time.
     fn prune(&mut self, now: u64) {
-        while let Some((at, _)) = self.by_expiry.first() {
-            if *at > now {
+        while let Some(Reverse(top)) = self.heap.peek() {
+            if top.until > now {
                 break;
             }
-            let (_, m) = self.by_expiry.pop_first().expect("non-empty");
-            self.by_member.remove(&m);
+            let Some(Reverse(slot)) = self.heap.pop() else {
+                break;
+            };
+            let until = slot.cell.load(Relaxed);
+            if until > now {
+                self.heap.push(Reverse(Slot {
+                    until,
+                    cell: slot.cell,
+                }));
+            } else {
+                slot.cell.store(0, Relaxed);
+                self.count -= 1;
+            }
         }
     }
 
-    fn tracking(&mut self, member: &NodeKey, now: u64) -> Tracking {
+    fn tracking(&mut self, cell: Option<&AtomicU64>, now: u64) -> Tracking {
         self.prune(now);
         Tracking {
-            count: self.by_member.len() as u64,
-            tracked: self.by_member.contains_key(member),
+            count: self.count,
+            tracked: cell.is_some_and(|c| c.load(Relaxed) > now),
         }
     }
 
-    fn touch(&mut self, member: &NodeKey, until: u64) {
-        match self.by_member.get_mut(member) {
-            Some(old) if *old == until => {}
-            Some(old) => {
-                let member = self
-                    .by_expiry
-                    .take(&(*old, member.clone()))
-                    .map_or_else(|| member.clone(), |(_, m)| m);
-                *old = until;
-                self.by_expiry.insert((until, member));
+    /// Counts the child of `cell` until `until`. Runs after `tracking` at the same `now`, so a
+    /// child not counted now has no slot queued.
+    fn touch(&mut self, cell: &Arc<AtomicU64>, until: u64, now: u64) {
+        if cell.swap(until, Relaxed) <= now {
+            self.count += 1;
+            if self.heap.len() == self.heap.capacity() {
+                // Most trackers count a few children: grow by half, not double.
+                self.heap.reserve_exact((self.heap.len() / 2).max(1));
             }
-            None => {
-                self.by_member.insert(member.clone(), until);
-                self.by_expiry.insert((until, member.clone()));
-            }
+            self.heap.push(Reverse(Slot {
+                until,
+                cell: cell.clone(),
+            }));
         }
-    }
-
-    fn last(&self) -> u64 {
-        self.by_expiry.last().map_or(0, |(at, _)| *at)
     }
 }
 
@@ -132,6 +212,14 @@ impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
     }
+}
+
+fn hash_tenant(h: &RandomState, tool: &str, tenant: &str, untenanted: bool) -> u64 {
+    let mut s = h.build_hasher();
+    tool.hash(&mut s);
+    tenant.hash(&mut s);
+    untenanted.hash(&mut s);
+    s.finish()
 }
 
 impl MemoryStore {
@@ -150,14 +238,35 @@ impl MemoryStore {
     pub fn with_shards(n: usize) -> Self {
         let n = n.max(1).next_power_of_two();
         MemoryStore {
-            shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..n)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect(),
+            tools: ArcSwap::from_pointee(Vec::new()),
+            adding_tool: Mutex::new(()),
             hasher: RandomState::default(),
         }
     }
 
     /// Number of levels (tools, tenants, instances) whose state is held now.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).map.len()).sum()
+        let tenants: usize = self
+            .shards
+            .iter()
+            .map(|s| {
+                let s = lock(&s.0);
+                s.tenants
+                    .iter()
+                    .map(|t| 1 + t.instances.len())
+                    .sum::<usize>()
+            })
+            .sum();
+        let tools = self
+            .tools
+            .load()
+            .iter()
+            .filter(|t| lock(&t.inner).state.live)
+            .count();
+        tenants + tools
     }
 
     /// Whether no state is held.
@@ -168,184 +277,268 @@ impl MemoryStore {
     /// Drops every state that is equivalent to fresh state at `now`. Runs by itself every few
     /// thousand decisions per shard; call it to bound memory at a moment of your choosing.
     pub fn sweep(&self, now: Timestamp) {
+        let now = now.as_micros();
         for s in self.shards.iter() {
-            sweep_shard(&mut lock(s), now.as_micros());
+            sweep_shard(&mut lock(&s.0), now);
         }
-    }
-
-    fn shard_of(&self, key: &NodeKey) -> usize {
-        (self.hasher.hash_one(key) as usize) & (self.shards.len() - 1)
-    }
-
-    /// Locks the shards of `keys` in ascending order and runs `f` with them.
-    fn with_keys<R>(&self, keys: &[Option<NodeKey>; 3], f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
-        let idx = [
-            keys[0].as_ref().map(|k| self.shard_of(k)),
-            keys[1].as_ref().map(|k| self.shard_of(k)),
-            keys[2].as_ref().map(|k| self.shard_of(k)),
-        ];
-        let mut order = [usize::MAX; 3];
-        let mut n = 0;
-        for i in idx.iter().flatten() {
-            if !order[..n].contains(i) {
-                order[n] = *i;
-                n += 1;
+        for t in self.tools.load().iter() {
+            let mut t = lock(&t.inner);
+            t.tenants.prune(now);
+            if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 && t.tenants.count == 0
+            {
+                t.state = NodeState::default();
             }
         }
-        order[..n].sort_unstable();
-        let mut guards: [Option<(usize, MutexGuard<'_, Shard>)>; 3] = [None, None, None];
-        for (slot, &i) in guards.iter_mut().zip(&order[..n]) {
-            *slot = Some((i, lock(&self.shards[i])));
+    }
+
+    fn shard(&self, hash: u64) -> &Mutex<Shard> {
+        // High bits: the table inside the shard indexes by the low ones.
+        &self.shards[(hash >> 40) as usize & (self.shards.len() - 1)].0
+    }
+
+    /// The cell of `tool`, created on first use.
+    fn tool_cell(&self, tool: &Arc<str>) -> Arc<ToolCell> {
+        if let Some(c) = self.tools.load().iter().find(|c| c.name == *tool) {
+            return c.clone();
         }
-        let mut locked = Locked { guards, idx };
-        f(&mut locked)
+        let _adding = self.adding_tool.lock().unwrap_or_else(|e| e.into_inner());
+        let tools = self.tools.load_full();
+        if let Some(c) = tools.iter().find(|c| c.name == *tool) {
+            return c.clone();
+        }
+        let cell = Arc::new(ToolCell {
+            name: tool.clone(),
+            published: AtomicU64::new(0),
+            inner: Mutex::new(ToolEntry::default()),
+        });
+        let mut next = Vec::with_capacity(tools.len() + 1);
+        next.extend(tools.iter().cloned());
+        next.push(cell.clone());
+        self.tools.store(Arc::new(next));
+        cell
     }
 }
 
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // A panic while holding a shard cannot leave a half-written decision: states are written
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a lock cannot leave a half-written decision: states are written
     // only after the pure decision returns. So a poisoned lock is still consistent.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn sweep_shard(s: &mut Shard, now: u64) {
-    s.map.retain(|_, e| {
-        e.expires > now
-            || e.state.in_flight > 0.0
-            || e.tracker.as_ref().is_some_and(|t| t.last() > now)
-    });
-}
-
-struct Locked<'a> {
-    guards: [Option<(usize, MutexGuard<'a, Shard>)>; 3],
-    idx: [Option<usize>; 3],
-}
-
-impl Locked<'_> {
-    fn shard(&mut self, level: usize) -> Option<&mut Shard> {
-        let i = self.idx[level]?;
-        self.guards
-            .iter_mut()
-            .flatten()
-            .find(|(j, _)| *j == i)
-            .map(|(_, g)| &mut **g)
-    }
+    s.tenants.retain(|t| !t.sweep(now));
 }
 
 fn micros_ceil(x: f64) -> u64 {
-    if x.is_finite() {
-        x.max(0.0).ceil() as u64
+    if !x.is_finite() {
+        return u64::MAX;
+    }
+    // `x as u64` truncates (and saturates); one more when that dropped a fraction. Cheaper
+    // than `f64::ceil`, which is a library call on baseline x86-64.
+    let t = x.max(0.0) as u64;
+    if (t as f64) < x {
+        t.saturating_add(1)
     } else {
-        u64::MAX
+        t
     }
 }
 
+/// Decides a call of a tenant whose entry is `entry` (in the table, or fresh and not yet in
+/// it). Locks the tool. Whether it was admitted is in the decision.
+fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64) -> Decision {
+    let TenantEntry {
+        tool: cell,
+        state: tenant_state,
+        expires: tenant_expires,
+        tracked: tenant_cell,
+        instances,
+        tracker,
+        ..
+    } = entry;
+    // The instance: stored, or fresh (inserted only if the call is admitted).
+    let mut fresh = None;
+    let slot = match (plan.instance.is_some(), keys.instance.as_ref()) {
+        (true, Some(name)) => match instances.binary_search_by(|i| (*i.name).cmp(name)) {
+            Ok(at) => Some(Ok(at)),
+            Err(at) => {
+                fresh = Some(InstanceEntry {
+                    name: name.clone(),
+                    state: NodeState::default(),
+                    expires: 0,
+                    tracked: None,
+                });
+                Some(Err(at))
+            }
+        },
+        _ => None,
+    };
+    let instance_template = plan.instance.is_some_and(|i| i.policy.template);
+    let inst: Option<&mut InstanceEntry> = match slot {
+        Some(Ok(at)) => Some(&mut instances[at]),
+        Some(Err(_)) => fresh.as_mut(),
+        None => None,
+    };
+    let instance_tracking = match (&inst, instance_template) {
+        (Some(i), true) => tracker.tracking(i.tracked.as_deref(), now),
+        _ => Tracking::default(),
+    };
+    let (inst_state, inst) = match inst {
+        Some(i) => {
+            let InstanceEntry {
+                state,
+                expires,
+                tracked,
+                ..
+            } = i;
+            (Some(state), Some((expires, tracked)))
+        }
+        None => (None, None),
+    };
+    // Everything below the tool is worked out before the tool is locked, with the tool's
+    // count of template tenants as last published; under the lock, the count is checked and
+    // the first half redone in the rare case it moved. The tool's lock is held only for the
+    // tool's own part.
+    let tenant_template = plan.tenant.policy.template;
+    let guess = if tenant_template {
+        Tracking {
+            count: cell.published.load(Relaxed),
+            tracked: tenant_cell
+                .as_deref()
+                .is_some_and(|c| c.load(Relaxed) > now),
+        }
+    } else {
+        Tracking::default()
+    };
+    let mut below = engine::below(
+        plan,
+        tenant_state,
+        inst_state.as_deref(),
+        [guess, instance_tracking],
+    );
+    let mut tool = lock(&cell.inner);
+    let ToolEntry {
+        state: tool_state,
+        expires: tool_expires,
+        tenants,
+    } = &mut *tool;
+    if tenant_template {
+        let actual = tenants.tracking(tenant_cell.as_deref(), now);
+        if actual != guess {
+            below = engine::below(
+                plan,
+                tenant_state,
+                inst_state.as_deref(),
+                [actual, instance_tracking],
+            );
+        }
+    }
+    let top = engine::above(plan, &mut below, tool_state);
+    let top = match top {
+        Ok(t) => t,
+        Err(r) => {
+            cell.published.store(tenants.count, Relaxed);
+            return Decision::Refused(r);
+        }
+    };
+    *tool_expires = micros_ceil(top.expires());
+    if tenant_template {
+        let c = tenant_cell.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
+        tenants.touch(c, micros_ceil(below.track_until()), now);
+        cell.published.store(tenants.count, Relaxed);
+    }
+    drop(tool);
+    let o = engine::commit_below(plan, below, top, tenant_state, inst_state);
+    *tenant_expires = micros_ceil(o.expires[1]);
+    if let Some((expires, tracked)) = inst {
+        *expires = micros_ceil(o.expires[2]);
+        if let Some(until) = o.track_instance_until {
+            let c = tracked.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
+            tracker.touch(c, micros_ceil(until), now);
+        }
+    }
+    if let (Some(Err(at)), Some(i)) = (slot, fresh) {
+        insert_instance(instances, at, i);
+    }
+    Decision::Admitted(Box::new(Admission {
+        keys: keys.clone(),
+        charge: o.charge,
+        remaining: o.remaining,
+        quota: o.quota,
+        reset_in: o.reset_in,
+        slack: o.slack,
+        views: o.views,
+        at: plan.now,
+    }))
+}
+
 impl MemoryStore {
-    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
-        let encoded = node_keys(keys);
+    /// Decides at once: the memory store never waits.
+    pub(crate) fn decide_sync(&self, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
         let now = plan.now.as_micros();
-        let tenant_key = encoded[1].clone().expect("a tenant level");
-        let instance_key = encoded[2].clone();
-        self.with_keys(&encoded, |l| {
-            let mut snap = Snapshot::default();
-            for (level, key) in encoded.iter().enumerate() {
-                let Some(k) = key.as_ref() else {
-                    continue;
-                };
-                let shard = l.shard(level).expect("locked");
-                let e = shard.map.get_mut(k);
-                let state = e.as_ref().map(|e| e.state.clone()).unwrap_or_default();
-                match level {
-                    0 => {
-                        snap.tool = state;
-                        if plan.tenant.policy.template {
-                            snap.tenant_tracking = e
-                                .and_then(|e| e.tracker.as_mut())
-                                .map_or(Tracking::default(), |t| t.tracking(&tenant_key, now));
-                        }
-                    }
-                    1 => {
-                        snap.tenant = state;
-                        if let (Some(i), Some(ik)) = (plan.instance, instance_key.as_ref()) {
-                            if i.policy.template {
-                                snap.instance_tracking = e
-                                    .and_then(|e| e.tracker.as_mut())
-                                    .map_or(Tracking::default(), |t| t.tracking(ik, now));
-                            }
-                        }
-                    }
-                    _ => snap.instance = state,
-                }
-            }
-            match engine::decide(plan, &snap) {
-                Verdict::Refuse(r) => Decision::Refused(r),
-                Verdict::Admit(a) => {
-                    let a = *a;
-                    let states = [a.tool, a.tenant, a.instance];
-                    for (level, state) in states.into_iter().enumerate() {
-                        let Some(k) = encoded[level].as_ref() else {
-                            continue;
-                        };
-                        let expires = micros_ceil(a.expires[level]);
-                        let shard = l.shard(level).expect("locked");
-                        shard.ops += 1;
-                        let entry = match shard.map.get_mut(k) {
-                            Some(e) => {
-                                e.state = state;
-                                e
-                            }
-                            None => shard.map.entry(k.clone()).or_insert(Entry {
-                                state,
-                                expires: 0,
-                                tracker: None,
-                            }),
-                        };
-                        entry.expires = expires;
-                        let track = match level {
-                            0 => a.track_tenant_until.map(|u| (&tenant_key, u)),
-                            1 => a
-                                .track_instance_until
-                                .zip(instance_key.as_ref())
-                                .map(|(u, k)| (k, u)),
-                            _ => None,
-                        };
-                        if let Some((member, until)) = track {
-                            entry
-                                .tracker
-                                .get_or_insert_with(Tracker::default)
-                                .touch(member, micros_ceil(until));
-                        }
-                        if shard.ops % SWEEP_EVERY == 0 {
-                            sweep_shard(shard, now);
-                        }
-                    }
-                    Decision::Admitted(Box::new(Admission {
-                        keys: keys.clone(),
-                        charge: a.charge,
-                        remaining: a.remaining,
-                        quota: a.quota,
-                        reset_in: a.reset_in,
-                        slack: a.slack,
-                        views: a.views,
-                        at: plan.now,
-                    }))
-                }
-            }
-        })
+        let hash = hash_tenant(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
+        let mut shard = lock(self.shard(hash));
+        let shard = &mut *shard;
+        shard.ops += 1;
+        if shard.ops % SWEEP_EVERY == 0 {
+            sweep_shard(shard, now);
+        }
+        let found = shard
+            .tenants
+            .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
+        if let Some(entry) = found {
+            return decide_on(entry, plan, keys, now);
+        }
+        let mut entry = Box::new(TenantEntry {
+            tool: self.tool_cell(&keys.tool),
+            tenant: keys.tenant.clone(),
+            untenanted: keys.untenanted,
+            state: NodeState::default(),
+            expires: 0,
+            tracked: None,
+            instances: Vec::new(),
+            tracker: Tracker::default(),
+        });
+        let decision = decide_on(&mut entry, plan, keys, now);
+        if matches!(decision, Decision::Admitted(_)) {
+            let hasher = &self.hasher;
+            shard.tenants.insert_unique(hash, entry, |e| {
+                hash_tenant(hasher, &e.tool.name, &e.tenant, e.untenanted)
+            });
+        }
+        decision
     }
 
-    fn update(&self, admission: &Admission, mut f: impl FnMut(usize, &mut NodeState)) {
-        let encoded = node_keys(&admission.keys);
-        self.with_keys(&encoded, |l| {
-            for (level, key) in encoded.iter().enumerate() {
-                let Some(k) = key.as_ref() else {
-                    continue;
-                };
-                if let Some(e) = l.shard(level).and_then(|s| s.map.get_mut(k)) {
-                    f(level, &mut e.state);
-                }
+    /// Runs `f` on each stored level of `keys` (0 tool, 1 tenant, 2 instance).
+    fn update(&self, keys: &CallKeys, mut f: impl FnMut(usize, &mut NodeState)) {
+        let hash = hash_tenant(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
+        let mut shard = lock(self.shard(hash));
+        let entry = shard
+            .tenants
+            .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
+        let cell = match &entry {
+            Some(e) => Some(e.tool.clone()),
+            None => self
+                .tools
+                .load()
+                .iter()
+                .find(|c| c.name == keys.tool)
+                .cloned(),
+        };
+        if let Some(cell) = cell {
+            let mut tool = lock(&cell.inner);
+            if tool.state.live {
+                f(0, &mut tool.state);
             }
-        });
+        }
+        let Some(entry) = entry else {
+            return;
+        };
+        f(1, &mut entry.state);
+        if let Some(name) = keys.instance.as_deref() {
+            if let Ok(at) = entry.instance(name) {
+                f(2, &mut entry.instances[at].state);
+            }
+        }
     }
 }
 
@@ -359,7 +552,11 @@ impl Store for MemoryStore {
         plan: &'a Plan<'a>,
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
-        ready(Ok(self.decide_now(plan, keys)))
+        ready(Ok(self.decide_sync(plan, keys)))
+    }
+
+    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.decide_sync(plan, keys)))
     }
 
     fn adjust<'a>(
@@ -368,7 +565,7 @@ impl Store for MemoryStore {
         factor: f64,
         now: Timestamp,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
-        self.update(admission, |level, s| {
+        self.update(&admission.keys, |level, s| {
             engine::adjust(s, &admission.charge, level, factor, now)
         });
         ready(Ok(()))
@@ -378,7 +575,7 @@ impl Store for MemoryStore {
         &'a self,
         admission: &'a Admission,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
-        self.update(admission, |level, s| {
+        self.update(&admission.keys, |level, s| {
             if admission.charge.levels[level].permit {
                 engine::release(s);
             }
@@ -390,19 +587,8 @@ impl Store for MemoryStore {
         &'a self,
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
-        let encoded = node_keys(keys);
-        let states = self.with_keys(&encoded, |l| {
-            let mut out: [Option<NodeState>; 3] = Default::default();
-            for (level, slot) in out.iter_mut().enumerate() {
-                if let Some(k) = encoded[level].as_ref() {
-                    *slot = l
-                        .shard(level)
-                        .and_then(|s| s.map.get(k))
-                        .map(|e| e.state.clone());
-                }
-            }
-            out
-        });
-        ready(Ok(states))
+        let mut out: [Option<NodeState>; 3] = Default::default();
+        self.update(keys, |level, s| out[level] = Some(s.clone()));
+        ready(Ok(out))
     }
 }

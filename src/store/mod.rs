@@ -113,6 +113,14 @@ pub trait Store: Send + Sync + 'static {
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a;
 
+    /// Decides one call without waiting, when this store can (the in-process store always
+    /// can); `None` when the answer needs I/O, and then nothing has been done: use
+    /// [`decide`](Self::decide). Lets callers skip allocating a future. The default is `None`.
+    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
+        let _ = (plan, keys);
+        None
+    }
+
     /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
     /// entirely; 0.5 charges half again). Never touches a window that has closed.
     fn adjust<'a>(
@@ -147,6 +155,9 @@ impl<S: Store> Store for Arc<S> {
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
         (**self).decide(plan, keys)
+    }
+    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
+        (**self).decide_now(plan, keys)
     }
     fn adjust<'a>(
         &'a self,
