@@ -66,11 +66,11 @@ pub(crate) trait Admit: Send + Sync + 'static {
 impl<S: Store, C: Clock> Admit for Limiter<S, C> {
     fn try_admit(
         &self,
-        _caller: &Caller,
-        _tool: &str,
-        _cost: Cost,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
     ) -> Option<Result<Ticket, Refusal>> {
-        None
+        Limiter::try_admit(self, caller, tool, cost)
     }
 
     fn admit(
