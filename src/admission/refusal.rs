@@ -177,29 +177,24 @@ fn write_rfc3339(o: &mut impl fmt::Write, t: Timestamp) -> fmt::Result {
     let secs = t.0 / 1_000_000;
     let rem = secs % 86_400;
     let (y, m, d) = civil_from_days((secs / 86_400) as i64);
-    if (0..10_000).contains(&y) {
-        let y = y as u64;
-        two_digits(o, y / 100)?;
-        two_digits(o, y % 100)?;
-    } else {
-        write!(o, "{y:04}")?;
+    if !(0..10_000).contains(&y) {
+        return o.write_str(&t.to_rfc3339());
     }
-    o.write_char('-')?;
-    two_digits(o, m.into())?;
-    o.write_char('-')?;
-    two_digits(o, d.into())?;
-    o.write_char('T')?;
-    two_digits(o, rem / 3600)?;
-    o.write_char(':')?;
-    two_digits(o, (rem % 3600) / 60)?;
-    o.write_char(':')?;
-    two_digits(o, rem % 60)?;
-    o.write_char('Z')
-}
-
-fn two_digits(o: &mut impl fmt::Write, n: u64) -> fmt::Result {
-    o.write_char(char::from(b'0' + (n / 10 % 10) as u8))?;
-    o.write_char(char::from(b'0' + (n % 10) as u8))
+    let mut text = *b"0000-00-00T00:00:00Z";
+    let y = y as u64;
+    for (at, n) in [
+        (0, y / 100),
+        (2, y % 100),
+        (5, m.into()),
+        (8, d.into()),
+        (11, rem / 3600),
+        (14, (rem % 3600) / 60),
+        (17, rem % 60),
+    ] {
+        text[at] = b'0' + (n / 10) as u8;
+        text[at + 1] = b'0' + (n % 10) as u8;
+    }
+    o.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
 }
 
 fn json_opt(o: &mut impl fmt::Write, s: Option<&str>) -> fmt::Result {
@@ -222,9 +217,18 @@ fn json_num(o: &mut impl fmt::Write, n: Option<f64>) -> fmt::Result {
     }
 }
 
+fn needs_escape(b: u8) -> bool {
+    b < 0x20 || b == b'"' || b == b'\\'
+}
+
 /// `s` as a JSON string: quotes, backslashes and control characters escaped.
 fn json_str(o: &mut impl fmt::Write, s: &str) -> fmt::Result {
     o.write_char('"')?;
+    // Names rarely need escaping: one check, one write.
+    if !s.bytes().any(needs_escape) {
+        o.write_str(s)?;
+        return o.write_char('"');
+    }
     // Copy runs of characters that need no escaping in one write.
     let mut run = 0;
     for (i, b) in s.bytes().enumerate() {

@@ -88,7 +88,7 @@ fn number(o: &mut impl Write, n: f64) -> fmt::Result {
 }
 
 /// A header value rendered on the stack and copied once.
-fn value(render: impl FnOnce(&mut StackBuf<128>) -> fmt::Result) -> HeaderValue {
+fn value(render: impl FnOnce(&mut StackBuf<64>) -> fmt::Result) -> HeaderValue {
     let mut buf = StackBuf::new();
     match render(&mut buf) {
         Ok(()) => HeaderValue::from_bytes(buf.as_bytes()),
@@ -100,9 +100,11 @@ fn value(render: impl FnOnce(&mut StackBuf<128>) -> fmt::Result) -> HeaderValue 
 /// `"{scope}";q={quota};w={window}`
 fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
     value(|o| {
-        o.write_char('"')?;
-        o.write_str(scope.as_str())?;
-        o.write_str("\";q=")?;
+        o.write_str(match scope {
+            Scope::Tool => "\"tool\";q=",
+            Scope::Tenant => "\"tenant\";q=",
+            Scope::Instance => "\"instance\";q=",
+        })?;
         number(o, quota)?;
         o.write_str(";w=")?;
         o.write_str(itoa::Buffer::new().format(window_secs))
@@ -112,9 +114,11 @@ fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
 /// `"{scope}";r={remaining};t={reset}`
 fn remaining_value(scope: Scope, remaining: f64, reset_secs: u64) -> HeaderValue {
     value(|o| {
-        o.write_char('"')?;
-        o.write_str(scope.as_str())?;
-        o.write_str("\";r=")?;
+        o.write_str(match scope {
+            Scope::Tool => "\"tool\";r=",
+            Scope::Tenant => "\"tenant\";r=",
+            Scope::Instance => "\"instance\";r=",
+        })?;
         number(o, remaining)?;
         o.write_str(";t=")?;
         o.write_str(itoa::Buffer::new().format(reset_secs))
