@@ -50,18 +50,6 @@ impl<S> FairShare<S> {
     }
 }
 
-/// What `call` does once it has looked at the request.
-// Lives for one `match`; boxing the decision would cost an allocation a call.
-#[allow(clippy::large_enum_variant)]
-enum Step {
-    /// No tool: through, unmetered.
-    Pass,
-    /// The store decided at once.
-    Decided(Result<Ticket, Refusal>),
-    /// The store has to be waited for.
-    Wait(Caller, Arc<str>, Cost),
-}
-
 impl<S, ReqB, ResB> Service<Request<ReqB>> for FairShare<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
@@ -78,55 +66,51 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let shared = &*self.shared;
-        // Everything borrowed from the request ends with this block, before it moves on.
-        let step = {
-            let head = RequestHead::of(&req);
-            match shared.tool.select(&head) {
-                None => Step::Pass,
-                Some(tool) => {
-                    let identified;
-                    let caller = match &shared.identify {
-                        Identity::Extension => req.extensions().get::<Caller>(),
-                        Identity::With(identify) => {
-                            identified = identify.identify(&head);
-                            identified.as_ref()
-                        }
-                    };
-                    let anonymous;
-                    let caller = match caller {
-                        Some(c) => c,
-                        None => {
-                            anonymous = Caller::default();
-                            &anonymous
-                        }
-                    };
-                    let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
-                    match shared.limiter.try_admit(caller, tool.as_str(), cost) {
-                        Some(outcome) => Step::Decided(outcome),
-                        None => Step::Wait(caller.clone(), tool.into_arc(), cost),
-                    }
-                }
+        let head = RequestHead::of(&req);
+        let Some(tool) = shared.tool.select(&head) else {
+            return ResponseFuture {
+                state: State::Passthrough {
+                    fut: self.inner.call(req),
+                },
+            };
+        };
+        let identified;
+        let caller = match &shared.identify {
+            Identity::Extension => req.extensions().get::<Caller>(),
+            Identity::With(identify) => {
+                identified = identify.identify(&head);
+                identified.as_ref()
             }
         };
-        let state = match step {
-            Step::Pass => State::Passthrough {
-                fut: self.inner.call(req),
-            },
-            // The service was driven ready and the call goes on at once: no clone needed.
-            Step::Decided(outcome) => after_admission(outcome, &mut self.inner, req, &self.shared),
-            Step::Wait(caller, tool, cost) => {
-                let admission = shared.limiter.admit(caller, tool, cost);
-                // The service was driven ready; a clone takes its place for the next call.
-                let clone = self.inner.clone();
-                State::Admitting {
+        let anonymous;
+        let caller = match caller {
+            Some(c) => c,
+            None => {
+                anonymous = Caller::default();
+                &anonymous
+            }
+        };
+        let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
+        let Some(outcome) = shared.limiter.try_admit(caller, tool.as_str(), cost) else {
+            // The store has to be waited for.
+            let admission = shared.limiter.admit(caller.clone(), tool.into_arc(), cost);
+            // The service was driven ready; a clone takes its place for the next call.
+            let clone = self.inner.clone();
+            return ResponseFuture {
+                state: State::Admitting {
                     admission,
                     inner: Some(std::mem::replace(&mut self.inner, clone)),
                     req: Some(req),
                     shared: self.shared.clone(),
-                }
-            }
+                },
+            };
         };
-        ResponseFuture { state }
+        // What was borrowed from the request ends here, before the request moves on.
+        drop(tool);
+        // The service was driven ready and the call goes on at once: no clone needed.
+        ResponseFuture {
+            state: after_admission(outcome, &mut self.inner, req, &self.shared),
+        }
     }
 }
 
