@@ -141,3 +141,54 @@ impl ToolSelector {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn selected(selector: &ToolSelector, req: &http::Request<()>) -> Option<String> {
+        let tool = selector.select(&RequestHead::of(req))?;
+        let name = tool.as_str().to_owned();
+        assert_eq!(&*tool.into_arc(), name);
+        Some(name)
+    }
+
+    #[test]
+    fn every_selector_finds_the_tool() {
+        let path = ToolSelector::Path(Arc::from("/tools/"));
+        let get = |uri: &str| http::Request::get(uri).body(()).unwrap();
+        assert_eq!(
+            selected(&path, &get("/tools/search")).as_deref(),
+            Some("search")
+        );
+        assert_eq!(
+            selected(&path, &get("/tools/search/v1?q=1")).as_deref(),
+            Some("search")
+        );
+        assert_eq!(selected(&path, &get("/tools/")), None);
+        assert_eq!(selected(&path, &get("/tools//x")), None);
+        assert_eq!(selected(&path, &get("/health")), None);
+
+        let fixed = ToolSelector::Fixed(Arc::from("llm"));
+        assert_eq!(selected(&fixed, &get("/anything")).as_deref(), Some("llm"));
+
+        let mut req = get("/x");
+        assert_eq!(selected(&ToolSelector::Extension, &req), None);
+        req.extensions_mut().insert(ToolName(Arc::from("ext")));
+        assert_eq!(
+            selected(&ToolSelector::Extension, &req).as_deref(),
+            Some("ext")
+        );
+
+        let with = ToolSelector::With(Arc::new(|r: &RequestHead<'_>| {
+            r.headers
+                .get("x-tool")
+                .and_then(|v| v.to_str().ok())
+                .map(Arc::from)
+        }));
+        assert_eq!(selected(&with, &req), None);
+        req.headers_mut()
+            .insert("x-tool", "header".parse().unwrap());
+        assert_eq!(selected(&with, &req).as_deref(), Some("header"));
+    }
+}
