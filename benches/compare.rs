@@ -123,7 +123,7 @@ rate = { limit = 1000000000000, per = "1h" }
 max_tenants = 2000000
 budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
-max_instances = 100
+max_instances = 1000
 
 [[tool]]
 name = "exhausted"
@@ -419,22 +419,40 @@ fn live_bytes_after(f: impl FnOnce()) -> isize {
     LIVE.load(Ordering::SeqCst)
 }
 
-fn memory(n: usize) {
+/// Live bytes of a store holding `n` callers, as `tenants` tenants of `n / tenants` instances
+/// each, all resident; and how many store entries that is.
+fn store_bytes(n: usize, tenants: usize) -> (isize, usize) {
     let mut l = Some(limiter());
-    let start = Instant::now();
-    let ours = live_bytes_after(|| {
+    let per_tenant = n / tenants;
+    let bytes = live_bytes_after(|| {
         let l = l.as_ref().expect("built above");
         for i in 0..n {
-            // Each caller is built and dropped inside the window: only the store's copy stays.
-            let caller = Caller::new(format!("tenant-{i}")).with_instance("agent");
+            // Each caller is built and dropped inside the window: only the store's copies of its
+            // names stay.
+            let (t, a) = (i / per_tenant, i % per_tenant);
+            let caller = Caller::new(format!("tenant-{t}")).with_instance(format!("agent-{a}"));
             now(l.admit(&caller, "resident", Cost(1.0))).expect("admitted");
         }
     });
-    let elapsed = start.elapsed();
     let entries = l.as_ref().map_or(0, |l| l.store().len());
-    // A tenant and its instance are two entries; the tool is one.
-    assert_eq!(entries, 2 * n + 1, "every caller must still be resident");
-    let freed = live_bytes_after(|| drop(l.take()));
+    // A tenant and each of its instances are one entry each; the tool is one.
+    assert_eq!(
+        entries,
+        n + tenants + 1,
+        "every caller must still be resident"
+    );
+    drop(l.take());
+    (bytes, entries)
+}
+
+fn memory(n: usize) {
+    let start = Instant::now();
+    // The worst case: every caller is a tenant of its own (two levels of state per caller).
+    let (ours, entries) = store_bytes(n, n);
+    // An agent fleet: callers are instances of 1% as many tenants.
+    let fleet_tenants = (n / 100).max(1);
+    let (fleet, _) = store_bytes(n, fleet_tenants);
+    let elapsed = start.elapsed();
 
     let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
     let mut gov = Some(RateLimiter::keyed(quota));
@@ -447,17 +465,20 @@ fn memory(n: usize) {
     drop(gov.take());
 
     let per_caller = ours as f64 / n as f64;
+    let per_fleet_caller = fleet as f64 / n as f64;
     let per_key = governor as f64 / n as f64;
     println!(
-        "memory: fairshare {per_caller:.1} bytes per tracked caller ({n} callers, {entries} store \
-         entries, {ours} bytes live, {} bytes freed on drop, {:.2} s); governor keyed {per_key:.1} \
+        "memory: fairshare {per_caller:.1} bytes per tracked caller, each its own tenant ({n} \
+         callers, {entries} store entries, {ours} bytes live); {per_fleet_caller:.1} bytes per \
+         caller as instances of {fleet_tenants} tenants ({:.2} s); governor keyed {per_key:.1} \
          bytes per u64 key",
-        -freed,
         elapsed.as_secs_f64()
     );
     let json = format!(
         "{{\"callers\":{n},\"store_entries\":{entries},\"live_bytes\":{ours},\
-         \"bytes_per_caller\":{per_caller:.1},\"governor_bytes_per_key\":{per_key:.1}}}\n"
+         \"bytes_per_caller\":{per_caller:.1},\"fleet_tenants\":{fleet_tenants},\
+         \"bytes_per_fleet_caller\":{per_fleet_caller:.1},\
+         \"governor_bytes_per_key\":{per_key:.1}}}\n"
     );
     write_result("compare-memory.json", &json);
 }

@@ -71,8 +71,9 @@ struct Inner<S, C> {
 #[derive(Clone, Debug)]
 pub struct Ticket {
     /// What the store charged; `None` when the call went through unmetered (the store was
-    /// unreachable and the tool fails open).
-    pub admission: Option<Admission>,
+    /// unreachable and the tool fails open). Boxed: a ticket moves through futures and
+    /// responses, and a pointer is cheaper to move than the record.
+    pub admission: Option<Box<Admission>>,
     /// In shadow mode (`enforce = false`), the refusal that would have been returned.
     pub shadow_refusal: Option<Refusal>,
     /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
@@ -273,7 +274,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let store = &self.inner.store;
         match decided {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
-                admission: Some(*a),
+                admission: Some(a),
                 shadow_refusal: None,
                 window_secs,
             }),

@@ -85,17 +85,18 @@ pub(crate) fn decision(
     reason: &'static str,
     scope: &'static str,
 ) {
-    let mut labels = vec![
-        ("tool", l.tool.to_owned()),
-        ("tenant", l.tenant.to_owned()),
-        ("outcome", outcome.to_owned()),
-        ("reason", reason.to_owned()),
-        ("scope", scope.to_owned()),
-    ];
+    use metrics::Label;
+    // The fixed words are static labels: only the names are copied.
+    let mut labels = Vec::with_capacity(6);
+    labels.push(Label::new("tool", l.tool.to_owned()));
+    labels.push(Label::new("tenant", l.tenant.to_owned()));
+    labels.push(Label::from_static_parts("outcome", outcome));
+    labels.push(Label::from_static_parts("reason", reason));
+    labels.push(Label::from_static_parts("scope", scope));
     if let Some(i) = l.instance {
-        labels.push(("instance", i.to_owned()));
+        labels.push(Label::new("instance", i.to_owned()));
     }
-    metrics::counter!(DECISIONS, &labels).increment(1);
+    metrics::counter!(DECISIONS, labels).increment(1);
 }
 
 #[cfg(not(feature = "metrics"))]

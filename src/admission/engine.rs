@@ -549,9 +549,22 @@ pub(crate) fn decide_in_place(
     instance_state: Option<&mut NodeState>,
     tracking: [Tracking; 2],
 ) -> Result<Outcome, Box<Refusal>> {
-    let mut b = below(plan, tenant_state, instance_state.as_deref(), tracking);
-    let top = above(plan, &mut b, tool_state)?;
-    Ok(commit_below(plan, b, top, tenant_state, instance_state))
+    let mut b = Below::new();
+    below(
+        &mut b,
+        plan,
+        tenant_state,
+        instance_state.as_deref(),
+        tracking,
+    );
+    let mut top = above(plan, &mut b, tool_state)?;
+    Ok(commit_below(
+        plan,
+        &mut b,
+        &mut top,
+        tenant_state,
+        instance_state,
+    ))
 }
 
 /// A decision's first half: everything below the tool (the caller's tenant and instance),
@@ -571,8 +584,8 @@ pub(crate) struct Below<'a> {
     concurrency: Option<Fail>,
     /// The worst failing budget of the tenant and the instance.
     budgets: Option<Fail>,
-    /// The walk up to the tool, share first and floor first.
-    walks: [Result<Walk, Fail>; 2],
+    /// The walk up to the tool, share first (floor first is walked only if needed).
+    walk: Result<Walk, Fail>,
 }
 
 /// The worst failure so far: the longest wait, the first one on a tie.
@@ -596,37 +609,53 @@ fn placeholder<'a>() -> Level<'a> {
     }
 }
 
-/// The first half of a decision (see [`Below`]).
+impl Below<'_> {
+    /// An empty first half, for [`below`] to fill.
+    pub(crate) fn new() -> Self {
+        let walk = Walk {
+            takes: [[0.0; 3]; 3],
+            rem: 0.0,
+            own_chain: true,
+            child_threshold: 0.5,
+        };
+        Below {
+            levels: [placeholder(), placeholder(), placeholder()],
+            n: 2,
+            banks: [0.0; 3],
+            now: 0.0,
+            period: 1.0,
+            window: 0.0,
+            next_window: 0.0,
+            callers: None,
+            concurrency: None,
+            budgets: None,
+            walk: Ok(walk),
+        }
+    }
+}
+
+/// The first half of a decision (see [`Below`]), into `b` (filled in place: it is large).
 pub(crate) fn below<'a>(
+    b: &mut Below<'a>,
     plan: &Plan<'a>,
     tenant_state: &NodeState,
     instance_state: Option<&NodeState>,
     tracking: [Tracking; 2],
-) -> Below<'a> {
+) {
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
     let period = tool.period.as_micros() as f64;
     let window = (now / period).floor();
     let next_window = (window + 1.0) * period;
     let c = plan.cost;
-    let mut b = Below {
-        levels: [placeholder(), placeholder(), placeholder()],
-        n: 2,
-        banks: [0.0; 3],
-        now,
-        period,
-        window,
-        next_window,
-        callers: None,
-        concurrency: None,
-        budgets: None,
-        walks: [Ok(Walk {
-            takes: [[0.0; 3]; 3],
-            rem: 0.0,
-            own_chain: true,
-            child_threshold: 0.5,
-        }); 2],
-    };
+    b.n = 2;
+    b.now = now;
+    b.period = period;
+    b.window = window;
+    b.next_window = next_window;
+    b.callers = None;
+    b.concurrency = None;
+    b.budgets = None;
 
     // 1. Tracked template callers: a flood of new identities stops here.
     let t_pol = plan.tenant.policy;
@@ -643,7 +672,7 @@ pub(crate) fn below<'a>(
                 used: n_tenants as f64,
                 reset_at: None,
             });
-            return b;
+            return;
         }
         n_tenants += 1;
     }
@@ -661,7 +690,7 @@ pub(crate) fn below<'a>(
                     used: n_instances as f64,
                     reset_at: None,
                 });
-                return b;
+                return;
             }
             n_instances += 1;
         }
@@ -733,7 +762,7 @@ pub(crate) fn below<'a>(
                     used: l.state.in_flight,
                     reset_at: None,
                 });
-                return b;
+                return;
             }
         }
     }
@@ -753,8 +782,8 @@ pub(crate) fn below<'a>(
     }
 
     // 5. The walk from the caller up to the tool: share first (a floor bucket left full loses
-    // nothing the caller is owed, a full share bank would), the floor for the rest; and floor
-    // first, for when the first path is blocked.
+    // nothing the caller is owed, a full share bank would), the floor for the rest. (Floor
+    // first, for when that path is blocked, is walked in `above` only then.)
     let ctx = PathCtx {
         levels: &b.levels[..n],
         banks: b.banks,
@@ -764,8 +793,7 @@ pub(crate) fn below<'a>(
         next_window,
         period_secs: tool.period.as_secs_ceil(),
     };
-    b.walks = [ctx.below(true), ctx.below(false)];
-    b
+    b.walk = ctx.below(true);
 }
 
 fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
@@ -924,9 +952,9 @@ pub(crate) fn above(
         next_window: b.next_window,
         period_secs: tool.period.as_secs_ceil(),
     };
-    let takes = match b.walks[0].and_then(|w| ctx.at_tool(w, true)) {
+    let takes = match b.walk.and_then(|w| ctx.at_tool(w, true)) {
         Ok(t) => t,
-        Err(_) => match b.walks[1].and_then(|w| ctx.at_tool(w, false)) {
+        Err(_) => match ctx.below(false).and_then(|w| ctx.at_tool(w, false)) {
             Ok(t) => t,
             Err(f) => {
                 worse(&mut worst, f);
@@ -1063,8 +1091,8 @@ fn commit_level(
 /// instance's states. Needs no tool state.
 pub(crate) fn commit_below(
     plan: &Plan<'_>,
-    mut b: Below<'_>,
-    top: Top,
+    b: &mut Below<'_>,
+    top: &mut Top,
     tenant_state: &mut NodeState,
     instance_state: Option<&mut NodeState>,
 ) -> Outcome {
@@ -1075,14 +1103,14 @@ pub(crate) fn commit_below(
         levels: Default::default(),
     };
     let mut expires = [b.now; 3];
-    charge.levels[0] = top.charge;
+    charge.levels[0] = std::mem::take(&mut top.charge);
     expires[0] = top.expires;
-    let (c1, e1) = commit_level(plan, &mut b, 1, top.takes[1], tenant_state);
+    let (c1, e1) = commit_level(plan, b, 1, top.takes[1], tenant_state);
     charge.levels[1] = c1;
     expires[1] = e1;
     b.levels[1].state.write(tenant_state);
     if let (3, Some(s)) = (n, instance_state) {
-        let (c2, e2) = commit_level(plan, &mut b, 2, top.takes[2], s);
+        let (c2, e2) = commit_level(plan, b, 2, top.takes[2], s);
         charge.levels[2] = c2;
         expires[2] = e2;
         b.levels[2].state.write(s);

@@ -116,8 +116,8 @@ impl TenantEntry {
 
 fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: InstanceEntry) {
     if instances.len() == instances.capacity() {
-        // Grow by half, not double: most tenants have one or a few instances.
-        instances.reserve_exact((instances.len() / 2).max(1));
+        // Grow by a quarter, not double: memory per instance matters more than the rare copy.
+        instances.reserve_exact((instances.len() / 4).max(1));
     }
     instances.insert(at, entry);
 }
@@ -409,7 +409,9 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     } else {
         Tracking::default()
     };
-    let mut below = engine::below(
+    let mut below = engine::Below::new();
+    engine::below(
+        &mut below,
         plan,
         tenant_state,
         inst_state.as_deref(),
@@ -424,7 +426,8 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     if tenant_template {
         let actual = tenants.tracking(tenant_cell.as_deref(), now);
         if actual != guess {
-            below = engine::below(
+            engine::below(
+                &mut below,
                 plan,
                 tenant_state,
                 inst_state.as_deref(),
@@ -433,7 +436,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         }
     }
     let top = engine::above(plan, &mut below, tool_state);
-    let top = match top {
+    let mut top = match top {
         Ok(t) => t,
         Err(r) => {
             cell.published.store(tenants.count, Relaxed);
@@ -447,7 +450,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         cell.published.store(tenants.count, Relaxed);
     }
     drop(tool);
-    let o = engine::commit_below(plan, below, top, tenant_state, inst_state);
+    let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
     *tenant_expires = micros_ceil(o.expires[1]);
     if let Some((expires, tracked)) = inst {
         *expires = micros_ceil(o.expires[2]);
