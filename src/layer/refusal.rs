@@ -150,7 +150,6 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     if grpc {
         let mut res = Response::new(None);
         let h = res.headers_mut();
-        h.reserve(4);
         h.insert(CONTENT_TYPE, APPLICATION_GRPC);
         h.insert(GRPC_STATUS, integer(grpc_code(r.reason).into()));
         h.insert(GRPC_MESSAGE, grpc_message(r));
@@ -162,7 +161,6 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     let mut res = Response::new(Some(json_bytes(r)));
     *res.status_mut() = http_status(r.reason);
     let h = res.headers_mut();
-    h.reserve(4);
     h.insert(CONTENT_TYPE, APPLICATION_JSON);
     if retryable {
         h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
@@ -214,7 +212,6 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let Some(a) = &t.admission else { return };
     let scope = t.scope();
     let reset = (a.reset_in / 1e6).ceil().max(0.0) as u64;
-    headers.reserve(2);
     headers.insert(
         RATELIMIT_POLICY,
         policy_value(scope, a.quota.floor(), t.window_secs),
