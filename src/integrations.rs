@@ -19,7 +19,7 @@ mod tonic_status {
 
     /// A refusal as a gRPC status, for tonic handlers that call the limiter themselves.
     ///
-    /// The code is [`grpc_code`](crate::grpc_code) of the reason (RESOURCE_EXHAUSTED,
+    /// The code is [`grpc_code`] of the reason (RESOURCE_EXHAUSTED,
     /// PERMISSION_DENIED, UNAUTHENTICATED or UNAVAILABLE), the message is
     /// [`Refusal::to_json`], and a retryable refusal carries `retry-after` metadata in whole
     /// seconds — the same status a client sees when [`FairShareLayer`](crate::FairShareLayer)

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::clock::Timestamp;
+use crate::clock::{civil_from_days, Timestamp};
 
 /// The kind of refusal; its [`as_str`](Reason::as_str) is the `error` field of the JSON body.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -123,81 +123,134 @@ impl Refusal {
     /// The JSON body of an HTTP or gRPC refusal (SPEC §4).
     pub fn to_json(&self) -> String {
         let mut o = String::with_capacity(256);
-        o.push_str("{\"error\":\"");
-        o.push_str(self.reason.as_str());
-        o.push_str("\",\"tool\":");
-        json_str(&mut o, &self.tool);
-        o.push_str(",\"tenant\":");
-        json_opt(&mut o, self.tenant.as_deref());
-        o.push_str(",\"instance\":");
-        json_opt(&mut o, self.instance.as_deref());
-        o.push_str(",\"scope\":");
-        json_opt(&mut o, self.scope.map(Scope::as_str));
-        o.push_str(",\"window\":");
-        json_opt(&mut o, self.window.as_deref());
-        o.push_str(",\"limit\":");
-        json_num(&mut o, self.limit);
-        o.push_str(",\"used\":");
-        json_num(&mut o, self.used);
-        o.push_str(",\"reset_at\":");
-        match self.reset_at {
-            Some(t) => {
-                o.push('"');
-                o.push_str(&t.to_rfc3339());
-                o.push('"');
-            }
-            None => o.push_str("null"),
-        }
-        o.push_str(",\"retry_after_ms\":");
-        match self.retry_after {
-            Some(d) => o.push_str(itoa::Buffer::new().format(d.as_micros().div_ceil(1000) as u64)),
-            None => o.push_str("null"),
-        }
-        o.push_str(",\"retryable\":");
-        o.push_str(if self.retryable { "true" } else { "false" });
-        if let Some(d) = self.detail {
-            o.push_str(",\"detail\":");
-            json_str(&mut o, d);
-        }
-        o.push('}');
+        // Writing to a `String` cannot fail.
+        let _ = self.write_json(&mut o);
         o
     }
-}
 
-fn json_opt(o: &mut String, s: Option<&str>) {
-    match s {
-        Some(s) => json_str(o, s),
-        None => o.push_str("null"),
+    /// Writes the JSON body to `o`; fails only when `o` is full.
+    pub(crate) fn write_json(&self, o: &mut impl fmt::Write) -> fmt::Result {
+        o.write_str("{\"error\":\"")?;
+        o.write_str(self.reason.as_str())?;
+        o.write_str("\",\"tool\":")?;
+        json_str(o, &self.tool)?;
+        o.write_str(",\"tenant\":")?;
+        json_opt(o, self.tenant.as_deref())?;
+        o.write_str(",\"instance\":")?;
+        json_opt(o, self.instance.as_deref())?;
+        o.write_str(",\"scope\":")?;
+        json_opt(o, self.scope.map(Scope::as_str))?;
+        o.write_str(",\"window\":")?;
+        json_opt(o, self.window.as_deref())?;
+        o.write_str(",\"limit\":")?;
+        json_num(o, self.limit)?;
+        o.write_str(",\"used\":")?;
+        json_num(o, self.used)?;
+        o.write_str(",\"reset_at\":")?;
+        match self.reset_at {
+            Some(t) => {
+                o.write_char('"')?;
+                write_rfc3339(o, t)?;
+                o.write_char('"')?;
+            }
+            None => o.write_str("null")?,
+        }
+        o.write_str(",\"retry_after_ms\":")?;
+        match self.retry_after {
+            Some(d) => {
+                o.write_str(itoa::Buffer::new().format(d.as_micros().div_ceil(1000) as u64))?
+            }
+            None => o.write_str("null")?,
+        }
+        o.write_str(",\"retryable\":")?;
+        o.write_str(if self.retryable { "true" } else { "false" })?;
+        if let Some(d) = self.detail {
+            o.write_str(",\"detail\":")?;
+            json_str(o, d)?;
+        }
+        o.write_char('}')
     }
 }
 
-fn json_num(o: &mut String, n: Option<f64>) {
+/// `Timestamp::to_rfc3339` without the `String`: `2026-05-22T15:00:00Z`.
+fn write_rfc3339(o: &mut impl fmt::Write, t: Timestamp) -> fmt::Result {
+    let secs = t.0 / 1_000_000;
+    let rem = secs % 86_400;
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    if !(0..10_000).contains(&y) {
+        return o.write_str(&t.to_rfc3339());
+    }
+    let mut text = *b"0000-00-00T00:00:00Z";
+    let y = y as u64;
+    for (at, n) in [
+        (0, y / 100),
+        (2, y % 100),
+        (5, m.into()),
+        (8, d.into()),
+        (11, rem / 3600),
+        (14, (rem % 3600) / 60),
+        (17, rem % 60),
+    ] {
+        text[at] = b'0' + (n / 10) as u8;
+        text[at + 1] = b'0' + (n % 10) as u8;
+    }
+    o.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
+}
+
+fn json_opt(o: &mut impl fmt::Write, s: Option<&str>) -> fmt::Result {
+    match s {
+        Some(s) => json_str(o, s),
+        None => o.write_str("null"),
+    }
+}
+
+fn json_num(o: &mut impl fmt::Write, n: Option<f64>) -> fmt::Result {
     match n {
         Some(n) if n.is_finite() => {
             if n.fract() == 0.0 && n.abs() < 9.0e15 {
-                o.push_str(itoa::Buffer::new().format(n as i64));
+                o.write_str(itoa::Buffer::new().format(n as i64))
             } else {
-                o.push_str(&format!("{:.3}", n));
+                write!(o, "{n:.3}")
             }
         }
-        _ => o.push_str("null"),
+        _ => o.write_str("null"),
     }
 }
 
-pub(crate) fn json_str(o: &mut String, s: &str) {
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\r' => o.push_str("\\r"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
+fn needs_escape(b: u8) -> bool {
+    b < 0x20 || b == b'"' || b == b'\\'
+}
+
+/// `s` as a JSON string: quotes, backslashes and control characters escaped.
+fn json_str(o: &mut impl fmt::Write, s: &str) -> fmt::Result {
+    o.write_char('"')?;
+    // Names rarely need escaping: one check, one write.
+    if !s.bytes().any(needs_escape) {
+        o.write_str(s)?;
+        return o.write_char('"');
+    }
+    // Copy runs of characters that need no escaping in one write.
+    let mut run = 0;
+    for (i, b) in s.bytes().enumerate() {
+        let escape = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            b if b < 0x20 => "",
+            _ => continue,
+        };
+        o.write_str(&s[run..i])?;
+        run = i + 1;
+        if escape.is_empty() {
+            write!(o, "\\u{b:04x}")?;
+        } else {
+            o.write_str(escape)?;
         }
     }
-    o.push('"');
+    o.write_str(&s[run..])?;
+    o.write_char('"')
 }
 
 impl fmt::Display for Refusal {
@@ -242,5 +295,30 @@ mod tests {
         assert_eq!(v["reset_at"], "2026-05-22T15:00:00Z");
         assert_eq!(v["retryable"], true);
         assert_eq!(r.retry_after_secs(), 2);
+    }
+
+    #[test]
+    fn timestamps_render_like_to_rfc3339() {
+        for micros in [
+            0,
+            1_779_462_000_000_000,
+            951_782_400_000_000, // 2000-02-29
+            4_102_444_799_999_999,
+            253_402_300_799_000_000, // 9999-12-31T23:59:59Z
+            253_402_300_800_000_000, // year 10000
+        ] {
+            let t = Timestamp(micros);
+            let mut o = String::new();
+            write_rfc3339(&mut o, t).unwrap();
+            assert_eq!(o, t.to_rfc3339());
+        }
+    }
+
+    #[test]
+    fn control_characters_and_unicode_are_escaped_like_json() {
+        let s = "a\u{1}b\"c\\d\ne\rf\tg\u{1f}ü{}";
+        let mut o = String::new();
+        json_str(&mut o, s).unwrap();
+        assert_eq!(o, serde_json::to_string(s).unwrap());
     }
 }

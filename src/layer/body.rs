@@ -25,7 +25,7 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            held: Option<Held>,
+            held: Option<Box<Held>>,
         },
         Full {
             data: Option<Bytes>,
@@ -34,21 +34,16 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn inner(body: B, held: Option<Held>) -> Self {
+    pub(crate) fn inner(body: B, held: Option<Box<Held>>) -> Self {
         ResponseBody {
             kind: Kind::Inner { body, held },
         }
     }
 
-    pub(crate) fn full(data: Bytes) -> Self {
+    /// A refusal's body: its JSON, or nothing (gRPC).
+    pub(crate) fn refusal(json: Option<Bytes>) -> Self {
         ResponseBody {
-            kind: Kind::Full { data: Some(data) },
-        }
-    }
-
-    pub(crate) fn empty() -> Self {
-        ResponseBody {
-            kind: Kind::Full { data: None },
+            kind: Kind::Full { data: json },
         }
     }
 }

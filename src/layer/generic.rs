@@ -163,17 +163,27 @@ where
         };
         let caller = self.describe.caller(&req).unwrap_or_default();
         let cost = self.describe.cost(&req);
-        let admission = self.limiter.admit(caller, tool, cost);
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        DescribedFuture {
-            state: GenState::Admitting {
-                admission,
-                inner: Some(ready),
-                req: Some(req),
-                limiter: self.limiter.clone(),
+        let state = match self.limiter.try_admit(&caller, &tool, cost) {
+            // Decided at once: the ready service is called now, no clone needed.
+            Some(Ok(ticket)) => GenState::Calling {
+                held: Some(Held::new(ticket, &self.limiter)),
+                fut: self.inner.call(req),
             },
-        }
+            Some(Err(r)) => GenState::Refused {
+                refusal: Some(Box::new(r)),
+            },
+            None => {
+                let admission = self.limiter.admit(caller, tool, cost);
+                let clone = self.inner.clone();
+                GenState::Admitting {
+                    admission,
+                    inner: Some(std::mem::replace(&mut self.inner, clone)),
+                    req: Some(req),
+                    limiter: self.limiter.clone(),
+                }
+            }
+        };
+        DescribedFuture { state }
     }
 }
 
@@ -205,6 +215,9 @@ pin_project! {
             fut: S::Future,
             held: Option<Held>,
         },
+        Refused {
+            refusal: Option<Box<Refusal>>,
+        },
     }
 }
 
@@ -232,7 +245,7 @@ impl<S: Service<Req>, Req> Future for DescribedFuture<S, Req> {
                             panic!("DescribedFuture polled after completion");
                         };
                         GenState::Calling {
-                            held: Held::new(&ticket, limiter),
+                            held: Some(Held::new(ticket, limiter)),
                             fut: inner.call(req),
                         }
                     }
@@ -242,6 +255,10 @@ impl<S: Service<Req>, Req> Future for DescribedFuture<S, Req> {
                     // Done (or failed): the call is no longer in flight.
                     held.take();
                     return Poll::Ready(out.map_err(FairShareError::Inner));
+                }
+                GenProj::Refused { refusal } => {
+                    let r = refusal.take().expect("polled after completion");
+                    return Poll::Ready(Err(FairShareError::Refused(r)));
                 }
             };
             self.as_mut().project().state.set(next);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::select::{CallerFromExtensions, Identify, RequestHead, ToolSelector};
+use super::select::{Identify, Identity, RequestHead, ToolSelector};
 use super::service::FairShare;
 use super::Admit;
 use crate::clock::Clock;
@@ -36,7 +36,7 @@ pub struct FairShareLayer {
 
 pub(crate) struct Shared {
     pub(crate) limiter: Arc<dyn Admit>,
-    pub(crate) identify: Arc<dyn Identify>,
+    pub(crate) identify: Identity,
     pub(crate) tool: ToolSelector,
     pub(crate) headers: bool,
     pub(crate) enforce: bool,
@@ -59,7 +59,7 @@ impl FairShareLayer {
         FairShareLayer {
             shared: Arc::new(Shared {
                 limiter: Arc::new(limiter),
-                identify: Arc::new(CallerFromExtensions),
+                identify: Identity::Extension,
                 tool: ToolSelector::Path(Arc::from("/tools/")),
                 headers: false,
                 enforce: true,
@@ -113,7 +113,7 @@ impl FairShareLayer {
     /// Identify callers with `identify` instead of the `Caller` extension.
     pub fn identify_with(self, identify: impl Identify) -> Self {
         let i: Arc<dyn Identify> = Arc::new(identify);
-        self.with(|s| s.identify = i)
+        self.with(|s| s.identify = Identity::With(i))
     }
 
     /// Send `RateLimit-Policy` / `RateLimit` on admitted responses too (refusals always have

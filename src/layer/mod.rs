@@ -49,6 +49,10 @@ pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// The limiter, with its store and clock types erased, as the layer uses it.
 pub(crate) trait Admit: Send + Sync + 'static {
+    /// Decides at once, without a future, when the store can (the memory store always can);
+    /// `None` sends the call down [`admit`](Admit::admit).
+    fn try_admit(&self, caller: &Caller, tool: &str, cost: Cost)
+        -> Option<Result<Ticket, Refusal>>;
     fn admit(
         &self,
         caller: Caller,
@@ -60,6 +64,15 @@ pub(crate) trait Admit: Send + Sync + 'static {
 }
 
 impl<S: Store, C: Clock> Admit for Limiter<S, C> {
+    fn try_admit(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+    ) -> Option<Result<Ticket, Refusal>> {
+        Limiter::try_admit(self, caller, tool, cost)
+    }
+
     fn admit(
         &self,
         caller: Caller,
@@ -101,36 +114,54 @@ fn finish_in_background(mut fut: BoxFuture<()>) {
     );
 }
 
-/// The concurrency permits an admitted call holds; returned when dropped.
+/// An admitted call's ticket; when the ticket holds concurrency permits, they are given back
+/// when this is dropped.
 pub(crate) struct Held {
-    ticket: Option<Ticket>,
-    limiter: Arc<dyn Admit>,
+    ticket: Ticket,
+    /// Set when the ticket holds permits.
+    permits: Option<Arc<dyn Admit>>,
 }
 
 impl Held {
-    /// Holds `ticket`'s permits, if it took any.
-    pub(crate) fn new(ticket: &Ticket, limiter: &Arc<dyn Admit>) -> Option<Held> {
+    #[inline]
+    pub(crate) fn new(ticket: Ticket, limiter: &Arc<dyn Admit>) -> Held {
         let holds = ticket
             .admission
             .as_ref()
             .is_some_and(|a| a.charge.holds_permits());
-        holds.then(|| Held {
-            ticket: Some(ticket.clone()),
-            limiter: limiter.clone(),
-        })
+        Held {
+            ticket,
+            permits: holds.then(|| limiter.clone()),
+        }
+    }
+
+    pub(crate) fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// Whether dropping this gives permits back: only then does it need to outlive the call.
+    pub(crate) fn holds_permits(&self) -> bool {
+        self.permits.is_some()
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.limiter.release(t);
+        if let Some(limiter) = self.permits.take() {
+            let ticket = Ticket {
+                admission: self.ticket.admission.take(),
+                shadow_refusal: None,
+                window_secs: self.ticket.window_secs,
+            };
+            limiter.release(ticket);
         }
     }
 }
 
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Held").finish_non_exhaustive()
+        f.debug_struct("Held")
+            .field("holds_permits", &self.holds_permits())
+            .finish_non_exhaustive()
     }
 }

@@ -1,10 +1,11 @@
 //! Refusals as HTTP and gRPC responses (SPEC §4).
 
+use std::fmt::{self, Write};
+
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
-use super::body::ResponseBody;
 use crate::admission::{Reason, Refusal, Scope};
 use crate::limiter::Ticket;
 
@@ -40,16 +41,88 @@ pub fn grpc_code(reason: Reason) -> u8 {
     }
 }
 
-fn number(n: f64) -> String {
-    if n.fract() == 0.0 && n.abs() < 9.0e15 {
-        itoa::Buffer::new().format(n as i64).to_owned()
-    } else {
-        format!("{n:.0}")
+/// Numbers 0..=999 as text, back to back: `Retry-After` and `grpc-status` values taken from
+/// here are static header values, with no allocation.
+static SMALL_NUMBERS: [u8; 2890] = small_numbers();
+
+const fn small_numbers() -> [u8; 2890] {
+    let mut out = [0u8; 2890];
+    let (mut n, mut i) = (0, 0);
+    while n < 1000 {
+        if n >= 100 {
+            out[i] = b'0' + (n / 100) as u8;
+            i += 1;
+        }
+        if n >= 10 {
+            out[i] = b'0' + (n / 10 % 10) as u8;
+            i += 1;
+        }
+        out[i] = b'0' + (n % 10) as u8;
+        i += 1;
+        n += 1;
+    }
+    out
+}
+
+/// `n` as a header value; static (no allocation) below 1000.
+fn integer(n: u64) -> HeaderValue {
+    let (start, len) = match n {
+        0..=9 => (n, 1),
+        10..=99 => (10 + (n - 10) * 2, 2),
+        100..=999 => (190 + (n - 100) * 3, 3),
+        _ => return HeaderValue::from(n),
+    };
+    match std::str::from_utf8(&SMALL_NUMBERS[start as usize..(start + len) as usize]) {
+        Ok(s) => HeaderValue::from_static(s),
+        Err(_) => HeaderValue::from(n),
     }
 }
 
-fn value(s: String) -> HeaderValue {
-    HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+/// A whole number as itself, anything else rounded (`{:.0}`).
+fn number(o: &mut impl Write, n: f64) -> fmt::Result {
+    if n.fract() == 0.0 && n.abs() < 9.0e15 {
+        o.write_str(itoa::Buffer::new().format(n as i64))
+    } else {
+        write!(o, "{n:.0}")
+    }
+}
+
+/// A header value rendered on the stack and copied once.
+fn value(render: impl FnOnce(&mut StackBuf<64>) -> fmt::Result) -> HeaderValue {
+    let mut buf = StackBuf::new();
+    match render(&mut buf) {
+        Ok(()) => HeaderValue::from_bytes(buf.as_bytes()),
+        Err(_) => HeaderValue::from_str("invalid"),
+    }
+    .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+/// `"{scope}";q={quota};w={window}`
+fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
+    value(|o| {
+        o.write_str(match scope {
+            Scope::Tool => "\"tool\";q=",
+            Scope::Tenant => "\"tenant\";q=",
+            Scope::Instance => "\"instance\";q=",
+        })?;
+        number(o, quota)?;
+        o.write_str(";w=")?;
+        o.write_str(itoa::Buffer::new().format(window_secs))
+    })
+}
+
+/// `"{scope}";r={remaining};t={reset}`
+fn remaining_value(scope: Scope, remaining: f64, reset_secs: u64) -> HeaderValue {
+    value(|o| {
+        o.write_str(match scope {
+            Scope::Tool => "\"tool\";r=",
+            Scope::Tenant => "\"tenant\";r=",
+            Scope::Instance => "\"instance\";r=",
+        })?;
+        number(o, remaining)?;
+        o.write_str(";t=")?;
+        o.write_str(itoa::Buffer::new().format(reset_secs))
+    })
 }
 
 /// `RateLimit-Policy` and `RateLimit` for a refusal of a rate or a budget.
@@ -60,76 +133,124 @@ fn refusal_rate_headers(r: &Refusal, headers: &mut HeaderMap) {
     let (Some(limit), Some(w)) = (r.limit, r.window_secs) else {
         return;
     };
-    let scope = r.scope.unwrap_or(Scope::Tool).as_str();
-    headers.insert(
-        RATELIMIT_POLICY,
-        value(format!("\"{scope}\";q={};w={w}", number(limit.floor()))),
-    );
-    headers.insert(
-        RATELIMIT,
-        value(format!("\"{scope}\";r=0;t={}", r.retry_after_secs())),
-    );
+    let scope = r.scope.unwrap_or(Scope::Tool);
+    headers.insert(RATELIMIT_POLICY, policy_value(scope, limit.floor(), w));
+    headers.insert(RATELIMIT, remaining_value(scope, 0.0, r.retry_after_secs()));
 }
 
 /// The refusal as a response: JSON and headers for HTTP, a trailers-only response for gRPC.
-pub(crate) fn response<B>(r: &Refusal, grpc: bool) -> Response<ResponseBody<B>> {
-    let json = r.to_json();
+#[cfg(feature = "axum")]
+pub(crate) fn response<B>(r: &Refusal, grpc: bool) -> Response<super::body::ResponseBody<B>> {
+    render(r, grpc).map(super::body::ResponseBody::refusal)
+}
+
+/// The refusal's status, headers and body (`None`: empty, for gRPC).
+pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     let retryable = r.retryable || matches!(r.reason, Reason::StoreUnavailable);
     if grpc {
-        let mut res = Response::new(ResponseBody::empty());
+        let mut res = Response::new(None);
         let h = res.headers_mut();
         h.insert(CONTENT_TYPE, APPLICATION_GRPC);
-        h.insert(GRPC_STATUS, HeaderValue::from(grpc_code(r.reason) as u16));
-        h.insert(GRPC_MESSAGE, value(percent_encode(&json)));
+        h.insert(GRPC_STATUS, integer(grpc_code(r.reason).into()));
+        h.insert(GRPC_MESSAGE, grpc_message(r));
         if retryable {
-            h.insert(RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+            h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
         }
         return res;
     }
-    let mut res = Response::new(ResponseBody::full(Bytes::from(json)));
+    let mut res = Response::new(Some(json_bytes(r)));
     *res.status_mut() = http_status(r.reason);
     let h = res.headers_mut();
     h.insert(CONTENT_TYPE, APPLICATION_JSON);
     if retryable {
-        h.insert(RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+        h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
     }
     refusal_rate_headers(r, h);
     res
 }
 
+/// The JSON body, rendered on the stack and copied once into an exactly sized buffer.
+fn json_bytes(r: &Refusal) -> Bytes {
+    let mut buf = StackBuf::<512>::new();
+    match r.write_json(&mut buf) {
+        Ok(()) => Bytes::copy_from_slice(buf.as_bytes()),
+        Err(_) => Bytes::from(r.to_json()),
+    }
+}
+
+/// A fixed-size text buffer on the stack; writing past its end fails instead of allocating.
+pub(crate) struct StackBuf<const N: usize> {
+    buf: [u8; N],
+    len: usize,
+}
+
+impl<const N: usize> StackBuf<N> {
+    pub(crate) fn new() -> Self {
+        StackBuf {
+            buf: [0; N],
+            len: 0,
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl<const N: usize> fmt::Write for StackBuf<N> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len + s.len();
+        let dst = self.buf.get_mut(self.len..end).ok_or(fmt::Error)?;
+        dst.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
 /// `RateLimit-Policy` and `RateLimit` on an admitted response.
 pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let Some(a) = &t.admission else { return };
-    let scope = t.scope().as_str();
-    headers.insert(
-        RATELIMIT_POLICY,
-        value(format!(
-            "\"{scope}\";q={};w={}",
-            number(a.quota.floor()),
-            t.window_secs
-        )),
-    );
+    let scope = t.scope();
     let reset = (a.reset_in / 1e6).ceil().max(0.0) as u64;
     headers.insert(
+        RATELIMIT_POLICY,
+        policy_value(scope, a.quota.floor(), t.window_secs),
+    );
+    headers.insert(
         RATELIMIT,
-        value(format!(
-            "\"{scope}\";r={};t={reset}",
-            number(a.remaining.max(0.0).floor())
-        )),
+        remaining_value(scope, a.remaining.max(0.0).floor(), reset),
     );
 }
 
+/// The JSON refusal in gRPC's percent-encoding (`grpc-message`).
+fn grpc_message(r: &Refusal) -> HeaderValue {
+    let mut json = StackBuf::<512>::new();
+    let mut out = StackBuf::<1024>::new();
+    let encoded = if r.write_json(&mut json).is_ok() {
+        percent_encode(&mut out, json.as_bytes()).map(|()| out.as_bytes().to_owned())
+    } else {
+        Err(fmt::Error)
+    };
+    let encoded = encoded.unwrap_or_else(|_| {
+        let mut out = String::new();
+        // Writing to a `String` cannot fail.
+        let _ = percent_encode(&mut out, r.to_json().as_bytes());
+        out.into_bytes()
+    });
+    HeaderValue::from_maybe_shared(Bytes::from(encoded))
+        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
 /// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`.
-fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
+fn percent_encode(o: &mut impl Write, s: &[u8]) -> fmt::Result {
+    for &b in s {
         if (0x20..=0x7e).contains(&b) && b != b'%' {
-            out.push(b as char);
+            o.write_char(char::from(b))?;
         } else {
-            out.push_str(&format!("%{b:02X}"));
+            write!(o, "%{b:02X}")?;
         }
     }
-    out
+    Ok(())
 }
 
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
@@ -137,4 +258,49 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_integers_match_http() {
+        for n in (0..1100).chain([9_999, u64::MAX]) {
+            assert_eq!(integer(n), HeaderValue::from(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn bodies_too_long_for_the_stack_are_rendered_whole() {
+        for len in [1, 400, 600, 5000] {
+            let mut r = Refusal::new(Reason::RateLimited, &"t\u{1}".repeat(len));
+            r.tenant = Some("x".repeat(len));
+            r.limit = Some(10.5);
+            r.window_secs = Some(60);
+            let json = json_bytes(&r);
+            assert_eq!(json, r.to_json().as_bytes());
+            let message = grpc_message(&r);
+            let mut expected = String::new();
+            percent_encode(&mut expected, r.to_json().as_bytes()).unwrap();
+            assert_eq!(message, expected.as_str());
+        }
+    }
+
+    #[test]
+    fn header_values_are_whole_numbers() {
+        assert_eq!(
+            policy_value(Scope::Tenant, 136.0, 60),
+            "\"tenant\";q=136;w=60"
+        );
+        assert_eq!(policy_value(Scope::Tool, 0.25, 1), "\"tool\";q=0;w=1");
+        assert_eq!(
+            policy_value(Scope::Tool, 1.5e16, 1),
+            "\"tool\";q=15000000000000000;w=1"
+        );
+        assert_eq!(
+            remaining_value(Scope::Instance, 0.0, 12),
+            "\"instance\";r=0;t=12"
+        );
+    }
 }

@@ -62,6 +62,15 @@ impl Identify for CallerFromExtensions {
     }
 }
 
+/// How the layer finds the caller.
+#[derive(Clone)]
+pub(crate) enum Identity {
+    /// The [`Caller`] extension, borrowed: no clone on the way to the limiter.
+    Extension,
+    /// An [`Identify`] of the app's.
+    With(Arc<dyn Identify>),
+}
+
 /// A function from a request to the tool it calls.
 pub(crate) type SelectFn = dyn Fn(&RequestHead<'_>) -> Option<Arc<str>> + Send + Sync;
 
@@ -89,17 +98,97 @@ impl std::fmt::Debug for ToolSelector {
     }
 }
 
-impl ToolSelector {
-    pub(crate) fn select(&self, req: &RequestHead<'_>) -> Option<Arc<str>> {
+/// The tool a request calls, borrowed from the request or the layer when it can be: a
+/// decision the store makes at once needs no owned copy.
+pub(crate) enum Tool<'a> {
+    Borrowed(&'a str),
+    Shared(&'a Arc<str>),
+    Owned(Arc<str>),
+}
+
+impl Tool<'_> {
+    pub(crate) fn as_str(&self) -> &str {
         match self {
-            ToolSelector::Fixed(t) => Some(t.clone()),
+            Tool::Borrowed(s) => s,
+            Tool::Shared(s) => s,
+            Tool::Owned(s) => s,
+        }
+    }
+
+    /// An owned name, for a decision that has to wait for the store.
+    pub(crate) fn into_arc(self) -> Arc<str> {
+        match self {
+            Tool::Borrowed(s) => Arc::from(s),
+            Tool::Shared(s) => s.clone(),
+            Tool::Owned(s) => s,
+        }
+    }
+}
+
+impl ToolSelector {
+    pub(crate) fn select<'a>(&'a self, req: &RequestHead<'a>) -> Option<Tool<'a>> {
+        match self {
+            ToolSelector::Fixed(t) => Some(Tool::Shared(t)),
             ToolSelector::Path(prefix) => {
                 let rest = req.uri.path().strip_prefix(&**prefix)?;
-                let name = rest.split('/').next().filter(|n| !n.is_empty())?;
-                Some(Arc::from(name))
+                // Tool names are short: a plain scan beats a searcher's setup.
+                let end = rest.bytes().position(|b| b == b'/').unwrap_or(rest.len());
+                let name = &rest[..end];
+                (!name.is_empty()).then_some(Tool::Borrowed(name))
             }
-            ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| t.0.clone()),
-            ToolSelector::With(f) => f(req),
+            ToolSelector::Extension => req.extensions.get::<ToolName>().map(|t| Tool::Shared(&t.0)),
+            ToolSelector::With(f) => f(req).map(Tool::Owned),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn selected(selector: &ToolSelector, req: &http::Request<()>) -> Option<String> {
+        let tool = selector.select(&RequestHead::of(req))?;
+        let name = tool.as_str().to_owned();
+        assert_eq!(&*tool.into_arc(), name);
+        Some(name)
+    }
+
+    #[test]
+    fn every_selector_finds_the_tool() {
+        let path = ToolSelector::Path(Arc::from("/tools/"));
+        let get = |uri: &str| http::Request::get(uri).body(()).unwrap();
+        assert_eq!(
+            selected(&path, &get("/tools/search")).as_deref(),
+            Some("search")
+        );
+        assert_eq!(
+            selected(&path, &get("/tools/search/v1?q=1")).as_deref(),
+            Some("search")
+        );
+        assert_eq!(selected(&path, &get("/tools/")), None);
+        assert_eq!(selected(&path, &get("/tools//x")), None);
+        assert_eq!(selected(&path, &get("/health")), None);
+
+        let fixed = ToolSelector::Fixed(Arc::from("llm"));
+        assert_eq!(selected(&fixed, &get("/anything")).as_deref(), Some("llm"));
+
+        let mut req = get("/x");
+        assert_eq!(selected(&ToolSelector::Extension, &req), None);
+        req.extensions_mut().insert(ToolName(Arc::from("ext")));
+        assert_eq!(
+            selected(&ToolSelector::Extension, &req).as_deref(),
+            Some("ext")
+        );
+
+        let with = ToolSelector::With(Arc::new(|r: &RequestHead<'_>| {
+            r.headers
+                .get("x-tool")
+                .and_then(|v| v.to_str().ok())
+                .map(Arc::from)
+        }));
+        assert_eq!(selected(&with, &req), None);
+        req.headers_mut()
+            .insert("x-tool", "header".parse().unwrap());
+        assert_eq!(selected(&with, &req).as_deref(), Some("header"));
     }
 }

@@ -13,10 +13,10 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::layer::Shared;
-use super::refusal::{admitted_headers, is_grpc, response};
-use super::select::RequestHead;
+use super::refusal::{admitted_headers, is_grpc, render};
+use super::select::{Identity, RequestHead};
 use super::{BoxFuture, Held};
-use crate::identity::Cost;
+use crate::identity::{Caller, Cost};
 use crate::limiter::Ticket;
 use crate::Refusal;
 
@@ -65,54 +65,69 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let shared = &*self.shared;
         let head = RequestHead::of(&req);
-        let Some(tool) = self.shared.tool.select(&head) else {
+        let Some(tool) = shared.tool.select(&head) else {
             return ResponseFuture {
                 state: State::Passthrough {
                     fut: self.inner.call(req),
                 },
             };
         };
-        let caller = self.shared.identify.identify(&head).unwrap_or_default();
-        let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
-        let grpc = is_grpc(req.headers());
-        let mut admission = self.shared.limiter.admit(caller, tool, cost);
-        // The service was driven ready; a clone takes its place for the next call.
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        // Stores that answer at once (the memory store) skip a round of polling.
-        let state = match admission
-            .as_mut()
-            .poll(&mut Context::from_waker(std::task::Waker::noop()))
-        {
-            Poll::Ready(outcome) => after_admission(outcome, ready, req, &self.shared, grpc),
-            Poll::Pending => State::Admitting {
-                admission,
-                inner: Some(ready),
-                req: Some(req),
-                shared: self.shared.clone(),
-                grpc,
-            },
+        let identified;
+        let caller = match &shared.identify {
+            Identity::Extension => req.extensions().get::<Caller>(),
+            Identity::With(identify) => {
+                identified = identify.identify(&head);
+                identified.as_ref()
+            }
         };
-        ResponseFuture { state }
+        let anonymous;
+        let caller = match caller {
+            Some(c) => c,
+            None => {
+                anonymous = Caller::default();
+                &anonymous
+            }
+        };
+        let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
+        let Some(outcome) = shared.limiter.try_admit(caller, tool.as_str(), cost) else {
+            // The store has to be waited for.
+            let admission = shared.limiter.admit(caller.clone(), tool.into_arc(), cost);
+            // The service was driven ready; a clone takes its place for the next call.
+            let clone = self.inner.clone();
+            return ResponseFuture {
+                state: State::Admitting {
+                    admission,
+                    inner: Some(std::mem::replace(&mut self.inner, clone)),
+                    req: Some(req),
+                    shared: self.shared.clone(),
+                },
+            };
+        };
+        // What was borrowed from the request ends here, before the request moves on.
+        drop(tool);
+        // The service was driven ready and the call goes on at once: no clone needed.
+        ResponseFuture {
+            state: after_admission(outcome, &mut self.inner, req, &self.shared),
+        }
     }
 }
 
+#[inline]
 fn after_admission<S, ReqB, ResB>(
     outcome: Result<Ticket, Refusal>,
-    mut inner: S,
+    inner: &mut S,
     req: Request<ReqB>,
     shared: &Arc<Shared>,
-    grpc: bool,
 ) -> State<S, ReqB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
     match outcome {
         Ok(ticket) => State::Calling {
-            held: Held::new(&ticket, &shared.limiter),
+            held: Some(Held::new(ticket, &shared.limiter)),
             fut: inner.call(req),
-            ticket: Some(ticket),
             shared: shared.clone(),
         },
         Err(refusal) if !shared.enforce => {
@@ -122,8 +137,7 @@ where
             }
         }
         Err(refusal) => State::Refused {
-            refusal: Some(Box::new(refusal)),
-            grpc,
+            res: Some(render(&refusal, is_grpc(req.headers()))),
         },
     }
 }
@@ -150,12 +164,11 @@ pin_project! {
             inner: Option<S>,
             req: Option<Request<ReqB>>,
             shared: Arc<Shared>,
-            grpc: bool,
         },
         Calling {
             #[pin]
             fut: S::Future,
-            ticket: Option<Ticket>,
+            // Dropped with the future (inner error, cancellation): permits come back.
             held: Option<Held>,
             shared: Arc<Shared>,
         },
@@ -164,8 +177,7 @@ pin_project! {
             fut: S::Future,
         },
         Refused {
-            refusal: Option<Box<Refusal>>,
-            grpc: bool,
+            res: Option<Response<Option<Bytes>>>,
         },
     }
 }
@@ -195,42 +207,202 @@ where
                     inner,
                     req,
                     shared,
-                    grpc,
                 } => {
                     let outcome = ready!(admission.as_mut().poll(cx));
-                    let (Some(inner), Some(req)) = (inner.take(), req.take()) else {
+                    let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
                         panic!("ResponseFuture polled after completion");
                     };
-                    after_admission(outcome, inner, req, shared, *grpc)
+                    after_admission(outcome, &mut inner, req, shared)
                 }
-                StateProj::Calling {
-                    fut,
-                    ticket,
-                    held,
-                    shared,
-                } => {
+                StateProj::Calling { fut, held, shared } => {
                     // An inner error drops `held` with the future: the permits come back.
                     let mut res = ready!(fut.poll(cx))?;
-                    let ticket = ticket.take().expect("polled after completion");
+                    let Some(h) = held.as_ref() else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    let ticket = h.ticket();
                     if let Some(actual) = res.extensions().get::<Cost>().copied() {
                         shared.limiter.settle(ticket.clone(), actual);
                     }
                     if shared.headers {
-                        admitted_headers(&ticket, res.headers_mut());
+                        admitted_headers(ticket, res.headers_mut());
                     }
-                    let held = held.take();
+                    // Only permits outlive the call, in the body; boxed, so the body stays small.
+                    // Otherwise the ticket is dropped in place (it is large: no move).
+                    let held = if h.holds_permits() {
+                        held.take().map(Box::new)
+                    } else {
+                        *held = None;
+                        None
+                    };
                     return Poll::Ready(Ok(res.map(|b| ResponseBody::inner(b, held))));
                 }
                 StateProj::Passthrough { fut } => {
                     let res = ready!(fut.poll(cx))?;
                     return Poll::Ready(Ok(res.map(|b| ResponseBody::inner(b, None))));
                 }
-                StateProj::Refused { refusal, grpc } => {
-                    let r = refusal.take().expect("polled after completion");
-                    return Poll::Ready(Ok(response(&r, *grpc)));
+                StateProj::Refused { res } => {
+                    let res = res.take().expect("polled after completion");
+                    return Poll::Ready(Ok(res.map(ResponseBody::refusal)));
                 }
             };
             self.as_mut().project().state.set(next);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The path for stores that cannot decide at once (Redis): the memory store always can, so
+    //! the integration tests never take it.
+
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Waker;
+
+    use http::StatusCode;
+    use http_body_util::{BodyExt, Full};
+    use tower::{service_fn, Layer, ServiceExt};
+
+    use super::*;
+    use crate::clock::{ManualClock, Timestamp};
+    use crate::layer::select::ToolSelector;
+    use crate::layer::{Admit, FairShareLayer};
+    use crate::{Limiter, MemoryStore, Policy, Store};
+
+    /// A limiter whose every decision waits one poll.
+    struct Waits(Limiter<MemoryStore, ManualClock>);
+
+    impl Admit for Waits {
+        fn try_admit(&self, _: &Caller, _: &str, _: Cost) -> Option<Result<Ticket, Refusal>> {
+            None
+        }
+        fn admit(
+            &self,
+            caller: Caller,
+            tool: Arc<str>,
+            cost: Cost,
+        ) -> BoxFuture<Result<Ticket, Refusal>> {
+            let limiter = self.0.clone();
+            Box::pin(async move {
+                let mut yielded = false;
+                std::future::poll_fn(|cx| {
+                    if yielded {
+                        return Poll::Ready(());
+                    }
+                    yielded = true;
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                })
+                .await;
+                limiter.admit(&caller, &tool, cost).await
+            })
+        }
+        fn release(&self, ticket: Ticket) {
+            Admit::release(&self.0, ticket)
+        }
+        fn settle(&self, ticket: Ticket, actual: Cost) {
+            Admit::settle(&self.0, ticket, actual)
+        }
+    }
+
+    const POLICY: &str = r#"
+        [[tool]]
+        name = "report"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 2
+        burst = 2
+        max_concurrency = 1
+    "#;
+
+    fn layer(limiter: &Limiter<MemoryStore, ManualClock>) -> FairShareLayer {
+        FairShareLayer {
+            shared: Arc::new(Shared {
+                limiter: Arc::new(Waits(limiter.clone())),
+                identify: Identity::Extension,
+                tool: ToolSelector::Path(Arc::from("/tools/")),
+                headers: true,
+                enforce: true,
+            }),
+        }
+    }
+
+    fn request(path: &str) -> Request<Full<Bytes>> {
+        let mut req = Request::get(path).body(Full::new(Bytes::new())).unwrap();
+        req.extensions_mut().insert(Caller::new("acme"));
+        req
+    }
+
+    #[tokio::test]
+    async fn a_store_that_waits_admits_refuses_and_gets_permits_back() {
+        let limiter = Limiter::with_store(
+            Policy::from_toml_str(POLICY).unwrap(),
+            MemoryStore::new(),
+            ManualClock::new(Timestamp(1_767_225_600_000_000)),
+        );
+        let keys = limiter.call_keys(&Caller::new("acme"), "report").unwrap();
+        let in_flight = || async {
+            let s = limiter.store().inspect(&keys).await.unwrap();
+            s[1].as_ref().map_or(0.0, |s| s.in_flight)
+        };
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let inner = service_fn(move |_req: Request<Full<Bytes>>| {
+            c.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))) }
+        });
+        let mut svc = layer(&limiter).layer(inner);
+
+        // Admitted after one pending poll; the permit lives in the body.
+        let mut fut = Box::pin(svc.ready().await.unwrap().call(request("/tools/report")));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "not called before admission"
+        );
+        let res = fut.await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.headers().contains_key(super::super::RATELIMIT_POLICY));
+        assert_eq!(in_flight().await, 1.0);
+
+        // Concurrency refusal through the waiting path: JSON, the inner service untouched.
+        let refused = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/report"))
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        let body = refused.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"], "concurrency_exceeded");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        // The body ends: the permit comes back.
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        assert_eq!(in_flight().await, 0.0);
+
+        // Dropped while the store is deciding: nothing charged, nothing held.
+        let mut fut = Box::pin(svc.ready().await.unwrap().call(request("/tools/report")));
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        drop(fut);
+        assert_eq!(in_flight().await, 0.0);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        // Unknown tool: refused on the waiting path as well.
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/nope"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::FORBIDDEN);
     }
 }
