@@ -75,7 +75,7 @@ pub struct Ticket {
     /// responses, and a pointer is cheaper to move than the record.
     pub admission: Option<Box<Admission>>,
     /// In shadow mode (`enforce = false`), the refusal that would have been returned.
-    pub shadow_refusal: Option<Refusal>,
+    pub shadow_refusal: Option<Box<Refusal>>,
     /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
     pub window_secs: u64,
 }
@@ -288,7 +288,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 } else {
                     Ok(Ticket {
                         admission: None,
-                        shadow_refusal: Some(*r),
+                        shadow_refusal: Some(r),
                         window_secs,
                     })
                 }
