@@ -96,6 +96,7 @@ use super::{Admission, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState};
 use crate::admission::{Plan, Reason, Refusal, Scope};
 use crate::clock::Timestamp;
+use crate::policy::numbers::{level_numbers, LevelNumbers};
 use crate::policy::{Budget, BudgetPeriod, LevelPolicy};
 
 const COMMON: &str = include_str!("common.lua");
@@ -116,8 +117,12 @@ struct Script {
 }
 
 impl Script {
+    /// A script with the shared helpers of `common.lua` in front.
     fn new(body: &str) -> Self {
-        let code = source(body);
+        Script::standalone(source(body))
+    }
+
+    fn standalone(code: String) -> Self {
         let hash = redis::Script::new(&code).get_hash().to_owned();
         Script { code, hash }
     }
@@ -134,7 +139,7 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Scripts {
-            admit: Script::new(include_str!("admit.lua")),
+            admit: Script::standalone(include_str!("admit.lua").to_owned()),
             adjust: Script::new(include_str!("adjust.lua")),
             release: Script::new(include_str!("release.lua")),
             sweep: Script::new(include_str!("sweep.lua")),
@@ -710,48 +715,58 @@ fn cap(c: Option<u32>) -> f64 {
     c.map_or(-1.0, f64::from)
 }
 
-fn push_level(v: &mut Vec<f64>, p: &LevelPolicy) {
-    v.extend_from_slice(&[
-        f64::from(u8::from(p.template)),
-        p.max_tracked as f64,
-        p.weight,
-        p.floor,
-        f64::from(u8::from(p.ceiling.is_some())),
-        p.ceiling.unwrap_or(0.0),
-        p.reserved_floor,
-        p.children_floor,
-        p.burst,
-        p.borrow_threshold,
-        cap(p.max_concurrency),
-        p.configured_child_weight,
-        p.default_child.as_ref().map_or(0.0, |d| d.weight),
-        p.configured_child_burst,
-        p.default_child.as_ref().map_or(0.0, |d| d.burst),
-        0.0,
-    ]);
-}
+/// Packs doubles, little-endian, straight into the argument bytes.
+struct Packer(Vec<u8>);
 
-fn push_budgets(v: &mut Vec<f64>, list: &[Budget]) {
-    v.push(list.len() as f64);
-    for b in list {
-        v.push(period_code(b.period));
-        v.push(b.max);
+impl Packer {
+    fn put(&mut self, values: &[f64]) {
+        for x in values {
+            self.0.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    fn level(&mut self, p: &LevelPolicy) {
+        self.put(&[
+            f64::from(u8::from(p.template)),
+            p.max_tracked as f64,
+            p.weight,
+            p.floor,
+            f64::from(u8::from(p.ceiling.is_some())),
+            p.ceiling.unwrap_or(0.0),
+            p.reserved_floor,
+            p.children_floor,
+            p.burst,
+            p.borrow_threshold,
+            cap(p.max_concurrency),
+            p.configured_child_weight,
+            p.default_child.as_ref().map_or(0.0, |d| d.weight),
+            p.configured_child_burst,
+            p.default_child.as_ref().map_or(0.0, |d| d.burst),
+        ]);
+    }
+
+    fn budgets(&mut self, list: &[Budget]) {
+        self.put(&[list.len() as f64]);
+        for b in list {
+            self.put(&[period_code(b.period), b.max]);
+        }
     }
 }
 
 fn pack(v: &[f64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 8);
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
+    let mut p = Packer(Vec::with_capacity(v.len() * 8));
+    p.put(v);
+    p.0
 }
 
 /// The plan, as the admission script reads it (see the top of `admit.lua`).
 fn encode_plan(plan: &Plan<'_>, now: f64, permit_ttl_ms: f64) -> Vec<u8> {
     let tool = plan.tool;
-    let mut v = Vec::with_capacity(64);
-    v.extend_from_slice(&[
+    let budgets = tool.budgets.len()
+        + plan.tenant.policy.budgets.len()
+        + plan.instance.map_or(0, |i| i.policy.budgets.len());
+    let mut p = Packer(Vec::with_capacity(8 * (13 + 2 * 15 + 3 + 2 * budgets)));
+    p.put(&[
         now,
         plan.cost,
         tool.period.as_micros() as f64,
@@ -766,16 +781,16 @@ fn encode_plan(plan: &Plan<'_>, now: f64, permit_ttl_ms: f64) -> Vec<u8> {
         permit_ttl_ms,
         f64::from(u8::from(plan.instance.is_some())),
     ]);
-    push_level(&mut v, plan.tenant.policy);
+    p.level(plan.tenant.policy);
     if let Some(i) = plan.instance {
-        push_level(&mut v, i.policy);
+        p.level(i.policy);
     }
-    push_budgets(&mut v, &plan.tool.budgets);
-    push_budgets(&mut v, &plan.tenant.policy.budgets);
+    p.budgets(&tool.budgets);
+    p.budgets(&plan.tenant.policy.budgets);
     if let Some(i) = plan.instance {
-        push_budgets(&mut v, &i.policy.budgets);
+        p.budgets(&i.policy.budgets);
     }
-    pack(&v)
+    p.0
 }
 
 fn unpack(bytes: &[u8]) -> Result<Vec<f64>, StoreError> {
@@ -886,46 +901,97 @@ fn parse_decision(
         return Ok((Decision::Refused(Box::new(refusal)), sure_wait));
     }
     let remaining = r.next()?;
-    let quota = r.next()?;
-    let reset_in = r.next()?;
     let slack = r.next()?;
-    let mut views = [LevelView::default(); 2];
-    for view in views.iter_mut() {
-        *view = LevelView {
-            weight: r.next()?,
-            floor: r.next()?,
-            share: r.next()?,
-            ceiling: r.next()?,
-        };
+    let n_tenants = r.next()?;
+    let n_instances = r.next()?;
+    let mut takes = [[0.0f64; 3]; 3];
+    for x in takes.iter_mut().flatten() {
+        *x = r.next()?;
     }
-    let window = r.next()?;
+    // Everything else follows from the policy, `now` and the tracked counts, exactly as the
+    // engine computes it (same functions, same f64 operations): the script need not send it.
+    let tool = plan.tool;
+    let period = tool.period.as_micros() as f64;
+    let window = (now / period).floor();
+    let next_window = (window + 1.0) * period;
+    let at = Timestamp(now as u64);
+    let t_pol = plan.tenant.policy;
+    let tn = level_numbers(
+        t_pol,
+        tool.spare(),
+        tool.configured_weight
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants,
+    );
+    let inn = plan.instance.map(|i| {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances;
+        level_numbers(i.policy, inner_spare, inner_weight)
+    });
+    // A bucket's depth as the engine's `bucket` sets it: none without a positive rate.
+    let depth = |rate: f64, depth: f64| if rate.max(0.0) > 0.0 { depth } else { 0.0 };
+    let charged = |list: &[Budget]| -> Vec<(BudgetPeriod, f64)> {
+        list.iter()
+            .map(|b| (b.period, b.period.window(at).0.as_micros() as f64))
+            .collect()
+    };
+    let level = |takes: [f64; 3], depths: [f64; 3], permit: bool, budgets: &[Budget]| {
+        LevelCharge {
+            present: true,
+            floor: takes[0],
+            floor_depth: depths[0],
+            share: takes[1],
+            share_depth: depths[1],
+            ceiling: takes[2],
+            ceiling_depth: depths[2],
+            permit,
+            budgets: charged(budgets),
+        }
+    };
     let mut charge = Charge {
         cost: plan.cost,
         window,
         levels: Default::default(),
     };
-    for level in charge.levels.iter_mut() {
-        if r.next()? != 1.0 {
-            continue;
-        }
-        let mut lc = LevelCharge {
-            present: true,
-            floor: r.next()?,
-            floor_depth: r.next()?,
-            share: r.next()?,
-            share_depth: r.next()?,
-            ceiling: r.next()?,
-            ceiling_depth: r.next()?,
-            permit: r.next()? == 1.0,
-            budgets: Vec::new(),
-        };
-        let nb = r.next()? as usize;
-        for _ in 0..nb {
-            let p = period_of(r.next()?).ok_or_else(|| bad("an unknown budget period"))?;
-            lc.budgets.push((p, r.next()?));
-        }
-        *level = lc;
+    charge.levels[0] = level(
+        takes[0],
+        [0.0, 0.0, depth(tool.spare(), tool.burst)],
+        tool.max_concurrency.is_some(),
+        &tool.budgets,
+    );
+    charge.levels[1] = level(
+        takes[1],
+        [
+            depth(tn.own_floor, tn.own_floor),
+            depth(tn.share_rate, t_pol.burst),
+            depth(tn.ceiling_rate, t_pol.burst),
+        ],
+        t_pol.max_concurrency.is_some(),
+        &t_pol.budgets,
+    );
+    let view = |n: &LevelNumbers| LevelView {
+        weight: n.weight,
+        floor: n.floor,
+        share: n.share,
+        ceiling: n.ceiling,
+    };
+    let mut views = [view(&tn), LevelView::default()];
+    let mut quota = tn.ceiling;
+    if let (Some(i), Some(inn)) = (plan.instance, inn) {
+        charge.levels[2] = level(
+            takes[2],
+            [
+                depth(inn.own_floor, inn.own_floor),
+                depth(inn.share_rate, i.policy.burst),
+                depth(inn.ceiling_rate, i.policy.burst),
+            ],
+            i.policy.max_concurrency.is_some(),
+            &i.policy.budgets,
+        );
+        views[1] = view(&inn);
+        quota = inn.ceiling;
     }
+    let reset_in = next_window - now;
     let admission = Admission {
         keys: keys.clone(),
         charge,
@@ -939,9 +1005,16 @@ fn parse_decision(
     Ok((Decision::Admitted(Box::new(admission)), 0.0))
 }
 
-fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
+/// The mark that opens a state of the current layout (see `admit.lua`).
+const STATE_MARK: f64 = -2.0;
+
+fn decode_state(bytes: &[u8]) -> Result<Option<NodeState>, StoreError> {
     let v = unpack(bytes)?;
     let mut r = Reader { v: &v, at: 0 };
+    if r.next()? != STATE_MARK {
+        // Another layout's state: the scripts read it as absent, and so do we.
+        return Ok(None);
+    }
     let mut s = NodeState {
         live: true,
         t: r.next()?,
@@ -955,8 +1028,9 @@ fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
         in_flight: r.next()?,
         budgets: Vec::new(),
     };
-    // expires, three rates, three depths, period, deadline.
-    for _ in 0..9 {
+    // expires, three rates, three depths, period, deadline, until, and its tracker's count,
+    // least score and expiry.
+    for _ in 0..13 {
         r.next()?;
     }
     let nb = r.next()? as usize;
@@ -968,7 +1042,7 @@ fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
             used: r.next()?,
         });
     }
-    Ok(s)
+    Ok(Some(s))
 }
 
 impl Store for RedisStore {
@@ -1084,7 +1158,7 @@ impl Store for RedisStore {
         let mut out: [Option<NodeState>; 3] = Default::default();
         for ((level, _), value) in present.iter().zip(values) {
             if let Some(bytes) = value {
-                out[*level] = Some(decode_state(&bytes)?);
+                out[*level] = decode_state(&bytes)?;
             }
         }
         Ok(out)
