@@ -4,22 +4,20 @@
 -- Numbers travel as little-endian IEEE doubles (struct 'd'), never as text: Lua numbers are
 -- doubles, so every value round-trips bit for bit between Rust, Lua and Redis.
 --
--- A level's state is one string key:
+-- A level's state is one string key of doubles (the layout is described at the top of
+-- admit.lua, which reads and writes it the same way):
 --   mark (-2: this layout; anything else reads as absent)
 --   t floor share ceiling window total non_floor floor_used in_flight   (the engine's NodeState)
---   expires rate_f rate_h rate_k depth_f depth_h depth_k period          (to recompute expiry)
---   deadline: when the state may go, in Redis's own clock (ms), held permits aside
---   track_until: tracked as a template child until then (us; 0: not)   (the key lives as long)
---   child_count child_low child_zexp: its tracker's size, a lower bound of every score in it
---     (0: unknown), when it expires (us)                               (see admit.lua)
---   nb, then nb x (period_code start used)                              (budget counters)
+--   track_until key_until child_count child_low child_zexp nb           (trackers, TTL, budgets)
+--   expires deadline rate_f rate_h rate_k depth_f depth_h depth_k period (to recompute expiry)
+--   nb x (period_code start used)                                       (budget counters)
 -- Budget period codes: 1 hour, 2 day, 3 month.
 
 local EPS = 1e-9
 local INF = math.huge
 local HOUR = 3600000000
 local DAY = 86400000000
-local HEADER = 24
+local HEADER = 25
 local HEADER_FORMAT = '<' .. string.rep('d', HEADER)
 local MARK = -2
 
@@ -116,7 +114,7 @@ local function fresh_state()
     live = false, t = 0, floor = 0, share = 0, ceiling = 0, window = 0, total = 0,
     non_floor = 0, floor_used = 0, in_flight = 0, expires = 0,
     rate_f = 0, rate_h = 0, rate_k = 0, depth_f = 0, depth_h = 0, depth_k = 0, period = 1,
-    deadline = 0, track_until = 0, child_count = 0, child_low = 0, child_zexp = 0,
+    deadline = 0, track_until = 0, child_count = 0, child_low = 0, child_zexp = 0, key_until = 0,
     budgets = {},
   }
 end
@@ -135,10 +133,10 @@ local function load_state(key)
   s.live = true
   s.t, s.floor, s.share, s.ceiling, s.window = v[2], v[3], v[4], v[5], v[6]
   s.total, s.non_floor, s.floor_used, s.in_flight = v[7], v[8], v[9], v[10]
-  s.expires, s.rate_f, s.rate_h, s.rate_k = v[11], v[12], v[13], v[14]
-  s.depth_f, s.depth_h, s.depth_k, s.period = v[15], v[16], v[17], v[18]
-  s.deadline, s.track_until, s.child_count, s.child_low, s.child_zexp = v[19], v[20], v[21], v[22], v[23]
-  local nb = v[24]
+  s.track_until, s.key_until, s.child_count, s.child_low, s.child_zexp = v[11], v[12], v[13], v[14], v[15]
+  s.expires, s.deadline, s.rate_f, s.rate_h, s.rate_k = v[17], v[18], v[19], v[20], v[21]
+  s.depth_f, s.depth_h, s.depth_k, s.period = v[22], v[23], v[24], v[25]
+  local nb = v[16]
   if nb > 0 then
     local b = { struct.unpack('<' .. string.rep('d', 3 * nb), raw, HEADER * 8 + 1) }
     for i = 0, nb - 1 do
@@ -151,8 +149,9 @@ end
 local function encode_state(s)
   local out = {
     MARK, s.t, s.floor, s.share, s.ceiling, s.window, s.total, s.non_floor, s.floor_used,
-    s.in_flight, s.expires, s.rate_f, s.rate_h, s.rate_k, s.depth_f, s.depth_h, s.depth_k,
-    s.period, s.deadline, s.track_until, s.child_count, s.child_low, s.child_zexp, #s.budgets,
+    s.in_flight, s.track_until, s.key_until, s.child_count, s.child_low, s.child_zexp,
+    #s.budgets, s.expires, s.deadline, s.rate_f, s.rate_h, s.rate_k, s.depth_f, s.depth_h,
+    s.depth_k, s.period,
   }
   for _, b in ipairs(s.budgets) do
     out[#out + 1] = b.period
@@ -202,5 +201,6 @@ local function save_state(key, s, now, permit_ttl)
   if s.in_flight > 0 and ttl < permit_ttl then
     ttl = permit_ttl
   end
+  s.key_until = now + ttl * 1000
   redis.call('SET', key, encode_state(s), 'PX', ttl)
 end

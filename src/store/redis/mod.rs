@@ -919,8 +919,7 @@ fn parse_decision(
     let tn = level_numbers(
         t_pol,
         tool.spare(),
-        tool.configured_weight
-            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants,
+        tool.configured_weight + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants,
     );
     let inn = plan.instance.map(|i| {
         let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
@@ -935,18 +934,16 @@ fn parse_decision(
             .map(|b| (b.period, b.period.window(at).0.as_micros() as f64))
             .collect()
     };
-    let level = |takes: [f64; 3], depths: [f64; 3], permit: bool, budgets: &[Budget]| {
-        LevelCharge {
-            present: true,
-            floor: takes[0],
-            floor_depth: depths[0],
-            share: takes[1],
-            share_depth: depths[1],
-            ceiling: takes[2],
-            ceiling_depth: depths[2],
-            permit,
-            budgets: charged(budgets),
-        }
+    let level = |takes: [f64; 3], depths: [f64; 3], permit: bool, budgets: &[Budget]| LevelCharge {
+        present: true,
+        floor: takes[0],
+        floor_depth: depths[0],
+        share: takes[1],
+        share_depth: depths[1],
+        ceiling: takes[2],
+        ceiling_depth: depths[2],
+        permit,
+        budgets: charged(budgets),
     };
     let mut charge = Charge {
         cost: plan.cost,
@@ -1028,12 +1025,15 @@ fn decode_state(bytes: &[u8]) -> Result<Option<NodeState>, StoreError> {
         in_flight: r.next()?,
         budgets: Vec::new(),
     };
-    // expires, three rates, three depths, period, deadline, until, and its tracker's count,
-    // least score and expiry.
-    for _ in 0..13 {
+    // until, key_until, and its tracker's count, least score and expiry.
+    for _ in 0..5 {
         r.next()?;
     }
     let nb = r.next()? as usize;
+    // expires, deadline, three rates, three depths, period.
+    for _ in 0..9 {
+        r.next()?;
+    }
     for _ in 0..nb {
         let period = period_of(r.next()?).ok_or_else(|| bad("an unknown budget period"))?;
         s.budgets.push(BudgetCounter {
