@@ -24,18 +24,36 @@
 //! | key | type | holds |
 //! |---|---|---|
 //! | `fs1{<tool>}T` | string | the tool: shared pool, window counters, budgets, in flight |
-//! | `fs1{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: until, µs) |
+//! | `fs1{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
 //! | `fs1{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
-//! | `fs1{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now |
+//! | `fs1{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now (same scoring) |
 //! | `fs1{<tool>}i<tenant><instance>` | string | an instance |
 //!
-//! A level's string is a handful of little-endian doubles (its `NodeState`, the bucket rates
-//! and depths it was charged with, and its budget counters); numbers travel between Rust and
-//! Lua as packed doubles too, so nothing is rounded through text. Every key carries a TTL:
-//! from the engine's expiry (the moment the state is equivalent to a fresh one) for states,
-//! one period for trackers, and at least [`permit_ttl`](RedisStoreBuilder::permit_ttl) while
-//! calls hold concurrency permits at a level, so a replica that dies holding permits cannot
-//! shrink a concurrency cap forever.
+//! A level's string is a handful of little-endian doubles (layout version mark, its
+//! `NodeState`, its tracked-until time as a template caller, the count and least score of its
+//! own tracker, the bucket rates and depths it was charged with, and its budget counters; the
+//! exact layout is described at the top of `admit.lua`). A string without the mark (an older
+//! layout) reads as absent. Numbers travel between Rust and Lua as packed doubles too, so
+//! nothing is rounded through text. Every key carries a TTL: for a state, until the engine's
+//! expiry (the moment the state is equivalent to a fresh one) and, for a template caller, its
+//! tracked-until time; for a tracker, until its latest member's time is over; and at least
+//! [`permit_ttl`](RedisStoreBuilder::permit_ttl) while calls hold concurrency permits at a
+//! level, so a replica that dies holding permits cannot shrink a concurrency cap forever.
+//! A TTL is only re-set when it must grow, and then up to 1/16 of a period ahead (setting a
+//! TTL on every call costs as much as a read), so a busy key may outlive its state by that
+//! much. With an injected clock, TTLs assume the virtual time runs at least as fast as real
+//! time (tests and simulations do).
+//!
+//! ## Template trackers
+//!
+//! A template caller counts as tracked until `now + period` after each admitted call, and a
+//! level's count excludes expired members (the engine's rule, which the memory store keeps
+//! exactly). Here the exact tracked-until time lives in the member's own state (read by the
+//! decision anyway); the zset holds a lower bound of it per member, and the parent's state
+//! holds the zset's size and least score. Only when `now` reaches that least score does a
+//! decision look at the members whose score has passed: re-scored to their exact time if it is
+//! later, removed if it is over. So a decision costs no tracker command unless a caller is new
+//! or a tracked time has passed (each member at most once per period), and the count is exact.
 //!
 //! ## What it means on Redis Cluster
 //!
@@ -66,13 +84,19 @@
 //! # Performance
 //!
 //! One decision is one round trip, but the script does a nested decision's work (three
-//! levels, trackers, budgets): measured by `tests/redis_bench.rs` on the 2-core VM (loaded by
-//! a parallel build), it costs ≈ 140 µs inside Redis against ≈ 9–16 µs for a one-key GCRA
-//! script in the same run, so one Redis core serves ≈ 5k decisions/s (GCRA: ≈ 45k/s at 64 in
-//! flight). Packed doubles are the cheapest encoding we found in Redis's Lua (`%.17g` text is
-//! ≈ 15× slower); each `SET … PX` costs ≈ 6 µs. The multiplexed connection is the default: a
-//! bb8 pool of 16 was no faster and, at 64 tasks in flight, left one task with a single call
-//! in 3 s (starved), while every multiplexed task progressed (worst latency ≈ 1.3× p99).
+//! levels, trackers, budgets). The script is written for Redis's Lua: one `MGET` for the
+//! states, a `SET … KEEPTTL` per level (the TTL only when it must grow), no tracker command
+//! on the common path, flat arrays instead of records, min/max written out, literal `struct`
+//! formats. A nested decision with template tenant and instance and a daily budget costs 6
+//! Redis commands (`EVALSHA`, `TIME`, `MGET`, three `SET`s; the previous script ran 18) and
+//! about 240k CPU instructions inside Redis (callgrind; the previous script: about 650k)
+//! against about 42k for a one-key GCRA script: the script's own work, not the round trip,
+//! bounds what one Redis core serves (measured ratios: `scripts/bench-compare`). Packed doubles are the cheapest encoding
+//! we found in Redis's Lua (`%.17g` text is ≈ 15× slower, `cmsgpack` no faster than
+//! `struct`); most of what remains is the fixed cost of `redis.call` (≈ 4–7k instructions
+//! each) and of `struct.pack`/`unpack` (≈ 350 per double). The multiplexed connection is the
+//! default: a bb8 pool of 16 was no faster and, at 64 tasks in flight, left one task with a
+//! single call in 3 s (starved), while every multiplexed task progressed.
 //!
 //! ```no_run
 //! use tower_fairshare::store::RedisStore;
