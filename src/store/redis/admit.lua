@@ -232,20 +232,19 @@ for i = 1, leaf do
     s[2] = now
     s[3], s[4], s[5] = lv[o + 11], lv[o + 12], lv[o + 13]
   else
-    local dt = now - s[2]
+    local t = s[2]
+    local dt = now - t
     if 0 > dt then dt = 0 end
     local x, d = s[3] + dt * lv[o + 8] / period, lv[o + 11]
     if d < x then x = d end
-    s[3] = x
-    x, d = s[4] + dt * lv[o + 9] / period, lv[o + 12]
-    if d < x then x = d end
-    s[4] = x
-    x, d = s[5] + dt * lv[o + 10] / period, lv[o + 13]
-    if d < x then x = d end
-    s[5] = x
-    if now > s[2] then
-      s[2] = now
+    local y, e = s[4] + dt * lv[o + 9] / period, lv[o + 12]
+    if e < y then y = e end
+    local z, f = s[5] + dt * lv[o + 10] / period, lv[o + 13]
+    if f < z then z = f end
+    if now > t then
+      t = now
     end
+    s[2], s[3], s[4], s[5] = t, x, y, z
   end
   if s[6] ~= window then
     s[6], s[7], s[8], s[9] = window, 0, 0, 0
@@ -370,17 +369,19 @@ local function draw(share_first)
     local s = st[idx]
     local o = 16 * (idx - 1)
     local of = lv[o + 1]
+    local share, ceiling = s[4], s[5]
     local done = false
     if of > 0 then
       local covered = 0
       if share_first and idx > 1 then
-        covered = s[4]
-        if s[5] < covered then covered = s[5] end
+        covered = share
+        if ceiling < covered then covered = ceiling end
         if rem < covered then covered = rem end
         if 0 > covered then covered = 0 end
       end
       local x = rem - covered
-      if s[3] < x then x = s[3] end
+      local floor = s[3]
+      if floor < x then x = floor end
       local y = of - s[9]
       if y < x then x = y end
       if 0 > x then x = 0 end
@@ -407,14 +408,14 @@ local function draw(share_first)
     else
       window_cap = lv[o + 3]
     end
-    local bucket_ok = s[5] + EPS >= need
+    local bucket_ok = ceiling + EPS >= need
     local window_ok = s[8] + rem <= window_cap + EPS
     if not (bucket_ok and window_ok) then
       return nil, idx, need, rem, window_ok, window_cap
     end
     tk[3 * idx] = rem
     if idx > 1 then
-      if s[4] + EPS >= rem then
+      if share + EPS >= rem then
         tk[3 * idx - 1] = rem
       else
         own_chain = false
@@ -464,7 +465,35 @@ if not tk then
       rem_lb = rem_lb - lv[16 * (j - 1) + 1]
     end
     if rem_lb > EPS then
-      sure_wait = wait_for(s[5], rem_lb, lv[o + 10], lv[o + 13])
+      -- A tenant's or instance's ceiling rate grows when other template callers stop
+      -- counting: bound the wait with the most it can become (the fewest callers counted).
+      local rate, depth = lv[o + 10], lv[o + 13]
+      if at_ > 1 then
+        local function ceiling_rate(p, spare_, total_weight)
+          local share = 0
+          if total_weight > 0 then share = spare_ * a[p + 2] / total_weight end
+          local ceiling = a[p + 3] + share
+          if a[p + 4] == 1 then ceiling = a[p + 5] end
+          local r = ceiling - a[p + 6]
+          if 0 > r then r = 0 end
+          return r, ceiling
+        end
+        local n_t, n_i = 0, 0
+        if t_template then n_t = 1 end
+        if i_template then n_i = 1 end
+        local r, t_ceiling_max = ceiling_rate(14, spare, a[7] + a[8] * n_t)
+        local burst = a[22]
+        if at_ == 3 then
+          local inner_spare = t_ceiling_max - a[21]
+          if 0 > inner_spare then inner_spare = 0 end
+          r = ceiling_rate(29, inner_spare, a[25] + a[26] * n_i)
+          burst = a[37]
+        end
+        if r > rate then
+          rate, depth = r, burst
+        end
+      end
+      sure_wait = wait_for(s[5], rem_lb, rate, depth)
       if at_ == 1 and s[8] + rem_lb > lv[3] + EPS then
         local w = next_window - now
         if w > sure_wait then sure_wait = w end
@@ -496,14 +525,11 @@ if i_template then s3[11] = track_until end
 local floor_units = 0
 for i = 1, leaf do
   local s = st[i]
-  local fl, h, k = tk[3 * i - 2], tk[3 * i - 1], tk[3 * i]
+  local o = 3 * i
+  local fl, h, k = tk[o - 2], tk[o - 1], tk[o]
   floor_units = floor_units + fl
-  s[3] = s[3] - fl
-  s[4] = s[4] - h
-  s[5] = s[5] - k
-  s[7] = s[7] + c
-  s[8] = s[8] + k
-  s[9] = s[9] + fl
+  s[3], s[4], s[5] = s[3] - fl, s[4] - h, s[5] - k
+  s[7], s[8], s[9] = s[7] + c, s[8] + k, s[9] + fl
   if lv[16 * (i - 1) + 5] >= 0 then
     s[10] = s[10] + 1
   end
@@ -566,21 +592,21 @@ for i = 1, leaf do
   local s, o = st[i], 16 * (i - 1)
   local rf, rh, rk, df, dh, dk = lv[o + 8], lv[o + 9], lv[o + 10], lv[o + 11], lv[o + 12], lv[o + 13]
   -- When the state is equivalent to a fresh one, from its own clock (engine::expiry).
-  local t = s[2]
+  local t, floor, share, ceiling, total = s[2], s[3], s[4], s[5], s[7]
   local at = t
-  if rf > 0 and s[3] < df then
-    local v = t + (df - s[3]) * period / rf
+  if rf > 0 and floor < df then
+    local v = t + (df - floor) * period / rf
     if v > at then at = v end
   end
-  if rh > 0 and s[4] < dh then
-    local v = t + (dh - s[4]) * period / rh
+  if rh > 0 and share < dh then
+    local v = t + (dh - share) * period / rh
     if v > at then at = v end
   end
-  if rk > 0 and s[5] < dk then
-    local v = t + (dk - s[5]) * period / rk
+  if rk > 0 and ceiling < dk then
+    local v = t + (dk - ceiling) * period / rk
     if v > at then at = v end
   end
-  if s[7] > 0 then
+  if total > 0 then
     local v = (s[6] + 1) * period
     if v > at then at = v end
   end
@@ -621,7 +647,7 @@ for i = 1, leaf do
   -- every call. A new key gets exactly what it needs.
   local raw = raws[i]
   if raw and s[12] >= keep then
-    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, t, floor, share, ceiling, s[6], total, s[8],
       s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], at, deadline, rf, rh, rk, df, dh,
       dk, period) .. tail, 'KEEPTTL')
   else
@@ -630,7 +656,7 @@ for i = 1, leaf do
       keep = mceil(keep / q) * q
       ttl = mceil((keep - now) / 1000)
     end
-    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, t, floor, share, ceiling, s[6], total, s[8],
       s[9], s[10], s[11], keep, s[13], s[14], s[15], s[16], at, deadline, rf, rh, rk, df, dh,
       dk, period) .. tail, 'PX', ttl)
   end
