@@ -559,3 +559,76 @@ fn noscript_reloads_and_release_never_goes_below_zero() {
         );
     });
 }
+
+/// Template tracking on Redis: a template tenant counts until `now + period` after each
+/// admitted call, and the count excludes expired members exactly, although the tracker's
+/// scores are only lower bounds (a re-admitted member's score is refreshed lazily, once the
+/// least score has passed). Virtual time, no sleeping.
+#[test]
+fn template_tracking_counts_exactly_with_lazily_refreshed_scores() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 1000, per = "1s" }
+        [tool.default_tenant]
+        max_tenants = 2
+        "#,
+    )
+    .unwrap();
+    let rt = current_thread();
+    let mut conn = server.conn();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .refusal_cache(false)
+            .connect()
+            .await
+            .unwrap();
+        let clock = ManualClock::new(EPOCH);
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let admit = |name: &'static str| {
+            let limiter = &limiter;
+            async move { limiter.admit(&Caller::new(name), "t", Cost(1.0)).await }
+        };
+        let at = |ms: u64| clock.set(EPOCH.saturating_add(Duration::from_millis(ms)));
+        admit("a").await.unwrap(); // a until 1.0 s
+        at(500);
+        admit("b").await.unwrap(); // b until 1.5 s
+        at(900);
+        admit("a").await.unwrap(); // a until 1.9 s; its score in the tracker is still 1.0 s
+        at(1200);
+        // a (until 1.9 s) and b (until 1.5 s) are both tracked: c is one too many.
+        let r = admit("c").await.unwrap_err();
+        assert_eq!(r.reason, Reason::CapExceeded);
+        assert_eq!(r.window.as_deref(), Some("callers"));
+        assert_eq!(r.used, Some(2.0));
+        at(1600);
+        // b is over, a is not: c takes b's place.
+        admit("c").await.unwrap();
+        at(1700);
+        assert_eq!(admit("d").await.unwrap_err().used, Some(2.0));
+        // a's score was refreshed from its state when 1.0 s passed; b is gone.
+        let tracker = tower_fairshare::key::tool_key("t") + "#";
+        let members: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(&tracker)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(&mut conn)
+            .unwrap();
+        let until = |ms: u64| EPOCH.saturating_add(Duration::from_millis(ms)).as_micros() as f64;
+        assert_eq!(
+            members,
+            vec![
+                (tower_fairshare::key::tenant_key("t", "a"), until(1900)),
+                (tower_fairshare::key::tenant_key("t", "c"), until(2600)),
+            ]
+        );
+        at(2000);
+        // a is over too: d is admitted.
+        admit("d").await.unwrap();
+    });
+}

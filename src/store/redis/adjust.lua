@@ -58,14 +58,14 @@ for _, key in ipairs(KEYS) do
     -- A bigger charge may keep the state meaningful for longer: never let the TTL fall short.
     local pttl = redis.call('PTTL', key)
     s.expires = expiry_of(s, now)
-    local ttl = ttl_ms(s.expires, now)
+    local ttl = ttl_ms(math.max(s.expires, s.track_until), now)
     if s.in_flight > 0 and ttl < permit_ttl then
       ttl = permit_ttl
     end
     if ttl > pttl then
       save_state(key, s, now, permit_ttl)
     else
-      s.deadline = math.max(s.deadline, redis_ms() + ttl_ms(s.expires, now))
+      s.deadline = math.max(s.deadline, redis_ms() + ttl_ms(math.max(s.expires, s.track_until), now))
       redis.call('SET', key, encode_state(s), 'KEEPTTL')
     end
   end

@@ -1,277 +1,364 @@
 -- tower-fairshare: one whole admission decision, atomically. Mirrors
 -- src/admission/engine.rs `decide` operation for operation, in the same f64 arithmetic.
 --
+-- Standalone (common.lua is not prepended) and written for speed: Redis runs it once per
+-- decision and its cost bounds a Redis core. So: one MGET for the states; flat arrays, no
+-- records; min/max written out (a call to math.min costs more than the comparison); the
+-- struct formats are literals; helpers for rare paths are only made when needed; the
+-- template trackers cost no command unless a caller is new or a tracked time is over; a
+-- key's TTL is only set when it must grow.
+--
 -- KEYS: 1 tool state, 2 tool's tracker of template tenants, 3 tenant state,
 --       4 tenant's tracker of template instances, 5 instance state (when there is one).
--- ARGV: 1 the plan, packed doubles (see `encode_plan` in mod.rs).
--- Returns {1, admission} or {0, refusal, window label}, numbers packed as doubles.
+-- ARGV: 1 the plan, packed doubles (see `encode_plan` in mod.rs):
+--   1 now (-1: Redis TIME), 2 cost, 3 period, 4 spare, 5 capacity, 6 tool burst,
+--   7 configured tenant weight, 8 template tenant weight, 9 configured tenant burst,
+--   10 template tenant burst, 11 tool max_concurrency (-1: none), 12 permit TTL (ms),
+--   13 has instance; then per level (tenant at 14, instance at 29), 15 numbers: template,
+--   max_tracked, weight, floor, has ceiling, ceiling, reserved floor, children's floor,
+--   burst, borrow threshold, max_concurrency (-1: none), configured child weight, template
+--   child weight, configured child burst, template child burst; then the budget lists of
+--   tool, tenant (and instance): n, n x (period code, max).
+-- Returns {1, admitted} or {0, refusal, window label}, numbers packed as doubles. Admitted:
+--   now, remaining, slack, tenants counted, instances counted, then floor/share/ceiling
+--   taken at tool, tenant, instance (the store derives the rest from the policy).
+--
+-- A level's state (one string; the same layout in common.lua), doubles:
+--   1 layout mark (-2; a state without it reads as absent), 2 t, 3 floor, 4 share,
+--   5 ceiling, 6 window, 7 total, 8 non_floor, 9 floor_used, 10 in_flight (the engine's
+--   NodeState), 11 until (tracked as a template child until then, us; 0: not), 12 until when
+--   the key's TTL surely keeps it (us; 0: unknown), 13 template children tracked (its
+--   tracker's size), 14 a lower bound of every score in its tracker (0: unknown), 15 when its
+--   tracker expires (us), 16 nb; then, only written here: 17 expires, 18 deadline (when the
+--   state may go, Redis clock, ms, permits aside), 19-21 bucket rates (floor, share,
+--   ceiling), 22-24 depths, 25 period; then nb x (period code, start, used).
+--
+-- Trackers (zsets, member: the child's state key) hold every template child tracked now,
+-- scored with a lower bound of its `until` (the exact value is in the child's state, whose
+-- TTL keeps it at least that long). The parent's state keeps their number and the least
+-- score; only once `now` reaches that score are the members whose score has passed looked
+-- at: re-scored if their `until` is later, removed if it is over. So the count excludes
+-- expired members exactly, as the engine's rule says, without a zset command per call.
 
-local nxt = argv_reader()
+local HOT = '<dddddddddddddddd'
+local FULL = '<ddddddddddddddddddddddddd'
+local DS = '<dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd'
+local MARK = -2
+local EPS = 1e-9
+local INF = math.huge
+local mfloor, mceil = math.floor, math.ceil
+local spack, sunpack, ssub = struct.pack, struct.unpack, string.sub
+local rcall = redis.call
 
-local now = now_from(nxt())
-local c = nxt()
-local period = nxt()
-local spare = nxt()
-local capacity = nxt()
-local tool_burst = nxt()
-local configured_weight = nxt()
-local default_tenant_weight = nxt()
-local configured_tenant_burst = nxt()
-local default_tenant_burst = nxt()
-local tool_cap = nxt()
-if tool_cap < 0 then
-  tool_cap = nil
-end
-local permit_ttl = nxt()
-local has_instance = nxt() == 1
+local pa = ARGV[1]
+local np = #pa / 8
+local fmt
+if np < 128 then fmt = ssub(DS, 1, np + 1) else fmt = '<' .. string.rep('d', np) end
+local a = { sunpack(fmt, pa) }
 
-local function read_level()
-  local p = {}
-  p.template = nxt() == 1
-  p.max_tracked = nxt()
-  p.weight = nxt()
-  p.floor = nxt()
-  local has_ceiling = nxt() == 1
-  local ceiling = nxt()
-  if has_ceiling then p.ceiling = ceiling end
-  p.reserved_floor = nxt()
-  p.children_floor = nxt()
-  p.burst = nxt()
-  p.borrow_threshold = nxt()
-  local cap = nxt()
-  if cap >= 0 then p.max_concurrency = cap end
-  p.configured_child_weight = nxt()
-  p.default_child_weight = nxt()
-  p.configured_child_burst = nxt()
-  p.default_child_burst = nxt()
-  nxt()
-  return p
-end
+local tm = rcall('TIME')
+local rnow = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
+local rms = mfloor(rnow / 1000)
+local now = a[1]
+if now < 0 then now = rnow end
+local c = a[2]
+local period = a[3]
+local spare = a[4]
+local has_instance = a[13] == 1
+local leaf = 2
+-- Where each level's budget list starts in `a` (its count; 0: no list).
+local b1, b2, b3 = 29, 0, 0
+if has_instance then leaf, b1 = 3, 44 end
+b2 = b1 + 1 + 2 * a[b1]
+if has_instance then b3 = b2 + 1 + 2 * a[b2] end
 
-local t_pol = read_level()
-local i_pol = nil
-if has_instance then
-  i_pol = read_level()
-end
-
-local function read_budgets()
-  local list = {}
-  local n = nxt()
-  for i = 1, n do
-    list[i] = { period = nxt(), max = nxt() }
-  end
-  return list
-end
-local budget_lists = { read_budgets(), read_budgets(), {} }
-if has_instance then
-  budget_lists[3] = read_budgets()
-end
-
-local window = math.floor(now / period)
+local window = mfloor(now / period)
 local next_window = (window + 1) * period
 
-local PERIOD_NAMES = { 'hour', 'day', 'month' }
-
-local function refuse(f)
-  local reset, has_reset = 0, 0
-  if f.reset_at then
-    reset, has_reset = f.reset_at, 1
+-- The states. s[17] is truthy for a state read from Redis, false for a fresh one.
+local raws
+if has_instance then
+  raws = rcall('MGET', KEYS[1], KEYS[3], KEYS[5])
+else
+  raws = rcall('MGET', KEYS[1], KEYS[3])
+end
+local st = {}
+local any_budget = a[b1] > 0 or a[b2] > 0 or (b3 > 0 and a[b3] > 0)
+for i = 1, leaf do
+  local raw = raws[i]
+  local s
+  if raw and #raw >= 200 then
+    s = { sunpack(HOT, raw) }
+    if s[1] ~= MARK then
+      s = nil
+    elseif s[16] > 0 then
+      any_budget = true
+    end
   end
-  return { 0, struct.pack('<dddddddd', now, f.reason, f.scope, f.wait, f.limit, f.used, has_reset,
-    reset) .. struct.pack('<dd', f.window_secs or -1, f.sure_wait or 0), f.window }
+  if not s then
+    s = { MARK, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, false }
+    raws[i] = false
+  end
+  st[i] = s
+end
+local s1, s2, s3 = st[1], st[2], st[3]
+
+local function refuse(reason, scope, wait, limit, used, reset_at, label, window_secs, sure_wait)
+  local has_reset = 1
+  if not reset_at then reset_at, has_reset = 0, 0 end
+  return { 0, spack('<dddddddddd', now, reason, scope, wait, limit, used, has_reset, reset_at,
+    window_secs or -1, sure_wait or 0), label }
 end
 
 -- 1. Tracked template callers: a flood of new identities stops here.
-local n_tenants = 0
-local tenant_tracked = false
-if t_pol.template then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  n_tenants = redis.call('ZCARD', KEYS[2])
-  tenant_tracked = redis.call('ZSCORE', KEYS[2], KEYS[3]) ~= false
+local t_template = a[14] == 1
+local i_template = has_instance and a[29] == 1
+if (t_template and now >= s1[14]) or (i_template and now >= s2[14]) then
+  -- Brings a parent's count of tracked template children up to date (see the top).
+  local function sync(zkey, ps)
+    local cands = rcall('ZRANGEBYSCORE', zkey, '-inf', now)
+    local n = #cands
+    local i = 1
+    while i <= n do
+      local j = i + 255
+      if n < j then j = n end
+      local vals = rcall('MGET', unpack(cands, i, j))
+      local live, dead = { 'ZADD', zkey, 'XX' }, { 'ZREM', zkey }
+      for x = i, j do
+        local v = vals[x - i + 1]
+        local u = 0
+        if v and #v >= 200 then
+          local mark, until_ = sunpack('<d', v), sunpack('<d', v, 81)
+          if mark == MARK then u = until_ end
+        end
+        if u > now then
+          live[#live + 1] = u
+          live[#live + 1] = cands[x]
+        else
+          dead[#dead + 1] = cands[x]
+        end
+      end
+      if #live > 3 then rcall(unpack(live)) end
+      if #dead > 2 then rcall(unpack(dead)) end
+      i = j + 1
+    end
+    local count = rcall('ZCARD', zkey)
+    local low = INF
+    if count > 0 then
+      low = tonumber(rcall('ZRANGE', zkey, 0, 0, 'WITHSCORES')[2])
+    end
+    ps[13], ps[14] = count, low
+  end
+  if t_template and now >= s1[14] then sync(KEYS[2], s1) end
+  if i_template and now >= s2[14] then sync(KEYS[4], s2) end
+end
+local n_tenants, n_instances = 0, 0
+local tenant_tracked, instance_tracked = false, false
+if t_template then
+  n_tenants = s1[13]
+  tenant_tracked = s2[17] and s2[11] > now
   if not tenant_tracked then
-    if n_tenants >= t_pol.max_tracked then
-      return refuse({ reason = 2, scope = 1, wait = period, window = 'callers',
-        limit = t_pol.max_tracked, used = n_tenants })
+    if n_tenants >= a[15] then
+      return refuse(2, 1, period, a[15], n_tenants, nil, 'callers')
     end
     n_tenants = n_tenants + 1
   end
 end
-local n_instances = 0
-if has_instance and i_pol.template then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  n_instances = redis.call('ZCARD', KEYS[4])
-  local tracked = redis.call('ZSCORE', KEYS[4], KEYS[5]) ~= false
-  if not tracked then
-    if n_instances >= i_pol.max_tracked then
-      return refuse({ reason = 2, scope = 2, wait = period, window = 'callers',
-        limit = i_pol.max_tracked, used = n_instances })
+if i_template then
+  n_instances = s2[13]
+  instance_tracked = s3[17] and s3[11] > now
+  if not instance_tracked then
+    if n_instances >= a[30] then
+      return refuse(2, 2, period, a[30], n_instances, nil, 'callers')
     end
     n_instances = n_instances + 1
   end
 end
 
--- 2. The numbers each level is owed right now (policy/numbers.rs `level_numbers`).
-local function level_numbers(p, spare_, total_weight)
+-- 2. The numbers each level is owed right now (policy/numbers.rs `level_numbers`) and its
+-- buckets (engine `bucket`), flat: level i at o = 16 * (i - 1): o+1 own floor, o+2 ceiling,
+-- o+3 ceiling rate, o+4 borrow threshold, o+5 max_concurrency (-1: none), o+6 share bank of
+-- its children, o+7 its budget list in `a`, o+8..o+10 rates (floor, share, ceiling),
+-- o+11..o+13 depths. The tool: floor and share buckets empty, the pool (spare, tool burst).
+local pool_rate = spare
+if 0 > pool_rate then pool_rate = 0 end
+local pool_depth = 0
+if pool_rate > 0 then pool_depth = a[6] end
+local lv = {
+  0, a[5], spare, 0.5, a[11], a[9] + a[10] * n_tenants, b1, 0, 0, pool_rate, 0, 0, pool_depth, 0, 0, 0,
+  0, 0, 0, a[23], a[24], a[27] + a[28] * n_instances, b2, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+  0, 0, 0, 0, -1, 0, b3, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+}
+-- Returns the level's ceiling (its children's spare depends on it).
+local function numbers(p, o, spare_, total_weight)
   local share = 0
   if total_weight > 0 then
-    share = spare_ * p.weight / total_weight
+    share = spare_ * a[p + 2] / total_weight
   end
-  local nominal = p.floor + share
-  local ceiling = p.ceiling or nominal
-  local reserved = p.reserved_floor
-  return {
-    weight = p.weight,
-    floor = p.floor,
-    own_floor = math.max(reserved - p.children_floor, 0),
-    share = share,
-    ceiling = ceiling,
-    share_rate = math.max(nominal - reserved, 0),
-    ceiling_rate = math.max(ceiling - reserved, 0),
-  }
+  local nominal = a[p + 3] + share
+  local ceiling = nominal
+  if a[p + 4] == 1 then ceiling = a[p + 5] end
+  local reserved = a[p + 6]
+  local of = reserved - a[p + 7]
+  if 0 > of then of = 0 end
+  local cr = ceiling - reserved
+  if 0 > cr then cr = 0 end
+  local burst = a[p + 8]
+  lv[o + 1], lv[o + 2], lv[o + 3] = of, ceiling, cr
+  local r = of
+  if 0 > r then r = 0 end
+  lv[o + 8] = r
+  if r > 0 then lv[o + 11] = of end
+  r = nominal - reserved
+  if 0 > r then r = 0 end
+  lv[o + 9] = r
+  if r > 0 then lv[o + 12] = burst end
+  lv[o + 10] = cr
+  if cr > 0 then lv[o + 13] = burst end
+  return ceiling
 end
-
-local function bucket(rate, depth)
-  rate = math.max(rate, 0)
-  if rate <= 0 then
-    depth = 0
-  end
-  return { rate = rate, depth = depth }
-end
-
-local tn = level_numbers(t_pol, spare, configured_weight + default_tenant_weight * n_tenants)
-local levels = {}
-levels[1] = {
-  scope = 0, key = KEYS[1], cap = tool_cap,
-  numbers = { weight = 0, floor = 0, own_floor = 0, share = spare, ceiling = capacity,
-    share_rate = 0, ceiling_rate = spare },
-  floor_b = bucket(0, 0), share_b = bucket(0, 0), ceil_b = bucket(spare, tool_burst),
-  state = load_state(KEYS[1]),
-}
-levels[2] = {
-  scope = 1, key = KEYS[3], cap = t_pol.max_concurrency, policy = t_pol, numbers = tn,
-  floor_b = bucket(tn.own_floor, tn.own_floor), share_b = bucket(tn.share_rate, t_pol.burst),
-  ceil_b = bucket(tn.ceiling_rate, t_pol.burst), state = load_state(KEYS[3]),
-}
+local t_ceiling = numbers(14, 16, spare, a[7] + a[8] * n_tenants)
 if has_instance then
-  local inner_spare = math.max(tn.ceiling - t_pol.children_floor, 0)
-  local inner_weight = t_pol.configured_child_weight + t_pol.default_child_weight * n_instances
-  local inn = level_numbers(i_pol, inner_spare, inner_weight)
-  levels[3] = {
-    scope = 2, key = KEYS[5], cap = i_pol.max_concurrency, policy = i_pol, numbers = inn,
-    floor_b = bucket(inn.own_floor, inn.own_floor), share_b = bucket(inn.share_rate, i_pol.burst),
-    ceil_b = bucket(inn.ceiling_rate, i_pol.burst), state = load_state(KEYS[5]),
-  }
+  lv[36], lv[37] = a[38], a[39]
+  local inner_spare = t_ceiling - a[21]
+  if 0 > inner_spare then inner_spare = 0 end
+  numbers(29, 32, inner_spare, a[25] + a[26] * n_instances)
 end
-local banks = {
-  configured_tenant_burst + default_tenant_burst * n_tenants,
-  t_pol.configured_child_burst + t_pol.default_child_burst * n_instances,
-  0,
-}
-for _, l in ipairs(levels) do
-  local s, f, h, k = l.state, l.floor_b, l.share_b, l.ceil_b
-  if not s.live then
-    s.live = true
-    s.t = now
-    s.floor = f.depth
-    s.share = h.depth
-    s.ceiling = k.depth
+
+for i = 1, leaf do
+  local s, o = st[i], 16 * (i - 1)
+  if not s[17] then
+    s[17] = true
+    s[2] = now
+    s[3], s[4], s[5] = lv[o + 11], lv[o + 12], lv[o + 13]
   else
-    local dt = math.max(now - s.t, 0)
-    s.floor = math.min(s.floor + dt * f.rate / period, f.depth)
-    s.share = math.min(s.share + dt * h.rate / period, h.depth)
-    s.ceiling = math.min(s.ceiling + dt * k.rate / period, k.depth)
-    if now > s.t then
-      s.t = now
+    local t = s[2]
+    local dt = now - t
+    if 0 > dt then dt = 0 end
+    local x, d = s[3] + dt * lv[o + 8] / period, lv[o + 11]
+    if d < x then x = d end
+    local y, e = s[4] + dt * lv[o + 9] / period, lv[o + 12]
+    if e < y then y = e end
+    local z, f = s[5] + dt * lv[o + 10] / period, lv[o + 13]
+    if f < z then z = f end
+    if now > t then
+      t = now
     end
+    s[2], s[3], s[4], s[5] = t, x, y, z
   end
-  if s.window ~= window then
-    s.window = window
-    s.total = 0
-    s.non_floor = 0
-    s.floor_used = 0
+  if s[6] ~= window then
+    s[6], s[7], s[8], s[9] = window, 0, 0, 0
   end
 end
 
 -- 3. Concurrency, before any rate is looked at.
-for _, l in ipairs(levels) do
-  if l.cap and l.state.in_flight + 1 > l.cap then
-    return refuse({ reason = 3, scope = l.scope, wait = 1000000, window = 'in_flight',
-      limit = l.cap, used = l.state.in_flight })
+for i = 1, leaf do
+  local cap = lv[16 * (i - 1) + 5]
+  if cap >= 0 and st[i][10] + 1 > cap then
+    return refuse(3, i - 1, 1000000, cap, st[i][10], nil, 'in_flight')
   end
 end
 
-local fails = {}
-
--- 4. Budgets: every matching calendar window must have room.
-for idx, l in ipairs(levels) do
-  for _, b in ipairs(budget_lists[idx]) do
-    local start, stop = budget_window(b.period, now)
-    local used = 0
-    for _, x in ipairs(l.state.budgets) do
-      if x.period == b.period and x.start == start then
-        used = x.used
-        break
+local budget_window = nil
+local counters = nil
+if any_budget then
+  local HOUR, DAY = 3600000000, 86400000000
+  -- Whole multiples of `len` at or below `t`, robust to the rounding of t / len.
+  local function align(t, len)
+    local s = mfloor(t / len) * len
+    if s > t then
+      s = s - len
+    elseif s + len <= t then
+      s = s + len
+    end
+    return s
+  end
+  local function days_from_civil(y, m)
+    if m <= 2 then y = y - 1 end
+    local era = mfloor(y / 400)
+    local yoe = y - era * 400
+    local mm
+    if m > 2 then mm = m - 3 else mm = m + 9 end
+    local doy = mfloor((153 * mm + 2) / 5)
+    local doe = yoe * 365 + mfloor(yoe / 4) - mfloor(yoe / 100) + doy
+    return era * 146097 + doe - 719468
+  end
+  -- The UTC calendar window [start, end) of budget period `code` that contains `t` (us);
+  -- H. Hinnant's civil calendar, as in src/clock.rs (all values are small whole numbers).
+  budget_window = function(code, t)
+    if code == 1 then
+      local s = align(t, HOUR)
+      return s, s + HOUR
+    elseif code == 2 then
+      local s = align(t, DAY)
+      return s, s + DAY
+    end
+    local z = align(t, DAY) / DAY + 719468
+    local era = mfloor(z / 146097)
+    local doe = z - era * 146097
+    local yoe = mfloor((doe - mfloor(doe / 1460) + mfloor(doe / 36524) - mfloor(doe / 146096)) / 365)
+    local y = yoe + era * 400
+    local doy = doe - (365 * yoe + mfloor(yoe / 4) - mfloor(yoe / 100))
+    local mp = mfloor((5 * doy + 2) / 153)
+    local m
+    if mp < 10 then m = mp + 3 else m = mp - 9 end
+    if m <= 2 then y = y + 1 end
+    local ny, nm = y, m + 1
+    if m == 12 then ny, nm = y + 1, 1 end
+    return days_from_civil(y, m) * DAY, days_from_civil(ny, nm) * DAY
+  end
+  -- Budget counters of the levels with budgets: flat (period, start, used) runs.
+  counters = {}
+  for i = 1, leaf do
+    local at = lv[16 * (i - 1) + 7]
+    if at > 0 and a[at] > 0 then
+      local nb = st[i][16]
+      if nb > 0 then
+        local bl = { sunpack(ssub(DS, 1, 3 * nb + 1), raws[i], 201) }
+        bl[3 * nb + 1] = nil
+        counters[i] = bl
+      else
+        counters[i] = {}
       end
     end
-    if used + c > b.max + EPS then
-      local wait
-      if c > b.max + EPS then wait = INF else wait = stop - now end
-      fails[#fails + 1] = { reason = 2, scope = l.scope, wait = wait,
-        window = PERIOD_NAMES[b.period], limit = b.max, used = used, reset_at = stop,
-        window_secs = math.floor((stop - start) / 1e6), sure_wait = wait }
+  end
+end
+
+local fails = nil
+
+-- 4. Budgets: every matching calendar window must have room.
+if counters then
+  local PERIOD_NAMES = { 'hour', 'day', 'month' }
+  for i = 1, leaf do
+    local bl = counters[i]
+    if bl then
+      local at = lv[16 * (i - 1) + 7]
+      for j = 0, a[at] - 1 do
+        local code, bmax = a[at + 1 + 2 * j], a[at + 2 + 2 * j]
+        local start, stop = budget_window(code, now)
+        local used = 0
+        for x = 1, #bl, 3 do
+          if bl[x] == code and bl[x + 1] == start then
+            used = bl[x + 2]
+            break
+          end
+        end
+        if used + c > bmax + EPS then
+          local wait
+          if c > bmax + EPS then wait = INF else wait = stop - now end
+          fails = fails or {}
+          fails[#fails + 1] = { 2, i - 1, wait, bmax, used, stop, PERIOD_NAMES[code],
+            mfloor((stop - start) / 1e6), wait }
+        end
+      end
     end
   end
 end
 
--- 5. The draw, from the caller up to the tool.
-local leaf = #levels
-
-local function wait_for(x, need, b)
-  if x + EPS >= need then
-    return 0
-  elseif need > b.depth + EPS or b.rate <= 0 then
-    return INF
-  end
-  return (need - x) * period / b.rate
-end
-
-local function fail(at, need, rem, window_ok, window_cap)
-  local l = levels[at]
-  local s = l.state
-  local wait = wait_for(s.ceiling, need, l.ceil_b)
-  if not window_ok then
-    local w
-    if rem > window_cap + EPS then w = INF else w = next_window - now end
-    wait = math.max(wait, w)
-  end
-  local lf = levels[leaf]
-  if lf.numbers.own_floor + EPS >= c then
-    local fw = wait_for(lf.state.floor, c, lf.floor_b)
-    if lf.state.floor_used + c > lf.numbers.own_floor + EPS then
-      fw = math.max(fw, next_window - now)
-    end
-    wait = math.min(wait, fw)
-  end
-  -- Not in the engine: a lower bound of the time any path could pass this level (the least
-  -- it must draw here, once every floor at and below it is full; no borrowing bar), for the
-  -- local refusal cache, which must never refuse a call Redis would admit.
-  local sure_wait = 0
-  local rem_lb = c
-  for j = at, leaf do
-    rem_lb = rem_lb - levels[j].numbers.own_floor
-  end
-  if rem_lb > EPS then
-    sure_wait = wait_for(s.ceiling, rem_lb, l.ceil_b)
-    if at == 1 and s.non_floor + rem_lb > l.numbers.ceiling_rate + EPS then
-      sure_wait = math.max(sure_wait, next_window - now)
-    end
-  end
-  return { reason = 1, scope = l.scope, wait = wait, window = '', limit = l.numbers.ceiling,
-    used = s.total, sure_wait = math.min(sure_wait, wait) }
-end
-
+-- 5. The draw, from the caller up to the tool. Takes per level: tk[3 * (idx - 1) + 1..3] =
+-- floor, share, ceiling; or nil and where and why it failed.
 local function draw(share_first)
-  local takes = { { 0, 0, 0 }, { 0, 0, 0 }, { 0, 0, 0 } }
+  local tk = { 0, 0, 0, 0, 0, 0, 0, 0, 0 }
   local rem = c
   local own_chain = true
   local child_threshold = 0.5
@@ -279,17 +366,26 @@ local function draw(share_first)
     if rem <= EPS then
       break
     end
-    local l = levels[idx]
-    local s = l.state
-    local own_floor = l.numbers.own_floor
+    local s = st[idx]
+    local o = 16 * (idx - 1)
+    local of = lv[o + 1]
+    local share, ceiling = s[4], s[5]
     local done = false
-    if own_floor > 0 then
+    if of > 0 then
       local covered = 0
       if share_first and idx > 1 then
-        covered = math.max(math.min(math.min(s.share, s.ceiling), rem), 0)
+        covered = share
+        if ceiling < covered then covered = ceiling end
+        if rem < covered then covered = rem end
+        if 0 > covered then covered = 0 end
       end
-      local x = math.max(math.min(math.min(rem - covered, s.floor), own_floor - s.floor_used), 0)
-      takes[idx][1] = x
+      local x = rem - covered
+      local floor = s[3]
+      if floor < x then x = floor end
+      local y = of - s[9]
+      if y < x then x = y end
+      if 0 > x then x = 0 end
+      tk[3 * idx - 2] = x
       rem = rem - x
       done = rem <= EPS
     end
@@ -298,159 +394,288 @@ local function draw(share_first)
     end
     local threshold = 0
     if idx < leaf and not own_chain then
-      local bk = banks[idx]
-      threshold = bk + child_threshold * math.max(l.ceil_b.depth - bk - rem, 0)
+      local bk = lv[o + 6]
+      local room = lv[o + 13] - bk - rem
+      if 0 > room then room = 0 end
+      threshold = bk + child_threshold * room
     end
     local need = rem + threshold
     local window_cap
     if idx > 1 then
       window_cap = INF
     elseif threshold > 0 then
-      window_cap = l.numbers.ceiling_rate - banks[idx]
+      window_cap = lv[o + 3] - lv[o + 6]
     else
-      window_cap = l.numbers.ceiling_rate
+      window_cap = lv[o + 3]
     end
-    local bucket_ok = s.ceiling + EPS >= need
-    local window_ok = s.non_floor + rem <= window_cap + EPS
+    local bucket_ok = ceiling + EPS >= need
+    local window_ok = s[8] + rem <= window_cap + EPS
     if not (bucket_ok and window_ok) then
-      return nil, fail(idx, need, rem, window_ok, window_cap)
+      return nil, idx, need, rem, window_ok, window_cap
     end
-    takes[idx][3] = rem
+    tk[3 * idx] = rem
     if idx > 1 then
-      if s.share + EPS >= rem then
-        takes[idx][2] = rem
+      if share + EPS >= rem then
+        tk[3 * idx - 1] = rem
       else
         own_chain = false
       end
-      child_threshold = l.policy.borrow_threshold
+      child_threshold = lv[o + 4]
     end
   end
-  return takes
+  return tk
 end
 
-local takes, f = draw(true)
-if not takes then
-  takes, f = draw(false)
-  if not takes then
-    fails[#fails + 1] = f
+local tk, at_, need_, rem_, window_ok_, window_cap_ = draw(true)
+if not tk then
+  tk, at_, need_, rem_, window_ok_, window_cap_ = draw(false)
+  if not tk then
+    -- Why the floor-first path failed, and when it could pass.
+    local function wait_for(x, need, rate, depth)
+      if x + EPS >= need then
+        return 0
+      elseif need > depth + EPS or rate <= 0 then
+        return INF
+      end
+      return (need - x) * period / rate
+    end
+    local s, o = st[at_], 16 * (at_ - 1)
+    local wait = wait_for(s[5], need_, lv[o + 10], lv[o + 13])
+    if not window_ok_ then
+      local w
+      if rem_ > window_cap_ + EPS then w = INF else w = next_window - now end
+      if w > wait then wait = w end
+    end
+    local lf, ol = st[leaf], 16 * (leaf - 1)
+    local lof = lv[ol + 1]
+    if lof + EPS >= c then
+      local fw = wait_for(lf[3], c, lv[ol + 8], lv[ol + 11])
+      if lf[9] + c > lof + EPS then
+        local w = next_window - now
+        if w > fw then fw = w end
+      end
+      if fw < wait then wait = fw end
+    end
+    -- Not in the engine: a lower bound of the time any path could pass this level (the
+    -- least it must draw here, once every floor at and below it is full; no borrowing bar),
+    -- for the local refusal cache, which must never refuse a call Redis would admit.
+    local sure_wait = 0
+    local rem_lb = c
+    for j = at_, leaf do
+      rem_lb = rem_lb - lv[16 * (j - 1) + 1]
+    end
+    if rem_lb > EPS then
+      -- A tenant's or instance's ceiling rate grows when other template callers stop
+      -- counting: bound the wait with the most it can become (the fewest callers counted).
+      local rate, depth = lv[o + 10], lv[o + 13]
+      if at_ > 1 then
+        local function ceiling_rate(p, spare_, total_weight)
+          local share = 0
+          if total_weight > 0 then share = spare_ * a[p + 2] / total_weight end
+          local ceiling = a[p + 3] + share
+          if a[p + 4] == 1 then ceiling = a[p + 5] end
+          local r = ceiling - a[p + 6]
+          if 0 > r then r = 0 end
+          return r, ceiling
+        end
+        local n_t, n_i = 0, 0
+        if t_template then n_t = 1 end
+        if i_template then n_i = 1 end
+        local r, t_ceiling_max = ceiling_rate(14, spare, a[7] + a[8] * n_t)
+        local burst = a[22]
+        if at_ == 3 then
+          local inner_spare = t_ceiling_max - a[21]
+          if 0 > inner_spare then inner_spare = 0 end
+          r = ceiling_rate(29, inner_spare, a[25] + a[26] * n_i)
+          burst = a[37]
+        end
+        if r > rate then
+          rate, depth = r, burst
+        end
+      end
+      sure_wait = wait_for(s[5], rem_lb, rate, depth)
+      if at_ == 1 and s[8] + rem_lb > lv[3] + EPS then
+        local w = next_window - now
+        if w > sure_wait then sure_wait = w end
+      end
+    end
+    if wait < sure_wait then sure_wait = wait end
+    fails = fails or {}
+    fails[#fails + 1] = { 1, at_ - 1, wait, lv[o + 2], s[7], nil, '', nil, sure_wait }
   end
 end
 
-if #fails > 0 then
+if fails then
   local worst = fails[1]
-  local sure_wait = fails[1].sure_wait
+  local sure_wait = worst[9]
   for i = 2, #fails do
-    if fails[i].wait > worst.wait then
+    if fails[i][3] > worst[3] then
       worst = fails[i]
     end
-    sure_wait = math.max(sure_wait, fails[i].sure_wait)
+    if fails[i][9] > sure_wait then sure_wait = fails[i][9] end
   end
-  worst.sure_wait = sure_wait
-  return refuse(worst)
+  return refuse(worst[1], worst[2], worst[3], worst[4], worst[5], worst[6], worst[7], worst[8],
+    sure_wait)
 end
 
 -- 6. Commit.
-local out = {}
-local charges = {}
+local track_until = mceil(now + period)
+if t_template then s2[11] = track_until end
+if i_template then s3[11] = track_until end
 local floor_units = 0
-for idx, l in ipairs(levels) do
-  local tk = takes[idx]
-  local fl, h, k = tk[1], tk[2], tk[3]
+for i = 1, leaf do
+  local s = st[i]
+  local o = 3 * i
+  local fl, h, k = tk[o - 2], tk[o - 1], tk[o]
   floor_units = floor_units + fl
-  local s = l.state
-  s.floor = s.floor - fl
-  s.share = s.share - h
-  s.ceiling = s.ceiling - k
-  s.total = s.total + c
-  s.non_floor = s.non_floor + k
-  s.floor_used = s.floor_used + fl
-  local permit = l.cap ~= nil
-  if permit then
-    s.in_flight = s.in_flight + 1
+  s[3], s[4], s[5] = s[3] - fl, s[4] - h, s[5] - k
+  s[7], s[8], s[9] = s[7] + c, s[8] + k, s[9] + fl
+  if lv[16 * (i - 1) + 5] >= 0 then
+    s[10] = s[10] + 1
   end
-  local charged = {}
-  for _, b in ipairs(budget_lists[idx]) do
-    local start = budget_window(b.period, now)
-    local found = nil
-    for _, x in ipairs(s.budgets) do
-      if x.period == b.period then
-        found = x
-        break
+  local bl = counters and counters[i]
+  if bl then
+    local at = lv[16 * (i - 1) + 7]
+    for j = 0, a[at] - 1 do
+      local code = a[at + 1 + 2 * j]
+      local start = budget_window(code, now)
+      local found = nil
+      for x = 1, #bl, 3 do
+        if bl[x] == code then
+          found = x
+          break
+        end
+      end
+      if found and bl[found + 1] == start then
+        bl[found + 2] = bl[found + 2] + c
+      elseif found then
+        bl[found + 1] = start
+        bl[found + 2] = c
+      else
+        bl[#bl + 1] = code
+        bl[#bl + 1] = start
+        bl[#bl + 1] = c
       end
     end
-    if found and found.start == start then
-      found.used = found.used + c
-    elseif found then
-      found.start = start
-      found.used = c
-    else
-      s.budgets[#s.budgets + 1] = { period = b.period, start = start, used = c }
-    end
-    charged[#charged + 1] = { b.period, start }
+    s[16] = #bl / 3
   end
-  local pm = 0
-  if permit then pm = 1 end
-  charges[idx] = { fl, l.floor_b.depth, h, l.share_b.depth, k, l.ceil_b.depth, pm, charged }
 end
-levels[1].state.floor_used = levels[1].state.floor_used + (floor_units - takes[1][1])
+s1[9] = s1[9] + (floor_units - tk[1])
 
-for _, l in ipairs(levels) do
-  local s = l.state
-  s.rate_f, s.rate_h, s.rate_k = l.floor_b.rate, l.share_b.rate, l.ceil_b.rate
-  s.depth_f, s.depth_h, s.depth_k = l.floor_b.depth, l.share_b.depth, l.ceil_b.depth
-  s.period = period
-  s.expires = expiry_of(s, now)
-  save_state(l.key, s, now, permit_ttl)
-end
-local track_until = math.ceil(now + period)
-local track_ttl = ttl_ms(track_until, now)
-if t_pol.template then
-  redis.call('ZADD', KEYS[2], track_until, KEYS[3])
-  redis.call('PEXPIRE', KEYS[2], track_ttl)
-end
-if has_instance and i_pol.template then
-  redis.call('ZADD', KEYS[4], track_until, KEYS[5])
-  redis.call('PEXPIRE', KEYS[4], track_ttl)
+-- Trackers: a new member joins; the zset lives as long as its latest member (set a little
+-- ahead, up to 1/16 of a period, so a busy tracker's TTL is not set on every call).
+if (t_template and (not tenant_tracked or track_until > s1[15]))
+    or (i_template and (not instance_tracked or track_until > s2[15])) then
+  local function track(zkey, ps, member, tracked)
+    if not tracked then
+      ps[13] = ps[13] + rcall('ZADD', zkey, track_until, member)
+      if track_until < ps[14] then ps[14] = track_until end
+    end
+    if not tracked or track_until > ps[15] then
+      local zexp = track_until
+      if ps[15] > now then
+        local q = period / 16
+        zexp = mceil(track_until / q) * q
+      end
+      local ms = mceil((zexp - now) / 1000)
+      if ms < 1 then ms = 1 end
+      rcall('PEXPIRE', zkey, ms)
+      ps[15] = zexp
+    end
+  end
+  if t_template then track(KEYS[2], s1, KEYS[3], tenant_tracked) end
+  if i_template then track(KEYS[4], s2, KEYS[5], instance_tracked) end
 end
 
-local lf = levels[leaf]
-local remaining = math.max(math.min(lf.numbers.own_floor - lf.state.floor_used, lf.state.floor), 0)
+local permit_ttl = a[12]
+for i = 1, leaf do
+  local s, o = st[i], 16 * (i - 1)
+  local rf, rh, rk, df, dh, dk = lv[o + 8], lv[o + 9], lv[o + 10], lv[o + 11], lv[o + 12], lv[o + 13]
+  -- When the state is equivalent to a fresh one, from its own clock (engine::expiry).
+  local t, floor, share, ceiling, total = s[2], s[3], s[4], s[5], s[7]
+  local at = t
+  if rf > 0 and floor < df then
+    local v = t + (df - floor) * period / rf
+    if v > at then at = v end
+  end
+  if rh > 0 and share < dh then
+    local v = t + (dh - share) * period / rh
+    if v > at then at = v end
+  end
+  if rk > 0 and ceiling < dk then
+    local v = t + (dk - ceiling) * period / rk
+    if v > at then at = v end
+  end
+  if total > 0 then
+    local v = (s[6] + 1) * period
+    if v > at then at = v end
+  end
+  local bl = counters and counters[i]
+  local tail = ''
+  if bl then
+    for x = 1, #bl, 3 do
+      if bl[x + 2] > 0 then
+        local _, e = budget_window(bl[x], bl[x + 1])
+        if e > at then at = e end
+      end
+    end
+    if #bl > 0 then tail = spack(ssub(DS, 1, #bl + 1), unpack(bl)) end
+  elseif s[16] > 0 then
+    -- Counters no budget of the plan names: carried over as they are.
+    for x = 0, s[16] - 1 do
+      local code, start, used = sunpack('<ddd', raws[i], 201 + 24 * x)
+      if used > 0 then
+        local _, e = budget_window(code, start)
+        if e > at then at = e end
+      end
+    end
+    tail = ssub(raws[i], 201)
+  end
+  if now > at then at = now end
+  -- The TTL: until the state is fresh and, for a tracked template child, its `until`.
+  local keep = at
+  if s[11] > keep then keep = s[11] end
+  local ttl = mceil((keep - now) / 1000)
+  if ttl < 1 then ttl = 1 end
+  local deadline = rms + ttl
+  if s[10] > 0 and ttl < permit_ttl then
+    ttl = permit_ttl
+    keep = now + permit_ttl * 1000
+  end
+  -- Setting a TTL costs: keep the key's own while it lasts long enough, and when it must
+  -- grow, set it a little ahead (up to 1/16 of a period) so a busy key is not re-timed on
+  -- every call. A new key gets exactly what it needs.
+  local raw = raws[i]
+  if raw and s[12] >= keep then
+    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, t, floor, share, ceiling, s[6], total, s[8],
+      s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], at, deadline, rf, rh, rk, df, dh,
+      dk, period) .. tail, 'KEEPTTL')
+  else
+    if raw then
+      local q = period / 16
+      keep = mceil(keep / q) * q
+      ttl = mceil((keep - now) / 1000)
+    end
+    rcall('SET', KEYS[2 * i - 1], spack(FULL, MARK, t, floor, share, ceiling, s[6], total, s[8],
+      s[9], s[10], s[11], keep, s[13], s[14], s[15], s[16], at, deadline, rf, rh, rk, df, dh,
+      dk, period) .. tail, 'PX', ttl)
+  end
+end
+
+local lf, ol = st[leaf], 16 * (leaf - 1)
+local remaining = lv[ol + 1] - lf[9]
+if lf[3] < remaining then remaining = lf[3] end
+if 0 > remaining then remaining = 0 end
 local non_floor_room = INF
-for _, l in ipairs(levels) do
-  local room = math.max(math.min(l.state.ceiling, l.numbers.ceiling_rate - l.state.non_floor), 0)
-  non_floor_room = math.min(non_floor_room, room)
+for i = 1, leaf do
+  local s = st[i]
+  local room = s[5]
+  local y = lv[16 * (i - 1) + 3] - s[8]
+  if y < room then room = y end
+  if 0 > room then room = 0 end
+  if room < non_floor_room then non_floor_room = room end
 end
 remaining = remaining + non_floor_room
 
-out[#out + 1] = now
-out[#out + 1] = remaining
-out[#out + 1] = lf.numbers.ceiling
-out[#out + 1] = next_window - now
-out[#out + 1] = levels[1].state.ceiling
-for idx = 2, 3 do
-  local l = levels[idx]
-  if l then
-    out[#out + 1] = l.numbers.weight
-    out[#out + 1] = l.numbers.floor
-    out[#out + 1] = l.numbers.share
-    out[#out + 1] = l.numbers.ceiling
-  else
-    for _ = 1, 4 do out[#out + 1] = 0 end
-  end
-end
-out[#out + 1] = window
-for idx = 1, 3 do
-  local ch = charges[idx]
-  if ch then
-    out[#out + 1] = 1
-    for j = 1, 7 do out[#out + 1] = ch[j] end
-    out[#out + 1] = #ch[8]
-    for _, b in ipairs(ch[8]) do
-      out[#out + 1] = b[1]
-      out[#out + 1] = b[2]
-    end
-  else
-    out[#out + 1] = 0
-  end
-end
-return { 1, struct.pack('<' .. string.rep('d', #out), unpack(out)) }
+return { 1, spack('<dddddddddddddd', now, remaining, s1[5], n_tenants, n_instances,
+  tk[1], tk[2], tk[3], tk[4], tk[5], tk[6], tk[7], tk[8], tk[9]) }

@@ -1,20 +1,25 @@
--- tower-fairshare: helpers shared by every script (prepended to each one).
+-- tower-fairshare: helpers shared by the adjust, release and sweep scripts (prepended to each;
+-- admit.lua is standalone, for speed, and reads and writes the same layout).
 --
 -- Numbers travel as little-endian IEEE doubles (struct 'd'), never as text: Lua numbers are
 -- doubles, so every value round-trips bit for bit between Rust, Lua and Redis.
 --
--- A level's state is one string key:
+-- A level's state is one string key of doubles (the layout is described at the top of
+-- admit.lua, which reads and writes it the same way):
+--   mark (-2: this layout; anything else reads as absent)
 --   t floor share ceiling window total non_floor floor_used in_flight   (the engine's NodeState)
---   expires rate_f rate_h rate_k depth_f depth_h depth_k period          (to recompute expiry)
---   deadline: when the state may go, in Redis's own clock (ms), held permits aside
---   nb, then nb x (period_code start used)                              (budget counters)
+--   track_until key_until child_count child_low child_zexp nb           (trackers, TTL, budgets)
+--   expires deadline rate_f rate_h rate_k depth_f depth_h depth_k period (to recompute expiry)
+--   nb x (period_code start used)                                       (budget counters)
 -- Budget period codes: 1 hour, 2 day, 3 month.
 
 local EPS = 1e-9
 local INF = math.huge
 local HOUR = 3600000000
 local DAY = 86400000000
-local HEADER = 19
+local HEADER = 25
+local HEADER_FORMAT = '<' .. string.rep('d', HEADER)
+local MARK = -2
 
 -- Redis's clock in µs, read once per script (every redis.call costs inside Redis).
 local redis_now_us = nil
@@ -109,25 +114,29 @@ local function fresh_state()
     live = false, t = 0, floor = 0, share = 0, ceiling = 0, window = 0, total = 0,
     non_floor = 0, floor_used = 0, in_flight = 0, expires = 0,
     rate_f = 0, rate_h = 0, rate_k = 0, depth_f = 0, depth_h = 0, depth_k = 0, period = 1,
-    deadline = 0,
+    deadline = 0, track_until = 0, child_count = 0, child_low = 0, child_zexp = 0, key_until = 0,
     budgets = {},
   }
 end
 
+-- A state written by another layout (no mark) reads as absent: it is never misread.
 local function load_state(key)
   local raw = redis.call('GET', key)
   local s = fresh_state()
-  if not raw then
+  if not raw or #raw < HEADER * 8 then
     return s
   end
-  local v = { struct.unpack('<' .. string.rep('d', HEADER), raw) }
+  local v = { struct.unpack(HEADER_FORMAT, raw) }
+  if v[1] ~= MARK then
+    return s
+  end
   s.live = true
-  s.t, s.floor, s.share, s.ceiling, s.window = v[1], v[2], v[3], v[4], v[5]
-  s.total, s.non_floor, s.floor_used, s.in_flight = v[6], v[7], v[8], v[9]
-  s.expires, s.rate_f, s.rate_h, s.rate_k = v[10], v[11], v[12], v[13]
-  s.depth_f, s.depth_h, s.depth_k, s.period = v[14], v[15], v[16], v[17]
-  s.deadline = v[18]
-  local nb = v[19]
+  s.t, s.floor, s.share, s.ceiling, s.window = v[2], v[3], v[4], v[5], v[6]
+  s.total, s.non_floor, s.floor_used, s.in_flight = v[7], v[8], v[9], v[10]
+  s.track_until, s.key_until, s.child_count, s.child_low, s.child_zexp = v[11], v[12], v[13], v[14], v[15]
+  s.expires, s.deadline, s.rate_f, s.rate_h, s.rate_k = v[17], v[18], v[19], v[20], v[21]
+  s.depth_f, s.depth_h, s.depth_k, s.period = v[22], v[23], v[24], v[25]
+  local nb = v[16]
   if nb > 0 then
     local b = { struct.unpack('<' .. string.rep('d', 3 * nb), raw, HEADER * 8 + 1) }
     for i = 0, nb - 1 do
@@ -139,9 +148,10 @@ end
 
 local function encode_state(s)
   local out = {
-    s.t, s.floor, s.share, s.ceiling, s.window, s.total, s.non_floor, s.floor_used,
-    s.in_flight, s.expires, s.rate_f, s.rate_h, s.rate_k, s.depth_f, s.depth_h, s.depth_k,
-    s.period, s.deadline, #s.budgets,
+    MARK, s.t, s.floor, s.share, s.ceiling, s.window, s.total, s.non_floor, s.floor_used,
+    s.in_flight, s.track_until, s.key_until, s.child_count, s.child_low, s.child_zexp,
+    #s.budgets, s.expires, s.deadline, s.rate_f, s.rate_h, s.rate_k, s.depth_f, s.depth_h,
+    s.depth_k, s.period,
   }
   for _, b in ipairs(s.budgets) do
     out[#out + 1] = b.period
@@ -186,10 +196,11 @@ end
 -- least `permit_ttl` ms while it holds permits. Remembers the permit-free deadline in Redis's
 -- clock, so the last release can bring the TTL back to it.
 local function save_state(key, s, now, permit_ttl)
-  local ttl = ttl_ms(s.expires, now)
+  local ttl = ttl_ms(math.max(s.expires, s.track_until), now)
   s.deadline = redis_ms() + ttl
   if s.in_flight > 0 and ttl < permit_ttl then
     ttl = permit_ttl
   end
+  s.key_until = now + ttl * 1000
   redis.call('SET', key, encode_state(s), 'PX', ttl)
 end

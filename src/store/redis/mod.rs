@@ -24,18 +24,36 @@
 //! | key | type | holds |
 //! |---|---|---|
 //! | `fs1{<tool>}T` | string | the tool: shared pool, window counters, budgets, in flight |
-//! | `fs1{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: until, µs) |
+//! | `fs1{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
 //! | `fs1{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
-//! | `fs1{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now |
+//! | `fs1{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now (same scoring) |
 //! | `fs1{<tool>}i<tenant><instance>` | string | an instance |
 //!
-//! A level's string is a handful of little-endian doubles (its `NodeState`, the bucket rates
-//! and depths it was charged with, and its budget counters); numbers travel between Rust and
-//! Lua as packed doubles too, so nothing is rounded through text. Every key carries a TTL:
-//! from the engine's expiry (the moment the state is equivalent to a fresh one) for states,
-//! one period for trackers, and at least [`permit_ttl`](RedisStoreBuilder::permit_ttl) while
-//! calls hold concurrency permits at a level, so a replica that dies holding permits cannot
-//! shrink a concurrency cap forever.
+//! A level's string is a handful of little-endian doubles (layout version mark, its
+//! `NodeState`, its tracked-until time as a template caller, the count and least score of its
+//! own tracker, the bucket rates and depths it was charged with, and its budget counters; the
+//! exact layout is described at the top of `admit.lua`). A string without the mark (an older
+//! layout) reads as absent. Numbers travel between Rust and Lua as packed doubles too, so
+//! nothing is rounded through text. Every key carries a TTL: for a state, until the engine's
+//! expiry (the moment the state is equivalent to a fresh one) and, for a template caller, its
+//! tracked-until time; for a tracker, until its latest member's time is over; and at least
+//! [`permit_ttl`](RedisStoreBuilder::permit_ttl) while calls hold concurrency permits at a
+//! level, so a replica that dies holding permits cannot shrink a concurrency cap forever.
+//! A TTL is only re-set when it must grow, and then up to 1/16 of a period ahead (setting a
+//! TTL on every call costs as much as a read), so a busy key may outlive its state by that
+//! much. With an injected clock, TTLs assume the virtual time runs at least as fast as real
+//! time (tests and simulations do).
+//!
+//! ## Template trackers
+//!
+//! A template caller counts as tracked until `now + period` after each admitted call, and a
+//! level's count excludes expired members (the engine's rule, which the memory store keeps
+//! exactly). Here the exact tracked-until time lives in the member's own state (read by the
+//! decision anyway); the zset holds a lower bound of it per member, and the parent's state
+//! holds the zset's size and least score. Only when `now` reaches that least score does a
+//! decision look at the members whose score has passed: re-scored to their exact time if it is
+//! later, removed if it is over. So a decision costs no tracker command unless a caller is new
+//! or a tracked time has passed (each member at most once per period), and the count is exact.
 //!
 //! ## What it means on Redis Cluster
 //!
@@ -66,13 +84,19 @@
 //! # Performance
 //!
 //! One decision is one round trip, but the script does a nested decision's work (three
-//! levels, trackers, budgets): measured by `tests/redis_bench.rs` on the 2-core VM (loaded by
-//! a parallel build), it costs ≈ 140 µs inside Redis against ≈ 9–16 µs for a one-key GCRA
-//! script in the same run, so one Redis core serves ≈ 5k decisions/s (GCRA: ≈ 45k/s at 64 in
-//! flight). Packed doubles are the cheapest encoding we found in Redis's Lua (`%.17g` text is
-//! ≈ 15× slower); each `SET … PX` costs ≈ 6 µs. The multiplexed connection is the default: a
-//! bb8 pool of 16 was no faster and, at 64 tasks in flight, left one task with a single call
-//! in 3 s (starved), while every multiplexed task progressed (worst latency ≈ 1.3× p99).
+//! levels, trackers, budgets). The script is written for Redis's Lua: one `MGET` for the
+//! states, a `SET … KEEPTTL` per level (the TTL only when it must grow), no tracker command
+//! on the common path, flat arrays instead of records, min/max written out, literal `struct`
+//! formats. A nested decision with template tenant and instance and a daily budget costs 6
+//! Redis commands (`EVALSHA`, `TIME`, `MGET`, three `SET`s; the previous script ran 18) and
+//! about 240k CPU instructions inside Redis (callgrind; the previous script: about 650k)
+//! against about 42k for a one-key GCRA script: the script's own work, not the round trip,
+//! bounds what one Redis core serves (measured ratios: `scripts/bench-compare`). Packed doubles are the cheapest encoding
+//! we found in Redis's Lua (`%.17g` text is ≈ 15× slower, `cmsgpack` no faster than
+//! `struct`); most of what remains is the fixed cost of `redis.call` (≈ 4–7k instructions
+//! each) and of `struct.pack`/`unpack` (≈ 350 per double). The multiplexed connection is the
+//! default: a bb8 pool of 16 was no faster and, at 64 tasks in flight, left one task with a
+//! single call in 3 s (starved), while every multiplexed task progressed.
 //!
 //! ```no_run
 //! use tower_fairshare::store::RedisStore;
@@ -96,6 +120,7 @@ use super::{Admission, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState};
 use crate::admission::{Plan, Reason, Refusal, Scope};
 use crate::clock::Timestamp;
+use crate::policy::numbers::{level_numbers, LevelNumbers};
 use crate::policy::{Budget, BudgetPeriod, LevelPolicy};
 
 const COMMON: &str = include_str!("common.lua");
@@ -116,8 +141,12 @@ struct Script {
 }
 
 impl Script {
+    /// A script with the shared helpers of `common.lua` in front.
     fn new(body: &str) -> Self {
-        let code = source(body);
+        Script::standalone(source(body))
+    }
+
+    fn standalone(code: String) -> Self {
         let hash = redis::Script::new(&code).get_hash().to_owned();
         Script { code, hash }
     }
@@ -134,7 +163,7 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Scripts {
-            admit: Script::new(include_str!("admit.lua")),
+            admit: Script::standalone(include_str!("admit.lua").to_owned()),
             adjust: Script::new(include_str!("adjust.lua")),
             release: Script::new(include_str!("release.lua")),
             sweep: Script::new(include_str!("sweep.lua")),
@@ -710,48 +739,58 @@ fn cap(c: Option<u32>) -> f64 {
     c.map_or(-1.0, f64::from)
 }
 
-fn push_level(v: &mut Vec<f64>, p: &LevelPolicy) {
-    v.extend_from_slice(&[
-        f64::from(u8::from(p.template)),
-        p.max_tracked as f64,
-        p.weight,
-        p.floor,
-        f64::from(u8::from(p.ceiling.is_some())),
-        p.ceiling.unwrap_or(0.0),
-        p.reserved_floor,
-        p.children_floor,
-        p.burst,
-        p.borrow_threshold,
-        cap(p.max_concurrency),
-        p.configured_child_weight,
-        p.default_child.as_ref().map_or(0.0, |d| d.weight),
-        p.configured_child_burst,
-        p.default_child.as_ref().map_or(0.0, |d| d.burst),
-        0.0,
-    ]);
-}
+/// Packs doubles, little-endian, straight into the argument bytes.
+struct Packer(Vec<u8>);
 
-fn push_budgets(v: &mut Vec<f64>, list: &[Budget]) {
-    v.push(list.len() as f64);
-    for b in list {
-        v.push(period_code(b.period));
-        v.push(b.max);
+impl Packer {
+    fn put(&mut self, values: &[f64]) {
+        for x in values {
+            self.0.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    fn level(&mut self, p: &LevelPolicy) {
+        self.put(&[
+            f64::from(u8::from(p.template)),
+            p.max_tracked as f64,
+            p.weight,
+            p.floor,
+            f64::from(u8::from(p.ceiling.is_some())),
+            p.ceiling.unwrap_or(0.0),
+            p.reserved_floor,
+            p.children_floor,
+            p.burst,
+            p.borrow_threshold,
+            cap(p.max_concurrency),
+            p.configured_child_weight,
+            p.default_child.as_ref().map_or(0.0, |d| d.weight),
+            p.configured_child_burst,
+            p.default_child.as_ref().map_or(0.0, |d| d.burst),
+        ]);
+    }
+
+    fn budgets(&mut self, list: &[Budget]) {
+        self.put(&[list.len() as f64]);
+        for b in list {
+            self.put(&[period_code(b.period), b.max]);
+        }
     }
 }
 
 fn pack(v: &[f64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 8);
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
+    let mut p = Packer(Vec::with_capacity(v.len() * 8));
+    p.put(v);
+    p.0
 }
 
 /// The plan, as the admission script reads it (see the top of `admit.lua`).
 fn encode_plan(plan: &Plan<'_>, now: f64, permit_ttl_ms: f64) -> Vec<u8> {
     let tool = plan.tool;
-    let mut v = Vec::with_capacity(64);
-    v.extend_from_slice(&[
+    let budgets = tool.budgets.len()
+        + plan.tenant.policy.budgets.len()
+        + plan.instance.map_or(0, |i| i.policy.budgets.len());
+    let mut p = Packer(Vec::with_capacity(8 * (13 + 2 * 15 + 3 + 2 * budgets)));
+    p.put(&[
         now,
         plan.cost,
         tool.period.as_micros() as f64,
@@ -766,16 +805,16 @@ fn encode_plan(plan: &Plan<'_>, now: f64, permit_ttl_ms: f64) -> Vec<u8> {
         permit_ttl_ms,
         f64::from(u8::from(plan.instance.is_some())),
     ]);
-    push_level(&mut v, plan.tenant.policy);
+    p.level(plan.tenant.policy);
     if let Some(i) = plan.instance {
-        push_level(&mut v, i.policy);
+        p.level(i.policy);
     }
-    push_budgets(&mut v, &plan.tool.budgets);
-    push_budgets(&mut v, &plan.tenant.policy.budgets);
+    p.budgets(&tool.budgets);
+    p.budgets(&plan.tenant.policy.budgets);
     if let Some(i) = plan.instance {
-        push_budgets(&mut v, &i.policy.budgets);
+        p.budgets(&i.policy.budgets);
     }
-    pack(&v)
+    p.0
 }
 
 fn unpack(bytes: &[u8]) -> Result<Vec<f64>, StoreError> {
@@ -886,46 +925,94 @@ fn parse_decision(
         return Ok((Decision::Refused(Box::new(refusal)), sure_wait));
     }
     let remaining = r.next()?;
-    let quota = r.next()?;
-    let reset_in = r.next()?;
     let slack = r.next()?;
-    let mut views = [LevelView::default(); 2];
-    for view in views.iter_mut() {
-        *view = LevelView {
-            weight: r.next()?,
-            floor: r.next()?,
-            share: r.next()?,
-            ceiling: r.next()?,
-        };
+    let n_tenants = r.next()?;
+    let n_instances = r.next()?;
+    let mut takes = [[0.0f64; 3]; 3];
+    for x in takes.iter_mut().flatten() {
+        *x = r.next()?;
     }
-    let window = r.next()?;
+    // Everything else follows from the policy, `now` and the tracked counts, exactly as the
+    // engine computes it (same functions, same f64 operations): the script need not send it.
+    let tool = plan.tool;
+    let period = tool.period.as_micros() as f64;
+    let window = (now / period).floor();
+    let next_window = (window + 1.0) * period;
+    let at = Timestamp(now as u64);
+    let t_pol = plan.tenant.policy;
+    let tn = level_numbers(
+        t_pol,
+        tool.spare(),
+        tool.configured_weight + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants,
+    );
+    let inn = plan.instance.map(|i| {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances;
+        level_numbers(i.policy, inner_spare, inner_weight)
+    });
+    // A bucket's depth as the engine's `bucket` sets it: none without a positive rate.
+    let depth = |rate: f64, depth: f64| if rate.max(0.0) > 0.0 { depth } else { 0.0 };
+    let charged = |list: &[Budget]| -> Vec<(BudgetPeriod, f64)> {
+        list.iter()
+            .map(|b| (b.period, b.period.window(at).0.as_micros() as f64))
+            .collect()
+    };
+    let level = |takes: [f64; 3], depths: [f64; 3], permit: bool, budgets: &[Budget]| LevelCharge {
+        present: true,
+        floor: takes[0],
+        floor_depth: depths[0],
+        share: takes[1],
+        share_depth: depths[1],
+        ceiling: takes[2],
+        ceiling_depth: depths[2],
+        permit,
+        budgets: charged(budgets),
+    };
     let mut charge = Charge {
         cost: plan.cost,
         window,
         levels: Default::default(),
     };
-    for level in charge.levels.iter_mut() {
-        if r.next()? != 1.0 {
-            continue;
-        }
-        let mut lc = LevelCharge {
-            present: true,
-            floor: r.next()?,
-            floor_depth: r.next()?,
-            share: r.next()?,
-            share_depth: r.next()?,
-            ceiling: r.next()?,
-            ceiling_depth: r.next()?,
-            permit: r.next()? == 1.0,
-            budgets: Vec::new(),
-        };
-        let nb = r.next()? as usize;
-        for _ in 0..nb {
-            let p = period_of(r.next()?).ok_or_else(|| bad("an unknown budget period"))?;
-            lc.budgets.push((p, r.next()?));
-        }
-        *level = lc;
+    charge.levels[0] = level(
+        takes[0],
+        [0.0, 0.0, depth(tool.spare(), tool.burst)],
+        tool.max_concurrency.is_some(),
+        &tool.budgets,
+    );
+    charge.levels[1] = level(
+        takes[1],
+        [
+            depth(tn.own_floor, tn.own_floor),
+            depth(tn.share_rate, t_pol.burst),
+            depth(tn.ceiling_rate, t_pol.burst),
+        ],
+        t_pol.max_concurrency.is_some(),
+        &t_pol.budgets,
+    );
+    let view = |n: &LevelNumbers| LevelView {
+        weight: n.weight,
+        floor: n.floor,
+        share: n.share,
+        ceiling: n.ceiling,
+    };
+    let mut views = [view(&tn), LevelView::default()];
+    let mut quota = tn.ceiling;
+    if let (Some(i), Some(inn)) = (plan.instance, inn) {
+        charge.levels[2] = level(
+            takes[2],
+            [
+                depth(inn.own_floor, inn.own_floor),
+                depth(inn.share_rate, i.policy.burst),
+                depth(inn.ceiling_rate, i.policy.burst),
+            ],
+            i.policy.max_concurrency.is_some(),
+            &i.policy.budgets,
+        );
+        views[1] = view(&inn);
+        quota = inn.ceiling;
     }
+    let reset_in = next_window - now;
     let admission = Admission {
         keys: keys.clone(),
         charge,
@@ -939,9 +1026,16 @@ fn parse_decision(
     Ok((Decision::Admitted(Box::new(admission)), 0.0))
 }
 
-fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
+/// The mark that opens a state of the current layout (see `admit.lua`).
+const STATE_MARK: f64 = -2.0;
+
+fn decode_state(bytes: &[u8]) -> Result<Option<NodeState>, StoreError> {
     let v = unpack(bytes)?;
     let mut r = Reader { v: &v, at: 0 };
+    if r.next()? != STATE_MARK {
+        // Another layout's state: the scripts read it as absent, and so do we.
+        return Ok(None);
+    }
     let mut s = NodeState {
         live: true,
         t: r.next()?,
@@ -955,11 +1049,15 @@ fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
         in_flight: r.next()?,
         budgets: Vec::new(),
     };
-    // expires, three rates, three depths, period, deadline.
-    for _ in 0..9 {
+    // until, key_until, and its tracker's count, least score and expiry.
+    for _ in 0..5 {
         r.next()?;
     }
     let nb = r.next()? as usize;
+    // expires, deadline, three rates, three depths, period.
+    for _ in 0..9 {
+        r.next()?;
+    }
     for _ in 0..nb {
         let period = period_of(r.next()?).ok_or_else(|| bad("an unknown budget period"))?;
         s.budgets.push(BudgetCounter {
@@ -968,7 +1066,7 @@ fn decode_state(bytes: &[u8]) -> Result<NodeState, StoreError> {
             used: r.next()?,
         });
     }
-    Ok(s)
+    Ok(Some(s))
 }
 
 impl Store for RedisStore {
@@ -1084,7 +1182,7 @@ impl Store for RedisStore {
         let mut out: [Option<NodeState>; 3] = Default::default();
         for ((level, _), value) in present.iter().zip(values) {
             if let Some(bytes) = value {
-                out[*level] = Some(decode_state(&bytes)?);
+                out[*level] = decode_state(&bytes)?;
             }
         }
         Ok(out)

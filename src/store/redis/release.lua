@@ -6,9 +6,13 @@ for _, key in ipairs(KEYS) do
   if s.live then
     local held = s.in_flight
     s.in_flight = math.max(s.in_flight - 1, 0)
-    redis.call('SET', key, encode_state(s), 'KEEPTTL')
     -- The last permit back: the state lives only as long as it matters (it may go now).
-    if held > 0 and s.in_flight <= 0 and s.deadline > 0 then
+    local shorten = held > 0 and s.in_flight <= 0 and s.deadline > 0
+    if shorten then
+      s.key_until = 0
+    end
+    redis.call('SET', key, encode_state(s), 'KEEPTTL')
+    if shorten then
       redis.call('PEXPIREAT', key, math.max(s.deadline, 1))
     end
   end
