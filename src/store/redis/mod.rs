@@ -23,11 +23,11 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `fs1{<tool>}T` | string | the tool: shared pool, window counters, budgets, in flight |
-//! | `fs1{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
-//! | `fs1{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
-//! | `fs1{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now (same scoring) |
-//! | `fs1{<tool>}i<tenant><instance>` | string | an instance |
+//! | `fs2{<tool>}T` | string | the tool: shared pool, window counters, budgets, in flight |
+//! | `fs2{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
+//! | `fs2{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
+//! | `fs2{<tool>}t<tenant>#` | zset | the tenant's template instances tracked now (same scoring) |
+//! | `fs2{<tool>}i<tenant><instance>` | string | an instance |
 //!
 //! A level's string is a handful of little-endian doubles (layout version mark, its
 //! `NodeState`, its tracked-until time as a template caller, the count and least score of its
@@ -78,8 +78,10 @@
 //! After a refusal that names a retry time *t* (a rate or a budget), the same caller's calls
 //! (same [`CallKeys`], same cost) on this replica are refused locally until *t*,
 //! without a Redis command: a parasite's flood costs no round trips. Refusals whose retry time
-//! is a guess (concurrency, too many tracked callers) are not cached, and a local refund or a
-//! downward correction at a tool forgets that tool's cached refusals.
+//! is a guess (concurrency, too many tracked callers) are not cached, nor are any refusals of
+//! a call that passes a concurrency cap (a slot taken meanwhile would make the true answer
+//! `concurrency_exceeded`, which is checked first); a local refund or a downward correction
+//! at a tool forgets that tool's cached refusals.
 //!
 //! # Performance
 //!
@@ -655,6 +657,16 @@ impl RefusalCache {
             _ => false,
         };
         if !(cacheable && r.retryable && sure_wait.is_finite() && sure_wait >= 1000.0) {
+            return;
+        }
+        // Concurrency is checked before rates: where a cap applies, a slot taken meanwhile
+        // changes the answer, and only Redis knows.
+        let capped = plan.tool.max_concurrency.is_some()
+            || plan.tenant.policy.max_concurrency.is_some()
+            || plan
+                .instance
+                .is_some_and(|i| i.policy.max_concurrency.is_some());
+        if capped {
             return;
         }
         let wait = Duration::from_micros(sure_wait.floor() as u64);
