@@ -864,7 +864,7 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
     };
     r.scope = Some(f.scope);
     r.window = Some(match f.window {
-        Label::Period => tool.period.to_string(),
+        Label::Period => tool.period.label(),
         Label::Word(w) => w.to_owned(),
     });
     r.limit = Some(f.limit);

@@ -61,8 +61,9 @@ impl Period {
     }
 }
 
-impl fmt::Display for Period {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl Period {
+    /// The largest whole unit it is written in: (count, unit).
+    fn parts(self) -> (u64, &'static str) {
         let m = self.micros;
         for (scale, unit) in [
             (86_400_000_000, "d"),
@@ -72,10 +73,28 @@ impl fmt::Display for Period {
             (1_000, "ms"),
         ] {
             if m % scale == 0 {
-                return write!(f, "{}{unit}", m / scale);
+                return (m / scale, unit);
             }
         }
-        write!(f, "{m}us")
+        (m, "us")
+    }
+
+    /// As `to_string()`, without the formatting machinery (refusals name their window).
+    pub(crate) fn label(self) -> String {
+        let (n, unit) = self.parts();
+        let mut b = itoa::Buffer::new();
+        let n = b.format(n);
+        let mut s = String::with_capacity(n.len() + unit.len());
+        s.push_str(n);
+        s.push_str(unit);
+        s
+    }
+}
+
+impl fmt::Display for Period {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (n, unit) = self.parts();
+        write!(f, "{n}{unit}")
     }
 }
 
@@ -143,6 +162,10 @@ mod tests {
         assert_eq!(Period::parse("30s").unwrap().as_micros(), 30_000_000);
         assert_eq!(Period::parse("500ms").unwrap().as_micros(), 500_000);
         assert_eq!(Period::parse("1h").unwrap().to_string(), "1h");
+        for p in ["1h", "90s", "500ms", "2d", "1m"] {
+            let p = Period::parse(p).unwrap();
+            assert_eq!(p.label(), p.to_string());
+        }
         assert!(Period::parse("1x").unwrap_err().contains("not a period"));
         assert!(Period::parse("0s").unwrap_err().contains("zero"));
         assert!(Period::parse("m").is_err());
