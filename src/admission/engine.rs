@@ -17,8 +17,9 @@
 //! caller, the non-floor part passes its tenant (residual floor, then `K`) and the pool.
 //!
 //! A draw beyond the share of any level is *borrowing*. It may only take pool tokens above the
-//! sum of every child's share bank (their bursts), so the pool always holds every banked share
-//! token and an own-share draw never fails for a borrower's sake; inside that lending room a
+//! sum of the other children's share banks (their bursts; the borrower's own bank is its own to
+//! spend), so the pool always holds every other child's banked share token and an own-share
+//! draw never fails for a borrower's sake; inside that lending room a
 //! weight-ranked threshold (half the room for the heaviest, nearly all of it for the lightest)
 //! lets heavier borrowers draw first. The tool also counts units per aligned window of length
 //! P: floors at most the floor, non-floor at most `S` (borrowers leave the banks' worth), which
@@ -427,8 +428,14 @@ impl PathCtx<'_, '_> {
         // for a borrower's sake; inside the lending room, heavier borrowers see a lower bar
         // than lighter ones.
         let rem = w.rem;
+        // The borrower's own bank is its own to spend: only the other children's banks are
+        // held back from it.
+        let banks = if idx < leaf {
+            self.banks[idx] - self.levels[idx + 1].share_b.depth
+        } else {
+            0.0
+        };
         let threshold = if idx < leaf && !w.own_chain {
-            let banks = self.banks[idx];
             banks + w.child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
         } else {
             0.0
@@ -441,7 +448,7 @@ impl PathCtx<'_, '_> {
         let window_cap = if idx > 0 {
             f64::INFINITY
         } else if threshold > 0.0 {
-            l.numbers.ceiling_rate - self.banks[idx]
+            l.numbers.ceiling_rate - banks
         } else {
             l.numbers.ceiling_rate
         };

@@ -393,8 +393,11 @@ local function draw(share_first)
       break
     end
     local threshold = 0
+    local bk = 0
+    if idx < leaf then
+      bk = lv[o + 6] - lv[o + 28]
+    end
     if idx < leaf and not own_chain then
-      local bk = lv[o + 6]
       local room = lv[o + 13] - bk - rem
       if 0 > room then room = 0 end
       threshold = bk + child_threshold * room
@@ -404,7 +407,7 @@ local function draw(share_first)
     if idx > 1 then
       window_cap = INF
     elseif threshold > 0 then
-      window_cap = lv[o + 3] - lv[o + 6]
+      window_cap = lv[o + 3] - bk
     else
       window_cap = lv[o + 3]
     end
