@@ -154,8 +154,9 @@ fn now<F: Future>(f: F) -> F::Output {
     }
 }
 
-/// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads; wall time per
-/// call, so two threads that do not contend take half the time of one.
+/// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads and returns the
+/// wall time of all of them: criterion divides by `iters`, so the figure is wall time per call,
+/// and two threads that do not contend take half the time of one.
 fn threaded(iters: u64, threads: u64, f: impl Fn(usize, usize) + Sync) -> Duration {
     let per_thread = iters.div_ceil(threads) as usize;
     let f = &f;
@@ -169,7 +170,8 @@ fn threaded(iters: u64, threads: u64, f: impl Fn(usize, usize) + Sync) -> Durati
             });
         }
     });
-    start.elapsed() / threads as u32
+    // Not divided by `threads`: the calls are already split between them.
+    start.elapsed()
 }
 
 // ---------------------------------------------------------------------------------------------
