@@ -113,10 +113,6 @@ impl TenantEntry {
         self.untenanted == untenanted && *self.tenant == *tenant && *self.tool.name == *tool
     }
 
-    fn instance(&self, name: &str) -> Result<usize, usize> {
-        self.instances.binary_search_by(|i| (*i.name).cmp(name))
-    }
-
     /// Drops idle instances; whether the tenant itself can go.
     fn sweep(&mut self, now: u64) -> bool {
         self.instances
@@ -124,6 +120,16 @@ impl TenantEntry {
         self.tracker.prune(now);
         !alive(&self.state, self.expires, self.tracked.as_deref(), now) && self.instances.is_empty()
     }
+}
+
+/// Where the instance `name` is in a tenant's sorted list, or where it would go.
+fn find_instance(instances: &[InstanceEntry], name: &str) -> Result<usize, usize> {
+    instances.binary_search_by(|i| (*i.name).cmp(name))
+}
+
+/// The cell of the tool `name`, if it has one.
+fn find_tool<'t>(tools: &'t [Arc<ToolCell>], name: &str) -> Option<&'t Arc<ToolCell>> {
+    tools.iter().find(|c| *c.name == *name)
 }
 
 fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: InstanceEntry) {
@@ -310,12 +316,12 @@ impl MemoryStore {
 
     /// The cell of `tool`, created on first use.
     fn tool_cell(&self, tool: &Arc<str>) -> Arc<ToolCell> {
-        if let Some(c) = self.tools.load().iter().find(|c| c.name == *tool) {
+        if let Some(c) = find_tool(&self.tools.load(), tool) {
             return c.clone();
         }
         let _adding = self.adding_tool.lock().unwrap_or_else(|e| e.into_inner());
         let tools = self.tools.load_full();
-        if let Some(c) = tools.iter().find(|c| c.name == *tool) {
+        if let Some(c) = find_tool(&tools, tool) {
             return c.clone();
         }
         let cell = Arc::new(ToolCell {
@@ -378,7 +384,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     // The instance: stored, or fresh (inserted only if the call is admitted).
     let mut fresh = None;
     let slot = match (plan.instance.is_some(), keys.instance.as_ref()) {
-        (true, Some(name)) => match instances.binary_search_by(|i| (*i.name).cmp(name)) {
+        (true, Some(name)) => match find_instance(instances, name) {
             Ok(at) => Some(Ok(at)),
             Err(at) => {
                 fresh = Some(InstanceEntry {
@@ -540,12 +546,7 @@ impl MemoryStore {
             .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
         let cell = match &entry {
             Some(e) => Some(e.tool.clone()),
-            None => self
-                .tools
-                .load()
-                .iter()
-                .find(|c| c.name == keys.tool)
-                .cloned(),
+            None => find_tool(&self.tools.load(), &keys.tool).cloned(),
         };
         if let Some(cell) = cell {
             let mut tool = lock(&cell.inner);
@@ -558,7 +559,7 @@ impl MemoryStore {
         };
         f(1, &mut entry.state);
         if let Some(name) = keys.instance.as_deref() {
-            if let Ok(at) = entry.instance(name) {
+            if let Ok(at) = find_instance(&entry.instances, name) {
                 f(2, &mut entry.instances[at].state);
             }
         }
