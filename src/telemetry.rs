@@ -32,6 +32,15 @@ pub const DECISION_SECONDS: &str = "fairshare_decision_duration_seconds";
 pub const STORE_ERRORS: &str = "fairshare_store_errors_total";
 /// Counter of decisions made without the store (fail open or fail closed).
 pub const STORE_FALLBACKS: &str = "fairshare_store_fallbacks_total";
+/// Counter of decisions a store finished after their caller went away (dropped, timed out)
+/// and gave back: units refunded, permits released.
+pub const ABANDONED: &str = "fairshare_abandoned_decisions_total";
+/// Counter of times a store found its state lost (a restart without persistence, a flush,
+/// an eviction).
+pub const STORE_STATE_LOST: &str = "fairshare_store_state_lost_total";
+/// Gauge: 1 while the store's server is configured so that it can lose state (`risk`:
+/// `eviction`, `no_persistence`), 0 otherwise.
+pub const STORE_RISK: &str = "fairshare_store_risk";
 
 /// Registers the descriptions and units of every metric with the installed recorder. Call
 /// once after installing it (e.g. a Prometheus exporter).
@@ -66,6 +75,20 @@ pub fn describe_metrics() {
             STORE_FALLBACKS,
             Unit::Count,
             "Decisions made without the store: allow = fail open, deny = fail closed."
+        );
+        describe_counter!(
+            ABANDONED,
+            Unit::Count,
+            "Decisions finished after their caller went away and given back (units and permits)."
+        );
+        describe_counter!(
+            STORE_STATE_LOST,
+            Unit::Count,
+            "Times the store found its state lost (restart without persistence, flush, eviction)."
+        );
+        describe_gauge!(
+            STORE_RISK,
+            "1 while the store's server can lose state (eviction policy, persistence off)."
         );
     }
 }
@@ -142,3 +165,34 @@ pub(crate) fn store_error(tool: &str, store: &'static str, mode: &'static str) {
 
 #[cfg(not(feature = "metrics"))]
 pub(crate) fn store_error(_: &str, _: &'static str, _: &'static str) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn abandoned(tool: &str) {
+    metrics::counter!(ABANDONED, "tool" => tool.to_owned()).increment(1);
+}
+
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code)]
+pub(crate) fn abandoned(_: &str) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn state_lost(store: &'static str, tool: &str) {
+    metrics::counter!(STORE_STATE_LOST, "store" => store, "tool" => tool.to_owned()).increment(1);
+}
+
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code)]
+pub(crate) fn state_lost(_: &'static str, _: &str) {}
+
+#[cfg(feature = "metrics")]
+pub(crate) fn store_risk(store: &'static str, risk: &'static str, at_risk: bool) {
+    metrics::gauge!(STORE_RISK, "store" => store, "risk" => risk).set(if at_risk {
+        1.0
+    } else {
+        0.0
+    });
+}
+
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code)]
+pub(crate) fn store_risk(_: &'static str, _: &'static str, _: bool) {}

@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -502,13 +503,18 @@ fn idle_callers_keys_expire_from_redis() {
             limiter.release(&t).await;
         }
         let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
-        // tool + tracker, A + its tracker + 2 instances, 2 guests.
-        assert_eq!(keys.len(), 8, "{keys:?}");
+        // tool + tracker + epoch marker, A + its tracker + 2 instances, 2 guests.
+        assert_eq!(keys.len(), 9, "{keys:?}");
         // Every key Redis holds for them expires on its own within a period of idleness
-        // (Redis's own TTLs, so nothing is left behind; no waiting for it here).
+        // (Redis's own TTLs, so nothing is left behind; no waiting for it here); the tool's
+        // epoch marker a day after the last store that checked it.
         for k in &keys {
             let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).unwrap();
-            assert!(ttl > 0 && ttl <= 1000, "{k}: PTTL {ttl}");
+            if k.ends_with('@') {
+                assert!(ttl > 0 && ttl <= 86_400_000, "{k}: PTTL {ttl}");
+            } else {
+                assert!(ttl > 0 && ttl <= 1000, "{k}: PTTL {ttl}");
+            }
         }
     });
 }
@@ -629,5 +635,235 @@ fn template_tracking_counts_exactly_with_lazily_refreshed_scores() {
         at(2000);
         // a is over too: d is admitted.
         admit("d").await.unwrap();
+    });
+}
+
+const CANCEL: &str = r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+max_concurrency = 8
+budgets = [ { period = "day", max = 1000000 } ]
+on_store_error = "allow"
+[tool.tenants.parasite]
+[tool.default_tenant]
+"#;
+
+/// Cancellation: one tenant's 1,000 decisions dropped while the script is in flight (clients
+/// that disconnect), and more cut off by the store's timeout while Redis is stalled, leave
+/// nothing behind. Redis admitted some of them — taking tool permits and charging units — but
+/// every one is given back in the background: afterwards the tool holds no permit, its
+/// counters and budget are back to zero, and every other tenant is admitted at once.
+#[test]
+fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(CANCEL).unwrap();
+    let rt = multi_thread();
+    rt.block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let patient = RedisStore::builder(server.url())
+            .injected_clock()
+            .refusal_cache(false)
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .unwrap();
+        let hasty = RedisStore::builder(server.url())
+            .injected_clock()
+            .refusal_cache(false)
+            .timeout(Duration::from_millis(50))
+            .connect()
+            .await
+            .unwrap();
+        let a = Limiter::with_store(policy.clone(), patient, clock.clone());
+        let b = Limiter::with_store(policy, hasty, clock.clone());
+        let parasite = Caller::new("parasite");
+        // 1,000 callers that go away while their decision is in flight: each future is
+        // polled once (the script is on its way) and dropped.
+        for _ in 0..1000 {
+            let mut fut = std::pin::pin!(a.admit(&parasite, "t", Cost(1.0)));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+        }
+        let keys = a.call_keys(&parasite, "t").unwrap();
+        // The background finishes what the callers left (real I/O, no virtual time passes).
+        let settled = || async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let s = a.store().inspect(&keys).await.unwrap();
+                let done = s[0]
+                    .as_ref()
+                    .is_some_and(|t| t.in_flight == 0.0 && t.total == 0.0);
+                if done || Instant::now() > deadline {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let check = |state: [Option<tower_fairshare::admission::NodeState>; 3]| {
+            let tool = state[0]
+                .clone()
+                .expect("the tool was charged at some point");
+            assert_eq!(tool.in_flight, 0.0, "permits leaked: {tool:?}");
+            assert_eq!(tool.total, 0.0, "units leaked: {tool:?}");
+            assert!(
+                tool.budgets.iter().all(|b| b.used == 0.0),
+                "budget leaked: {tool:?}"
+            );
+            let tenant = state[1].clone().expect("the parasite was charged");
+            assert_eq!(tenant.total, 0.0, "the parasite's units leaked: {tenant:?}");
+        };
+        check(settled().await);
+        assert!(
+            a.store().abandoned() >= 8,
+            "given back: {}",
+            a.store().abandoned()
+        );
+        // Redis stalls: 20 decisions sent meanwhile hit the 50 ms timeout, and run once it
+        // answers again. The tool fails open, so each of those calls runs unmetered.
+        let mut conn = server.conn();
+        let sleeper = std::thread::spawn(move || {
+            let _: () = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("0.5")
+                .query(&mut conn)
+                .unwrap();
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut cut_off = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let (b, parasite) = (b.clone(), parasite.clone());
+            cut_off.spawn(async move { b.admit(&parasite, "t", Cost(1.0)).await });
+        }
+        while let Some(t) = cut_off.join_next().await {
+            let t = t.unwrap().unwrap();
+            assert!(t.admission.is_none(), "cut off by the timeout: unmetered");
+        }
+        sleeper.join().unwrap();
+        check(settled().await);
+        assert!(
+            b.store().abandoned() >= 8,
+            "given back: {}",
+            b.store().abandoned()
+        );
+        // Every other tenant is admitted at once: all 8 permits of the tool are free.
+        let mut held = Vec::new();
+        for i in 0..8 {
+            let t = a
+                .admit(&Caller::new(format!("other-{i}")), "t", Cost(1.0))
+                .await
+                .unwrap_or_else(|r| panic!("other-{i} refused: {r}"));
+            held.push(t);
+        }
+        for t in &held {
+            a.release(t).await;
+        }
+    });
+}
+
+const BUSY: &str = r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+max_concurrency = 5
+[tool.default_tenant]
+"#;
+
+/// A replica killed while its calls held permits: its permits stop counting within the permit
+/// TTL by themselves, although the tool stays busy (another replica admits and releases calls
+/// all along); a live replica that renews its permits keeps them past the TTL.
+#[test]
+fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(BUSY).unwrap();
+    let rt = current_thread();
+    let ttl = Duration::from_secs(5);
+    rt.block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let replica = |clock: &ManualClock| {
+            let (url, policy, clock) = (server.url(), policy.clone(), clock.clone());
+            async move {
+                let store = RedisStore::builder(url)
+                    .injected_clock()
+                    .refusal_cache(false)
+                    .permit_ttl(ttl)
+                    .connect()
+                    .await
+                    .unwrap();
+                Limiter::with_store(policy, store, clock)
+            }
+        };
+        let doomed = replica(&clock).await;
+        for i in 0..4 {
+            doomed
+                .admit(&Caller::new(format!("d{i}")), "t", Cost(1.0))
+                .await
+                .unwrap();
+        }
+        // Killed: its tickets are never released, nothing renews its permits.
+        drop(doomed);
+        let live = replica(&clock).await;
+        let (x, y) = (Caller::new("x"), Caller::new("y"));
+        // `x` holds a call all along (renewed); `y` comes and goes every 100 ms.
+        let long = live.admit(&x, "t", Cost(1.0)).await.unwrap();
+        let mut freed_at = None;
+        for step in 1..=80u64 {
+            clock.set(EPOCH.saturating_add(Duration::from_millis(100 * step)));
+            if step % 10 == 0 {
+                live.store()
+                    .renew_permits(tower_fairshare::Clock::now(live.clock()))
+                    .await
+                    .unwrap();
+            }
+            match live.admit(&y, "t", Cost(1.0)).await {
+                Ok(t) => {
+                    if freed_at.is_none() {
+                        // 1 + 4 dead permits: the 6th call fits only once the dead ones lapse.
+                        let second = live.admit(&Caller::new("z"), "t", Cost(1.0)).await;
+                        if let Ok(t2) = second {
+                            freed_at = Some(Duration::from_millis(100 * step));
+                            live.release(&t2).await;
+                        }
+                    }
+                    live.release(&t).await;
+                }
+                Err(r) => {
+                    assert_eq!(r.reason, Reason::ConcurrencyExceeded);
+                }
+            }
+        }
+        let freed_at = freed_at.expect("the dead replica's permits never lapsed");
+        assert!(
+            freed_at >= ttl && freed_at <= ttl + Duration::from_millis(100),
+            "freed at {freed_at:?}, permit TTL {ttl:?}"
+        );
+        // `x`'s call, 8 s old, still holds its permit: renewed, it counts.
+        let keys = live.call_keys(&x, "t").unwrap();
+        assert_eq!(live.store().permits_held(), 1);
+        let mut held = Vec::new();
+        for i in 0..4 {
+            held.push(
+                live.admit(&Caller::new(format!("n{i}")), "t", Cost(1.0))
+                    .await
+                    .unwrap(),
+            );
+        }
+        assert_eq!(
+            live.admit(&Caller::new("n4"), "t", Cost(1.0))
+                .await
+                .unwrap_err()
+                .reason,
+            Reason::ConcurrencyExceeded,
+            "the renewed permit stopped counting"
+        );
+        live.release(&long).await;
+        for t in &held {
+            live.release(t).await;
+        }
+        assert_eq!(live.store().permits_held(), 0);
+        let state = live.store().inspect(&keys).await.unwrap();
+        assert_eq!(state[0].as_ref().map_or(0.0, |s| s.in_flight), 0.0);
     });
 }

@@ -497,6 +497,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
         slack: o.slack,
         views: o.views,
         at: plan.now,
+        call: 0,
     }))
 }
 

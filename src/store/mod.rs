@@ -69,6 +69,9 @@ pub struct Admission {
     pub views: [LevelView; 2],
     /// When the store decided (its clock, or the caller's).
     pub at: Timestamp,
+    /// The store's name for this call, unique across replicas: what its concurrency permits
+    /// are held under (0 for a store that needs none, like [`MemoryStore`]).
+    pub call: u128,
 }
 
 /// The store's answer.
@@ -100,6 +103,13 @@ pub enum StoreError {
 /// call touches, run [`decide`](crate::admission::engine::decide), and write the result back,
 /// without any other decision interleaving. Corrections and permit releases are separate,
 /// later calls.
+///
+/// **Cancellation.** The future of [`decide`](Self::decide) may be dropped at any await point
+/// (a client disconnects, a timeout fires). A store whose decision can still take effect after
+/// that — a command already sent to a server — must finish it and, if it was admitted, give
+/// back what it charged and the permits it took: no path may leak a permit or a unit.
+/// [`MemoryStore`] decides without awaiting; the Redis store finishes abandoned decisions in
+/// the background.
 pub trait Store: Send + Sync + 'static {
     /// A short name for metrics labels (`memory`, `redis`, ...).
     fn kind(&self) -> &'static str {

@@ -144,6 +144,13 @@ impl RedisServer {
         redis::cmd("DBSIZE").query(&mut self.conn()).unwrap()
     }
 
+    /// Keys holding callers' state: all but the stores' epoch markers (one per tool, kept for
+    /// good: they tell a store when Redis lost its state).
+    pub fn state_keys(&self) -> usize {
+        let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("*").query(&mut self.conn()).unwrap();
+        keys.iter().filter(|k| k.last() != Some(&b'@')).count()
+    }
+
     /// Kills the process (SIGKILL) and waits for it.
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
@@ -207,6 +214,11 @@ impl RedisCluster {
     /// Total keys over every master.
     pub fn dbsize(&self) -> usize {
         self.nodes.iter().map(|n| n.dbsize()).sum()
+    }
+
+    /// Keys holding callers' state over every master (see [`RedisServer::state_keys`]).
+    pub fn state_keys(&self) -> usize {
+        self.nodes.iter().map(|n| n.state_keys()).sum()
     }
 
     pub fn flushall(&self) {

@@ -9,8 +9,10 @@
 -- key's TTL is only set when it must grow.
 --
 -- KEYS: 1 tool state, 2 tool's tracker of template tenants, 3 tenant state,
---       4 tenant's tracker of template instances, 5 instance state (when there is one).
--- ARGV: 1 the plan, packed doubles (see `encode_plan` in mod.rs):
+--       4 tenant's tracker of template instances, 5 instance state (when there is one),
+--       6 tool permits, 7 tenant permits, 8 instance permits (zsets: see below).
+-- ARGV: 2 the call's id (16 bytes: the member of its permits). 1 the plan, packed doubles
+--   (see `encode_plan` in wire.rs):
 --   1 now (-1: Redis TIME), 2 cost, 3 period, 4 spare, 5 capacity, 6 tool burst,
 --   7 configured tenant weight, 8 template tenant weight, 9 configured tenant burst,
 --   10 template tenant burst, 11 tool max_concurrency (-1: none), 12 permit TTL (ms),
@@ -21,12 +23,20 @@
 --   tool, tenant (and instance): n, n x (period code, max).
 -- Returns {1, admitted} or {0, refusal, window label}, numbers packed as doubles. Admitted:
 --   now, remaining, slack, tenants counted, instances counted, then floor/share/ceiling
---   taken at tool, tenant, instance (the store derives the rest from the policy).
+--   taken at tool, tenant, instance, then the depths of those nine buckets (the store
+--   derives the rest from the policy).
+--
+-- Concurrency permits are per-call entries, not counters: a level with max_concurrency has a
+-- zset (its state key and `!`) whose members are the ids of the calls holding a permit there,
+-- each scored with the time its permit lapses (now + permit TTL, in the decisions' clock).
+-- Calls in flight are the members whose time has not passed, so a permit that nobody gives
+-- back (a replica that died) stops counting by itself after the permit TTL, whatever the
+-- traffic. A live replica renews the permits of its calls still running (renew.lua).
 --
 -- A level's state (one string; the same layout in common.lua), doubles:
 --   1 layout mark (-2; a state without it reads as absent), 2 t, 3 floor, 4 share,
---   5 ceiling, 6 window, 7 total, 8 non_floor, 9 floor_used, 10 in_flight (the engine's
---   NodeState), 11 until (tracked as a template child until then, us; 0: not), 12 until when
+--   5 ceiling, 6 window, 7 total, 8 non_floor, 9 floor_used, 10 permits held at this level
+--   when it was last written (the engine's NodeState; the count that decides is the zset's), 11 until (tracked as a template child until then, us; 0: not), 12 until when
 --   the key's TTL surely keeps it (us; 0: unknown), 13 template children tracked (its
 --   tracker's size), 14 a lower bound of every score in its tracker (0: unknown), 15 when its
 --   tracker expires (us), 16 nb; then, only written here: 17 expires, 18 deadline (when the
@@ -251,11 +261,18 @@ for i = 1, leaf do
   end
 end
 
--- 3. Concurrency, before any rate is looked at.
+-- 3. Concurrency, before any rate is looked at: the permits whose time has not passed.
+local flight = { 0, 0, 0 }
+local now_s = nil
 for i = 1, leaf do
   local cap = lv[16 * (i - 1) + 5]
-  if cap >= 0 and st[i][10] + 1 > cap then
-    return refuse(3, i - 1, 1000000, cap, st[i][10], nil, 'in_flight')
+  if cap >= 0 then
+    if not now_s then now_s = string.format('%.17g', now) end
+    local n = rcall('ZCOUNT', KEYS[5 + i], '(' .. now_s, '+inf')
+    flight[i] = n
+    if n + 1 > cap then
+      return refuse(3, i - 1, 1000000, cap, n, nil, 'in_flight')
+    end
   end
 end
 
@@ -534,7 +551,14 @@ for i = 1, leaf do
   s[3], s[4], s[5] = s[3] - fl, s[4] - h, s[5] - k
   s[7], s[8], s[9] = s[7] + c, s[8] + k, s[9] + fl
   if lv[16 * (i - 1) + 5] >= 0 then
-    s[10] = s[10] + 1
+    -- The call's permit: an entry that lapses by itself (expired ones are pruned here).
+    local pk = KEYS[5 + i]
+    rcall('ZREMRANGEBYSCORE', pk, '-inf', now_s)
+    rcall('ZADD', pk, string.format('%.17g', now + a[12] * 1000), ARGV[2])
+    rcall('PEXPIRE', pk, a[12])
+    s[10] = flight[i] + 1
+  else
+    s[10] = 0
   end
   local bl = counters and counters[i]
   if bl then
@@ -680,5 +704,6 @@ for i = 1, leaf do
 end
 remaining = remaining + non_floor_room
 
-return { 1, spack('<dddddddddddddd', now, remaining, s1[5], n_tenants, n_instances,
-  tk[1], tk[2], tk[3], tk[4], tk[5], tk[6], tk[7], tk[8], tk[9]) }
+return { 1, spack('<ddddddddddddddddddddddd', now, remaining, s1[5], n_tenants, n_instances,
+  tk[1], tk[2], tk[3], tk[4], tk[5], tk[6], tk[7], tk[8], tk[9],
+  lv[11], lv[12], lv[13], lv[27], lv[28], lv[29], lv[43], lv[44], lv[45]) }
