@@ -12,6 +12,9 @@ use crate::policy::{OnStoreError, Policy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store};
 use crate::telemetry;
 
+/// How many of a tool's tenants the metrics label by name unless told otherwise.
+const DEFAULT_TENANT_LABELS: usize = 1_000;
+
 /// Decides calls against a [`Policy`], with state in a [`Store`] and time from a [`Clock`].
 ///
 /// Cheap to clone: clones share policy, store and clock.
@@ -65,6 +68,7 @@ struct Inner<S, C> {
     store: S,
     clock: C,
     instance_labels: bool,
+    tenant_labels: usize,
 }
 
 /// An admitted call: what to correct, refund or release later.
@@ -107,17 +111,37 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 store,
                 clock,
                 instance_labels: false,
+                tenant_labels: DEFAULT_TENANT_LABELS,
             }),
         }
     }
 
     /// Adds the `instance` label to decision metrics (off by default: label cardinality is a
-    /// production hazard). Call before cloning the limiter.
+    /// production hazard). Like every label, its values are names the policy lists (the first
+    /// [`tenant_labels`](Self::tenant_labels) instances of a tenant), `other` for the rest and
+    /// for a template's instances, `unknown` for an instance the policy refuses, `none` for a
+    /// caller without one. Call before cloning the limiter.
     pub fn instance_labels(mut self, yes: bool) -> Self {
         match Arc::get_mut(&mut self.inner) {
             Some(inner) => inner.instance_labels = yes,
             None => {
                 tracing::warn!("instance_labels must be set before the limiter is cloned; ignored")
+            }
+        }
+        self
+    }
+
+    /// How many of a tool's tenants (and of a tenant's instances) the metrics label by name,
+    /// in the order the policy lists them (default 1,000). The rest, and every caller a
+    /// template governs, share the label `other`; callers and tools the policy does not know
+    /// are `unknown`. Label values never come from what a request claims, so a flood of made-up
+    /// names adds no series: a tool has at most this many tenant label values plus two. Call
+    /// before cloning the limiter.
+    pub fn tenant_labels(mut self, max: usize) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.tenant_labels = max,
+            None => {
+                tracing::warn!("tenant_labels must be set before the limiter is cloned; ignored")
             }
         }
         self
@@ -173,8 +197,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
-        let outcome = self.decide(caller, tool, cost).await;
-        self.record(caller, tool, cost, &outcome);
+        let policy = self.inner.policy.load();
+        let outcome = self.decide(&policy, caller, tool, cost).await;
+        self.record(&policy, caller, tool, cost, &outcome);
         outcome
     }
 
@@ -215,13 +240,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 self.conclude(p, caller, tool, decided)
             }
         };
-        self.record(caller, tool, cost, &outcome);
+        self.record(&policy, caller, tool, cost, &outcome);
         Some(outcome)
     }
 
-    async fn decide(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
-        let policy = self.inner.policy.load();
-        let p = self.prepare(&policy, caller, tool, cost)?;
+    async fn decide(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+    ) -> Result<Ticket, Refusal> {
+        let p = self.prepare(policy, caller, tool, cost)?;
         let store = &self.inner.store;
         let started = telemetry::Started::now();
         let decided = match store.decide_now(&p.plan, &p.keys) {
@@ -296,7 +326,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Err(e) => match tp.on_store_error() {
                 OnStoreError::Allow => {
                     tracing::warn!(tool, store = store.kind(), error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
-                    telemetry::store_error(tool, store.kind(), "allow");
+                    telemetry::store_error(tp.name_arc(), store.kind(), "allow");
                     Ok(Ticket {
                         admission: None,
                         shadow_refusal: None,
@@ -305,7 +335,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
                 OnStoreError::Deny => {
                     tracing::error!(tool, store = store.kind(), error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
-                    telemetry::store_error(tool, store.kind(), "deny");
+                    telemetry::store_error(tp.name_arc(), store.kind(), "deny");
                     let mut r = denial(Reason::StoreUnavailable, tool, caller, "store");
                     r.retryable = true;
                     r.retry_after = Some(std::time::Duration::from_secs(1));
@@ -315,18 +345,63 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// Metrics and the decision event.
-    fn record(&self, caller: &Caller, tool: &str, cost: Cost, outcome: &Result<Ticket, Refusal>) {
-        let tenant = caller.tenant().unwrap_or("");
-        let labels = telemetry::Labels {
-            tool,
-            tenant,
-            instance: if self.inner.instance_labels {
-                Some(caller.instance().unwrap_or(""))
+    /// The metric labels of `caller` calling `tool`: names the policy lists, or words.
+    #[cfg(feature = "metrics")]
+    fn labels(&self, policy: &Policy, caller: &Caller, tool: &str) -> telemetry::Labels {
+        use telemetry::LabelValue;
+        let cap = self.inner.tenant_labels;
+        let named = |p: &crate::policy::LevelPolicy| {
+            if !p.template && p.position < cap {
+                LabelValue::Name(p.name.clone())
             } else {
-                None
-            },
+                LabelValue::OTHER
+            }
         };
+        let Some(tp) = policy.tool(tool) else {
+            return telemetry::Labels {
+                tool: LabelValue::UNKNOWN,
+                tenant: LabelValue::UNKNOWN,
+                instance: self.inner.instance_labels.then_some(LabelValue::UNKNOWN),
+            };
+        };
+        let tenant_policy = match caller.tenant() {
+            Some(t) => tp.tenant(t),
+            None if !tp.require_tenant() => tp.default_tenant(),
+            None => None,
+        };
+        let tenant = tenant_policy.map_or(LabelValue::UNKNOWN, named);
+        let instance = self.inner.instance_labels.then(|| {
+            match (tenant_policy, caller.instance()) {
+                (_, None) => LabelValue::Word("none"),
+                (Some(p), Some(i)) if p.has_instances() => {
+                    p.instance(i).map_or(LabelValue::UNKNOWN, named)
+                }
+                // Instances the policy does not limit separately have no names of their own.
+                (Some(_), Some(_)) => LabelValue::OTHER,
+                (None, Some(_)) => LabelValue::UNKNOWN,
+            }
+        });
+        telemetry::Labels {
+            tool: LabelValue::Name(tp.name_arc().clone()),
+            tenant,
+            instance,
+        }
+    }
+
+    /// Metrics and the decision event.
+    fn record(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+        outcome: &Result<Ticket, Refusal>,
+    ) {
+        #[cfg(feature = "metrics")]
+        self.count(policy, caller, tool, outcome);
+        #[cfg(not(feature = "metrics"))]
+        let _ = policy;
+        let tenant = caller.tenant().unwrap_or("");
         let instance = caller.instance().unwrap_or("");
         match outcome {
             Ok(t) => match (&t.admission, &t.shadow_refusal) {
@@ -336,8 +411,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     } else {
                         a.views[0]
                     };
-                    telemetry::decision(&labels, "admitted", "none", "none");
-                    telemetry::headroom(tool, tenant, a.slack, a.remaining);
                     tracing::debug!(
                         target: "tower_fairshare::decision",
                         tool, tenant, instance, cost = cost.0, outcome = "admitted",
@@ -345,28 +418,38 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         remaining = a.remaining, slack = a.slack,
                     );
                 }
+                (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
+                (None, None) => {}
+            },
+            Err(r) => event(r, tool, tenant, instance, cost, "refused"),
+        }
+    }
+
+    /// The decision's metrics.
+    #[cfg(feature = "metrics")]
+    fn count(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        outcome: &Result<Ticket, Refusal>,
+    ) {
+        let labels = self.labels(policy, caller, tool);
+        let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
+        match outcome {
+            Ok(t) => match (&t.admission, &t.shadow_refusal) {
+                (Some(a), _) => {
+                    telemetry::decision(&labels, "admitted", "none", "none");
+                    telemetry::headroom(&labels, a.slack, a.remaining);
+                }
                 (None, Some(r)) => {
-                    telemetry::decision(
-                        &labels,
-                        "shadow",
-                        r.reason.as_str(),
-                        r.scope.map_or("none", |s| s.as_str()),
-                    );
-                    event(r, tool, tenant, instance, cost, "shadow");
+                    telemetry::decision(&labels, "shadow", r.reason.as_str(), scope(r))
                 }
                 (None, None) => {
                     telemetry::decision(&labels, "unmetered", "store_unavailable", "none")
                 }
             },
-            Err(r) => {
-                telemetry::decision(
-                    &labels,
-                    "refused",
-                    r.reason.as_str(),
-                    r.scope.map_or("none", |s| s.as_str()),
-                );
-                event(r, tool, tenant, instance, cost, "refused");
-            }
+            Err(r) => telemetry::decision(&labels, "refused", r.reason.as_str(), scope(r)),
         }
     }
 

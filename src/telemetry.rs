@@ -93,47 +93,77 @@ pub fn describe_metrics() {
     }
 }
 
+/// A label value: a name the policy lists, or a fixed word (`other`, `unknown`, `none`).
+/// Never a name a request made up: label values stay as few as the policy's names.
+#[cfg(feature = "metrics")]
+#[derive(Clone, Debug)]
+pub(crate) enum LabelValue {
+    Name(std::sync::Arc<str>),
+    Word(&'static str),
+}
+
+#[cfg(feature = "metrics")]
+impl LabelValue {
+    /// A name the policy does not list (a template's caller, or past the label cap).
+    pub(crate) const OTHER: LabelValue = LabelValue::Word("other");
+    /// A caller or tool the policy does not know.
+    pub(crate) const UNKNOWN: LabelValue = LabelValue::Word("unknown");
+
+    fn shared(&self) -> metrics::SharedString {
+        match self {
+            LabelValue::Name(n) => metrics::SharedString::from(n.clone()),
+            LabelValue::Word(w) => metrics::SharedString::const_str(w),
+        }
+    }
+
+    fn is_name(&self) -> bool {
+        matches!(self, LabelValue::Name(_))
+    }
+}
+
 /// The labels of one decision.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-pub(crate) struct Labels<'a> {
-    pub(crate) tool: &'a str,
-    pub(crate) tenant: &'a str,
-    pub(crate) instance: Option<&'a str>,
+#[cfg(feature = "metrics")]
+#[derive(Clone, Debug)]
+pub(crate) struct Labels {
+    pub(crate) tool: LabelValue,
+    pub(crate) tenant: LabelValue,
+    pub(crate) instance: Option<LabelValue>,
 }
 
 #[cfg(feature = "metrics")]
 pub(crate) fn decision(
-    l: &Labels<'_>,
+    l: &Labels,
     outcome: &'static str,
     reason: &'static str,
     scope: &'static str,
 ) {
     use metrics::Label;
-    // The fixed words are static labels: only the names are copied.
+    // The fixed words are static labels; names are shared, not copied.
     let mut labels = Vec::with_capacity(6);
-    labels.push(Label::new("tool", l.tool.to_owned()));
-    labels.push(Label::new("tenant", l.tenant.to_owned()));
+    labels.push(Label::new("tool", l.tool.shared()));
+    labels.push(Label::new("tenant", l.tenant.shared()));
     labels.push(Label::from_static_parts("outcome", outcome));
     labels.push(Label::from_static_parts("reason", reason));
     labels.push(Label::from_static_parts("scope", scope));
-    if let Some(i) = l.instance {
-        labels.push(Label::new("instance", i.to_owned()));
+    if let Some(i) = &l.instance {
+        labels.push(Label::new("instance", i.shared()));
     }
     metrics::counter!(DECISIONS, labels).increment(1);
 }
 
-#[cfg(not(feature = "metrics"))]
-pub(crate) fn decision(_: &Labels<'_>, _: &'static str, _: &'static str, _: &'static str) {}
-
+/// The tool's slack, and what a tenant the policy names could still take (a template's
+/// callers share one `other` label, so a gauge of theirs would mean nothing).
 #[cfg(feature = "metrics")]
-pub(crate) fn headroom(tool: &str, tenant: &str, tool_slack: f64, tenant_remaining: f64) {
-    metrics::gauge!(TOOL_HEADROOM, "tool" => tool.to_owned()).set(tool_slack);
-    metrics::gauge!(TENANT_HEADROOM, "tool" => tool.to_owned(), "tenant" => tenant.to_owned())
-        .set(tenant_remaining);
+pub(crate) fn headroom(l: &Labels, tool_slack: f64, tenant_remaining: f64) {
+    if !l.tool.is_name() {
+        return;
+    }
+    metrics::gauge!(TOOL_HEADROOM, "tool" => l.tool.shared()).set(tool_slack);
+    if l.tenant.is_name() {
+        metrics::gauge!(TENANT_HEADROOM, "tool" => l.tool.shared(), "tenant" => l.tenant.shared())
+            .set(tenant_remaining);
+    }
 }
-
-#[cfg(not(feature = "metrics"))]
-pub(crate) fn headroom(_: &str, _: &str, _: f64, _: f64) {}
 
 /// When a store call started, for the latency histogram: reads the clock only when metrics
 /// are compiled in.
@@ -158,15 +188,16 @@ impl Started {
 }
 
 #[cfg(feature = "metrics")]
-pub(crate) fn store_error(tool: &str, store: &'static str, mode: &'static str) {
-    metrics::counter!(STORE_ERRORS, "tool" => tool.to_owned(), "store" => store).increment(1);
-    metrics::counter!(STORE_FALLBACKS, "tool" => tool.to_owned(), "mode" => mode).increment(1);
+pub(crate) fn store_error(tool: &std::sync::Arc<str>, store: &'static str, mode: &'static str) {
+    metrics::counter!(STORE_ERRORS, "tool" => tool.clone(), "store" => store).increment(1);
+    metrics::counter!(STORE_FALLBACKS, "tool" => tool.clone(), "mode" => mode).increment(1);
 }
 
 #[cfg(not(feature = "metrics"))]
-pub(crate) fn store_error(_: &str, _: &'static str, _: &'static str) {}
+pub(crate) fn store_error(_: &std::sync::Arc<str>, _: &'static str, _: &'static str) {}
 
 #[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn abandoned(tool: &str) {
     metrics::counter!(ABANDONED, "tool" => tool.to_owned()).increment(1);
 }
@@ -176,6 +207,7 @@ pub(crate) fn abandoned(tool: &str) {
 pub(crate) fn abandoned(_: &str) {}
 
 #[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn state_lost(store: &'static str, tool: &str) {
     metrics::counter!(STORE_STATE_LOST, "store" => store, "tool" => tool.to_owned()).increment(1);
 }
@@ -185,6 +217,7 @@ pub(crate) fn state_lost(store: &'static str, tool: &str) {
 pub(crate) fn state_lost(_: &'static str, _: &str) {}
 
 #[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn store_risk(store: &'static str, risk: &'static str, at_risk: bool) {
     metrics::gauge!(STORE_RISK, "store" => store, "risk" => risk).set(if at_risk {
         1.0

@@ -59,11 +59,12 @@ fn decisions_headroom_and_latency_are_recorded() {
         let _ = now(limiter.admit(&Caller::untenanted(), "web_search", Cost(1.0)));
     });
     let text = handle.render();
+    // acme does not limit instances separately: its instances have no names of their own.
     let admitted = [
         "tool=\"web_search\"",
         "tenant=\"acme\"",
         "outcome=\"admitted\"",
-        "instance=\"agent-7\"",
+        "instance=\"other\"",
     ];
     assert_eq!(value(&text, DECISIONS, &admitted), 3.0);
     let refused = [
@@ -190,4 +191,92 @@ fn store_errors_and_fallbacks_are_counted() {
         ),
         2.0
     );
+}
+
+/// Label values come only from the policy's own names: a flood of made-up tool names, template
+/// tenants, unlisted tenants and instances adds no series. Listed tenants and instances are
+/// labelled by name up to the cap, in policy order; the rest are `other`.
+#[test]
+fn labels_are_the_policys_names_whatever_requests_claim() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let policy = Policy::from_toml_str(
+            r#"
+            [[tool]]
+            name = "web_search"
+            unit = "calls"
+            rate = { limit = 1000000, per = "1m" }
+            [tool.tenants.acme]
+            [tool.tenants.acme.instances.agent-7]
+            [tool.tenants.acme.default_instance]
+            max_instances = 100000
+            [tool.tenants.globex]
+            [tool.default_tenant]
+            max_tenants = 100000
+            [[tool]]
+            name = "closed"
+            unit = "calls"
+            rate = { limit = 60, per = "1m" }
+            [tool.tenants.initech]
+            "#,
+        )
+        .unwrap();
+        let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH))
+            .instance_labels(true)
+            .tenant_labels(1);
+        for i in 0..2000 {
+            let junk = format!("made-up-{i}-{}", "x".repeat(200));
+            // An unknown tool, a template tenant, an unlisted tenant (no template), an unlisted
+            // and a template instance, no identity at all.
+            let _ = now(limiter.admit(&Caller::new("acme"), &junk, Cost(1.0)));
+            let _ = now(limiter.admit(&Caller::new(junk.as_str()), "web_search", Cost(1.0)));
+            let _ = now(limiter.admit(&Caller::new(junk.as_str()), "closed", Cost(1.0)));
+            let _ = now(limiter.admit(
+                &Caller::new("acme").with_instance(junk.as_str()),
+                "web_search",
+                Cost(1.0),
+            ));
+            let _ = now(limiter.admit(&Caller::untenanted(), &junk, Cost(1.0)));
+        }
+        for c in [
+            Caller::new("acme").with_instance("agent-7"),
+            Caller::new("globex"),
+            Caller::new("initech").with_instance("whoever"),
+        ] {
+            let _ = now(limiter.admit(&c, "web_search", Cost(1.0)));
+            let _ = now(limiter.admit(&c, "closed", Cost(1.0)));
+        }
+    });
+    let text = handle.render();
+    assert!(!text.contains("made-up"), "a request's name became a label");
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with(DECISIONS) || l.starts_with(TENANT_HEADROOM))
+        .count();
+    assert!(series <= 16, "{series} series:\n{text}");
+    let label_values = |label: &str| -> std::collections::BTreeSet<String> {
+        text.lines()
+            .filter(|l| l.starts_with(DECISIONS))
+            .filter_map(|l| l.split(&format!("{label}=\"")).nth(1))
+            .map(|rest| rest.split('"').next().unwrap().to_owned())
+            .collect()
+    };
+    let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+    assert_eq!(
+        label_values("tool"),
+        set(&["closed", "unknown", "web_search"])
+    );
+    // Cap 1: acme (listed first) by name; globex past the cap, template tenants: `other`.
+    assert_eq!(
+        label_values("tenant"),
+        set(&["acme", "initech", "other", "unknown"])
+    );
+    assert_eq!(
+        label_values("instance"),
+        set(&["agent-7", "none", "other", "unknown"])
+    );
+    // Headroom only for tenants labelled by name.
+    assert!(line(&text, TENANT_HEADROOM, &["tenant=\"other\""]).is_none());
+    assert!(line(&text, TENANT_HEADROOM, &["tenant=\"acme\""]).is_some());
 }

@@ -250,3 +250,179 @@ fn warnings_are_returned_not_fatal() {
         "{w:?}"
     );
 }
+
+/// An empty (or truncated-to-nothing) policy would refuse every call: it is never valid, so a
+/// reload can never put it in force.
+#[test]
+fn an_empty_policy_is_refused() {
+    for text in ["", "\n\n# nothing here\n"] {
+        let got = problems(text);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0, "tool");
+        assert!(got[0].1.contains("no tool"), "{got:?}");
+    }
+    assert!(Policy::from_json_str("{}").is_err());
+    assert!(Policy::from_json_str(r#"{"tool": []}"#).is_err());
+    // Hot reload: the file is truncated; the policy in force stays.
+    let path = std::env::temp_dir().join(format!("fairshare-empty-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        one_tool(
+            "[tool.default_tenant]
+",
+        ),
+    )
+    .unwrap();
+    let limiter = tower_fairshare::Limiter::new(Policy::from_path(&path).unwrap());
+    std::fs::write(&path, "").unwrap();
+    assert!(limiter.reload_from_path(&path).is_err());
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        limiter.policy().tool("t").is_some(),
+        "the policy in force stays"
+    );
+}
+
+/// Every number the engine derives stays finite and in range: weights that would overflow
+/// their sum, limits past what f64 keeps exact, a capacity below one unit per period, a burst
+/// below one unit and periods over a year are refused with their path, and numbers print
+/// readably.
+#[test]
+fn numbers_that_would_break_the_arithmetic_are_refused() {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "[tool.tenants.a]\nweight = 1e308\n[tool.tenants.b]\nweight = 1e308\n",
+            "tool[0].tenants.a.weight",
+            "weight 1e308 is out of range",
+        ),
+        (
+            "[tool.tenants.a]\nweight = 1e-9\n",
+            "tool[0].tenants.a.weight",
+            "out of range",
+        ),
+        (
+            "[tool.tenants.a]\nceiling = 1e300\n",
+            "tool[0].tenants.a.ceiling",
+            "1e300 is more than",
+        ),
+        (
+            "[tool.tenants.a]\nfloor = 1e20\n",
+            "tool[0].tenants.a.floor",
+            "more than the largest",
+        ),
+        (
+            "[tool.tenants.a]\nburst = 0.5\n",
+            "tool[0].tenants.a.burst",
+            "less than one unit",
+        ),
+        ("burst = 0.25\n", "tool[0].burst", "less than one unit"),
+        (
+            "budgets = [{ period = \"day\", max = 1e300 }]\n",
+            "tool[0].budgets[0].max",
+            "more than the largest",
+        ),
+    ];
+    for (body, path, words) in cases {
+        let got = problems(&one_tool(body));
+        assert!(
+            got.iter().any(|(p, m)| p == path && m.contains(words)),
+            "{body:?}: expected {path} with {words:?}, got {got:?}"
+        );
+    }
+    let tiny = problems(
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 0.001, per = \"1d\" }\n[tool.default_tenant]\n",
+    );
+    assert_eq!(tiny[0].0, "tool[0].rate.limit");
+    assert!(
+        tiny[0].1.contains("less than one unit per period"),
+        "{tiny:?}"
+    );
+    let huge = problems(
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1e308, per = \"1m\" }\n[tool.default_tenant]\n",
+    );
+    assert_eq!(huge[0].0, "tool[0].rate.limit");
+    assert!(huge[0].1.contains("1e308 is more than"), "{huge:?}");
+    let long = problems(
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 10, per = \"400d\" }\n[tool.default_tenant]\n",
+    );
+    assert_eq!(long[0].0, "tool[0].rate.per");
+    // At the edges of the ranges, everything the allocation shows is finite.
+    let p = Policy::from_toml_str(
+        "[[tool]]\nname = \"t\"\nunit = \"tokens\"\nrate = { limit = 1e15, per = \"366d\" }\n[tool.tenants.a]\nweight = 1e6\n[tool.tenants.b]\nweight = 1e-6\n[tool.default_tenant]\nweight = 1e6\nmax_tenants = 4294967295\n",
+    )
+    .unwrap();
+    for t in &p.allocation().tools[0].tenants {
+        for x in [t.share, t.ceiling, t.burst, t.floor] {
+            assert!(x.is_finite() && x >= 0.0, "{t:?}");
+        }
+    }
+}
+
+/// Names: a blank name (only whitespace) is refused like an empty one, for tools, tenants and
+/// instances.
+#[test]
+fn blank_names_are_refused() {
+    let got = problems(
+        "[[tool]]\nname = \"  \"\nunit = \"calls\"\nrate = { limit = 10, per = \"1m\" }\n[tool.tenants.\" \"]\n[tool.tenants.a.instances.\"\t\"]\n",
+    );
+    let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
+    assert!(paths.contains(&"tool[0].name"), "{got:?}");
+    assert!(paths.contains(&"tool[0].tenants. "), "{got:?}");
+    assert!(paths.contains(&"tool[0].tenants.a.instances.\t"), "{got:?}");
+}
+
+/// A budget smaller than what the floor guarantees over its window is allowed, with a warning
+/// naming it: once the budget is spent, calls within the floor are refused.
+#[test]
+fn a_budget_below_the_floor_is_warned() {
+    let p = Policy::from_toml_str(&one_tool(
+        "[tool.tenants.A]\nfloor = 10\nbudgets = [{ period = \"hour\", max = 300 }, { period = \"day\", max = 100000 }]\n",
+    ))
+    .unwrap();
+    let w: Vec<String> = p.warnings().iter().map(|w| w.to_string()).collect();
+    let hourly: Vec<&String> = w.iter().filter(|w| w.contains("budgets[")).collect();
+    assert_eq!(hourly.len(), 1, "{w:?}");
+    assert!(
+        hourly[0].starts_with("tool[0].tenants.A.budgets[0].max: budget 300 per hour is below what the floor guarantees (10 per 1m is 600 per hour)"),
+        "{w:?}"
+    );
+}
+
+/// A dotted key nested past the TOML parser's limit is refused with the line it is on (the
+/// parser itself gives none).
+#[test]
+fn a_key_nested_too_deep_is_located() {
+    let text = format!("{}{} = 1\n", one_tool(""), "a.".repeat(200) + "b");
+    match Policy::from_toml_str(&text) {
+        Err(PolicyError::Syntax { message, .. }) => {
+            assert!(
+                message.starts_with("line 5: a key of 201 dotted parts"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Loading is linear in the number of names: 200,000 tenants load (and duplicates are still
+/// found) in well under the time a per-name scan of every earlier name takes (it took minutes
+/// for 178,000). The bound here is a generous guard against that, not a speed target.
+#[test]
+fn a_policy_with_200k_tenants_loads_in_linear_time() {
+    let mut text = one_tool("");
+    text = text.replace("limit = 100,", "limit = 1000000,");
+    for i in 0..200_000 {
+        text.push_str(&format!(
+            "[tool.tenants.tenant-{i}]\nweight = {}\n",
+            1 + i % 7
+        ));
+    }
+    let started = std::time::Instant::now();
+    let p = Policy::from_toml_str(&text).unwrap();
+    let took = started.elapsed();
+    assert_eq!(p.tool("t").unwrap().tenants().len(), 200_000);
+    assert!(took < std::time::Duration::from_secs(60), "took {took:?}");
+    text.push_str("[tool.tenants.tenant-7]\n");
+    let dup = problems(&text);
+    assert!(dup[0].1.contains("duplicate"), "{dup:?}");
+}

@@ -867,3 +867,121 @@ fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy
         assert_eq!(state[0].as_ref().map_or(0.0, |s| s.in_flight), 0.0);
     });
 }
+
+/// A replica starts while Redis is down: every call follows its tool's `on_store_error`
+/// (deny: `store_unavailable`; allow: through, unmetered), and decisions go to Redis as soon as
+/// it answers.
+#[test]
+fn a_store_started_while_redis_is_down_connects_when_it_returns() {
+    let server = Arc::new(RedisServer::start());
+    server.kill();
+    let policy = Policy::from_toml_str(FAULTS).unwrap();
+    let rt = multi_thread();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_millis(100))
+            .connect_lazy()
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, SystemClock);
+        let a = Caller::new("A");
+        let refusal = limiter.admit(&a, "strict", Cost(1.0)).await.unwrap_err();
+        assert_eq!(refusal.reason, Reason::StoreUnavailable);
+        let through = limiter.admit(&a, "lenient", Cost(1.0)).await.unwrap();
+        assert!(through.admission.is_none(), "fail open: unmetered");
+        let s = server.clone();
+        tokio::task::spawn_blocking(move || assert!(s.spawn(), "Redis starts"))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match limiter.admit(&a, "strict", Cost(1.0)).await {
+                Ok(t) => {
+                    assert!(t.admission.is_some(), "decided by Redis");
+                    break;
+                }
+                Err(r) => assert_eq!(r.reason, Reason::StoreUnavailable),
+            }
+            assert!(Instant::now() < deadline, "never connected");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+/// State loss is visible: the store warns when the server can evict its keys or keeps
+/// nothing on disk, and notices when a tool's state is gone (a flush, a restart without
+/// persistence): logged, counted, and in the metrics.
+#[cfg(all(feature = "metrics", feature = "cli"))]
+#[test]
+fn lost_state_and_a_risky_configuration_are_reported() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    let server = RedisServer::start();
+    let mut conn = server.conn();
+    let config = |conn: &mut redis::Connection, name: &str, value: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(conn)
+            .unwrap();
+    };
+    config(&mut conn, "maxmemory-policy", "allkeys-lru");
+    let policy = Policy::from_toml_str(FAULTS).unwrap();
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        current_thread().block_on(async {
+            // No background checks: this test checks by hand.
+            let store = RedisStore::builder(server.url())
+                .health_checks_every(Duration::ZERO)
+                .connect()
+                .await
+                .unwrap();
+            let limiter = Limiter::with_store(policy, store, SystemClock);
+            let a = Caller::new("A");
+            limiter.admit(&a, "strict", Cost(1.0)).await.unwrap();
+            let h = limiter.store().check_health().await.unwrap();
+            assert_eq!(h.eviction_policy.as_deref(), Some("allkeys-lru"));
+            assert_eq!(h.persistence, Some(false));
+            assert_eq!(h.warnings.len(), 2, "{:?}", h.warnings);
+            assert!(h.lost_tools.is_empty());
+            let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+            let h = limiter.store().check_health().await.unwrap();
+            assert_eq!(h.lost_tools, ["strict"]);
+            assert_eq!(h.states_lost, 1);
+            // Noticed once: the marker is set again.
+            let h = limiter.store().check_health().await.unwrap();
+            assert!(h.lost_tools.is_empty());
+            // A restart without persistence loses it again; this one keeps it from now on.
+            server.kill();
+            assert!(server.spawn());
+            let mut conn = server.conn();
+            config(&mut conn, "appendonly", "yes");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while limiter.admit(&a, "strict", Cost(1.0)).await.is_err() {
+                assert!(Instant::now() < deadline, "no reconnection");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let h = limiter.store().check_health().await.unwrap();
+            assert_eq!(h.lost_tools, ["strict"]);
+            assert_eq!(h.states_lost, 2);
+            assert_eq!(h.eviction_policy.as_deref(), Some("noeviction"));
+            assert_eq!(h.persistence, Some(true));
+            assert!(h.warnings.is_empty(), "{:?}", h.warnings);
+        })
+    });
+    let text = handle.render();
+    let find = |name: &str, labels: &[&str]| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+            .unwrap_or_else(|| panic!("no {name} {labels:?} in\n{text}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    use tower_fairshare::telemetry::{STORE_RISK, STORE_STATE_LOST};
+    assert_eq!(find(STORE_STATE_LOST, &["tool=\"strict\""]), 2.0);
+    assert_eq!(find(STORE_RISK, &["risk=\"eviction\""]), 0.0);
+    assert_eq!(find(STORE_RISK, &["risk=\"no_persistence\""]), 0.0);
+}

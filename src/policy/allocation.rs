@@ -121,7 +121,7 @@ fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
         .map(|i| {
             let n = level_numbers(i, inner_spare, inner_weight);
             InstanceAllocation {
-                name: i.name.clone(),
+                name: i.name.to_string(),
                 floor: i.floor,
                 weight: i.weight,
                 share: n.share,
@@ -132,7 +132,7 @@ fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
         })
         .collect();
     TenantAllocation {
-        name: l.name.clone(),
+        name: l.name.to_string(),
         floor: l.floor,
         reserved_floor: l.reserved_floor,
         weight: l.weight,

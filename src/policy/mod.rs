@@ -137,8 +137,11 @@ pub struct ToolPolicy {
 /// tenant, its instances.
 #[derive(Clone, Debug)]
 pub struct LevelPolicy {
-    pub(crate) name: String,
+    pub(crate) name: Arc<str>,
     pub(crate) template: bool,
+    /// Where the policy lists it among its siblings (templates: `usize::MAX`): the metrics
+    /// label only the first few of a tool's tenants by name.
+    pub(crate) position: usize,
     pub(crate) weight: f64,
     pub(crate) floor: f64,
     /// The floor this level holds back at its parent: its own floor, or its children's floors
@@ -171,7 +174,7 @@ impl Policy {
     pub fn from_toml_str(text: &str) -> Result<Policy, PolicyError> {
         let de = toml::Deserializer::parse(text).map_err(|e| PolicyError::Syntax {
             path: String::new(),
-            message: e.to_string(),
+            message: toml_syntax_message(text, &e),
         })?;
         let raw: raw::RawPolicy =
             serde_path_to_error::deserialize(de).map_err(|e| PolicyError::Syntax {
@@ -441,17 +444,32 @@ impl fmt::Display for Violation {
     }
 }
 
+/// A number as a person reads it: as written when it is moderate, in exponent form when it is
+/// huge or tiny (so `1e308` does not print as 309 digits).
+struct Num(f64);
+
+impl fmt::Display for Num {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let x = self.0;
+        if x != 0.0 && x.is_finite() && !(1e-6..1e16).contains(&x.abs()) {
+            write!(f, "{x:e}")
+        } else {
+            write!(f, "{x}")
+        }
+    }
+}
+
 /// What is wrong with a policy field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Problem {
     /// A number that must be above zero is not.
-    #[error("must be a positive, finite number, not {0}")]
+    #[error("must be a positive, finite number, not {}", Num(*.0))]
     NotPositive(f64),
     /// A number that may be zero is negative or not finite.
-    #[error("must be zero or a positive, finite number, not {0}")]
+    #[error("must be zero or a positive, finite number, not {}", Num(*.0))]
     Negative(f64),
     /// A count is not a whole number ≥ 1.
-    #[error("must be a whole number of at least 1, not {0}")]
+    #[error("must be a whole number of at least 1, not {}", Num(*.0))]
     NotCount(f64),
     /// A period does not parse.
     #[error("{0}")]
@@ -459,11 +477,39 @@ pub enum Problem {
     /// A name is used twice.
     #[error("duplicate name `{0}`: each tool name may appear once")]
     Duplicate(String),
-    /// A name is empty.
-    #[error("a name must not be empty")]
+    /// A name is empty, or only whitespace.
+    #[error("a name must not be empty or blank: give it a name callers can use")]
     EmptyName,
+    /// The policy has no tool: every call would be refused.
+    #[error("the policy lists no tool, so every call would be refused: add a `[[tool]]` (an empty or truncated file is never put in force)")]
+    NoTools,
+    /// A number above what any quota needs (and what stays exact in the arithmetic).
+    #[error("{} is more than the largest allowed, {}: use a smaller unit or a shorter period", Num(*.value), Num(*.max))]
+    TooLarge {
+        /// What was written.
+        value: f64,
+        /// The largest allowed.
+        max: f64,
+    },
+    /// A weight outside the range the shares are computed in.
+    #[error("weight {} is out of range: weights are relative, use numbers between 0.000001 and 1000000", Num(*.0))]
+    WeightOutOfRange(f64),
+    /// A tool's capacity below one unit per period: no call of one unit could ever pass.
+    #[error("{} per {per} is less than one unit per period, so no call could ever be admitted: raise the limit to at least 1 or lengthen the period", Num(*.limit))]
+    BelowOneUnit {
+        /// The limit written.
+        limit: f64,
+        /// The period written.
+        per: String,
+    },
+    /// A burst below one unit: no call of one unit could draw from the bucket.
+    #[error("burst {} is less than one unit, so no call above the floor could pass: use at least 1 (or leave it unset)", Num(*.0))]
+    BurstBelowOne(f64),
+    /// A tool's period longer than a year.
+    #[error("`{0}` is longer than a year: rates are per period of at most 366 days; use a budget (hour, day, month) for calendar limits")]
+    PeriodTooLong(String),
     /// Floors add up to more than the capacity they are carved from.
-    #[error("floors add up to {sum}, more than the {capacity} available: lower the floors or raise the capacity")]
+    #[error("floors add up to {}, more than the {} available: lower the floors or raise the capacity", Num(*.sum), Num(*.capacity))]
     FloorsExceedCapacity {
         /// Σ floors (templates counted at their maximum number).
         sum: f64,
@@ -472,7 +518,9 @@ pub enum Problem {
     },
     /// A ceiling below its floor.
     #[error(
-        "ceiling {ceiling} is below the floor {floor}: raise the ceiling to at least the floor"
+        "ceiling {} is below the floor {}: raise the ceiling to at least the floor",
+        Num(*.ceiling),
+        Num(*.floor)
     )]
     CeilingBelowFloor {
         /// The ceiling.
@@ -481,7 +529,7 @@ pub enum Problem {
         floor: f64,
     },
     /// A ceiling above what the level above can ever give.
-    #[error("ceiling {ceiling} is above the {capacity} the level above can give: lower it to at most {capacity}")]
+    #[error("ceiling {} is above the {} the level above can give: lower it to at most {}", Num(*.ceiling), Num(*.capacity), Num(*.capacity))]
     CeilingAboveCapacity {
         /// The ceiling.
         ceiling: f64,
@@ -523,6 +571,50 @@ impl fmt::Display for Warning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.path, self.message)
     }
+}
+
+/// The TOML parser's message, with a location when it gave none (it gives none when a dotted
+/// key nests too deep): the line of the most deeply dotted key.
+fn toml_syntax_message(text: &str, e: &toml::de::Error) -> String {
+    let message = e.to_string().trim().to_owned();
+    if e.span().is_some() {
+        return message;
+    }
+    match deepest_dotted_key(text) {
+        Some((line, parts)) if parts > 8 => format!(
+            "line {line}: a key of {parts} dotted parts ({message}): a policy nests at most 8 levels deep"
+        ),
+        _ => format!("{message} (the TOML parser gave no line)"),
+    }
+}
+
+/// The line (1-based) of the key with the most dotted parts, and how many it has: in a table
+/// header, or before `=`. Quoted parts are skipped whole.
+fn deepest_dotted_key(text: &str) -> Option<(usize, usize)> {
+    let mut deepest: Option<(usize, usize)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim_start();
+        let key = match line.strip_prefix('[') {
+            Some(rest) => rest.trim_start_matches('['),
+            None => line,
+        };
+        let mut parts = 1;
+        let mut quote: Option<char> = None;
+        for c in key.chars() {
+            match (quote, c) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '"' | '\'') => quote = Some(c),
+                (None, '.') => parts += 1,
+                (None, '=' | ']' | '#') => break,
+                _ => {}
+            }
+        }
+        if deepest.is_none_or(|(_, d)| parts > d) {
+            deepest = Some((i + 1, parts));
+        }
+    }
+    deepest
 }
 
 /// serde_path_to_error prints `tool[0].tenants.A`; keep it, but drop a leading `.`.

@@ -24,9 +24,16 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for UniqueMap<T> {
                 f.write_str("a table of names")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut out: Vec<(String, T)> = Vec::new();
+                let mut out: Vec<(String, T)> = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                // A set of the names so far: a policy may list hundreds of thousands of
+                // tenants, and each must be checked against all before it.
+                let mut seen: std::collections::HashSet<String, foldhash::fast::RandomState> =
+                    std::collections::HashSet::with_capacity_and_hasher(
+                        out.capacity(),
+                        Default::default(),
+                    );
                 while let Some(k) = map.next_key::<String>()? {
-                    if out.iter().any(|(n, _)| *n == k) {
+                    if !seen.insert(k.clone()) {
                         return Err(serde::de::Error::custom(format!(
                             "duplicate name `{k}`: each name may appear once"
                         )));

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use super::raw::{RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
 use super::{
-    Budget, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation, Warning,
+    Budget, BudgetPeriod, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation,
+    Warning,
 };
 
 /// Tracked template callers when the policy does not say: enough for real fleets, small
@@ -12,6 +13,14 @@ use super::{
 pub(crate) const DEFAULT_MAX_TENANTS: u64 = 10_000;
 /// See [`DEFAULT_MAX_TENANTS`].
 pub(crate) const DEFAULT_MAX_INSTANCES: u64 = 1_000;
+
+/// The most units a limit, floor, ceiling, burst or budget may be: far above any real quota,
+/// and small enough that every sum the engine forms stays exact in `f64` and prints as written.
+pub(crate) const MAX_UNITS: f64 = 1e15;
+/// Weights are relative: this range keeps every share finite and meaningful.
+const WEIGHTS: std::ops::RangeInclusive<f64> = 1e-6..=1e6;
+/// The longest period a rate may be given per (budgets cover calendar months).
+const MAX_PERIOD_MICROS: u64 = 366 * 86_400_000_000;
 
 struct Ctx {
     violations: Vec<Violation>,
@@ -44,6 +53,42 @@ impl Ctx {
         }
     }
 
+    /// A positive number of units, at most [`MAX_UNITS`].
+    fn units(&mut self, path: &str, x: f64) -> f64 {
+        let x = self.positive(path, x);
+        self.at_most(path, x)
+    }
+
+    fn at_most(&mut self, path: &str, x: f64) -> f64 {
+        if x > MAX_UNITS {
+            self.err(
+                path,
+                Problem::TooLarge {
+                    value: x,
+                    max: MAX_UNITS,
+                },
+            );
+            return MAX_UNITS;
+        }
+        x
+    }
+
+    /// A burst: units, at least one.
+    fn burst(&mut self, path: &str, x: f64) -> f64 {
+        let x = self.units(path, x);
+        if x < 1.0 {
+            self.err(path, Problem::BurstBelowOne(x));
+            return 1.0;
+        }
+        x
+    }
+
+    fn name(&mut self, path: impl Into<String>, name: &str) {
+        if name.trim().is_empty() {
+            self.err(path, Problem::EmptyName);
+        }
+    }
+
     fn count(&mut self, path: &str, x: f64) -> u64 {
         if x.is_finite() && x >= 1.0 && x.fract() == 0.0 && x <= u32::MAX as f64 {
             x as u64
@@ -57,7 +102,7 @@ impl Ctx {
         let mut out: Vec<Budget> = Vec::new();
         for (i, b) in raw.iter().enumerate() {
             let p = format!("{path}.budgets[{i}]");
-            let max = self.positive(&format!("{p}.max"), b.max);
+            let max = self.units(&format!("{p}.max"), b.max);
             if out.iter().any(|o| o.period == b.period) {
                 self.err(format!("{p}.period"), Problem::DuplicateBudget(b.period));
                 continue;
@@ -78,6 +123,9 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
     };
     let mut tools = Vec::new();
     let mut by_name = super::NameIndex::default();
+    if raw.tool.is_empty() {
+        cx.err("tool", Problem::NoTools);
+    }
     for (i, t) in raw.tool.into_iter().enumerate() {
         let path = format!("tool[{i}]");
         let tp = tool(&mut cx, t, &path);
@@ -101,16 +149,34 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
 }
 
 fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
-    if raw.name.is_empty() {
-        cx.err(format!("{path}.name"), Problem::EmptyName);
+    cx.name(format!("{path}.name"), &raw.name);
+    let limit_path = format!("{path}.rate.limit");
+    let capacity = cx.units(&limit_path, raw.rate.limit);
+    let period = match Period::parse(&raw.rate.per) {
+        Ok(p) if p.as_micros() > MAX_PERIOD_MICROS => {
+            cx.err(
+                format!("{path}.rate.per"),
+                Problem::PeriodTooLong(raw.rate.per.clone()),
+            );
+            Period::from_micros(MAX_PERIOD_MICROS)
+        }
+        Ok(p) => p,
+        Err(e) => {
+            cx.err(format!("{path}.rate.per"), Problem::BadPeriod(e));
+            Period::from_micros(60_000_000)
+        }
+    };
+    if capacity < 1.0 {
+        cx.err(
+            &limit_path,
+            Problem::BelowOneUnit {
+                limit: capacity,
+                per: raw.rate.per.clone(),
+            },
+        );
     }
-    let capacity = cx.positive(&format!("{path}.rate.limit"), raw.rate.limit);
-    let period = Period::parse(&raw.rate.per).unwrap_or_else(|e| {
-        cx.err(format!("{path}.rate.per"), Problem::BadPeriod(e));
-        Period::from_micros(60_000_000)
-    });
     let burst = match raw.burst {
-        Some(b) => cx.positive(&format!("{path}.burst"), b),
+        Some(b) => cx.burst(&format!("{path}.burst"), b),
         None => default_burst(capacity),
     };
     let tiers = match (raw.tier, raw.tiers) {
@@ -139,11 +205,11 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     let mut tenant_index = super::NameIndex::default();
     for (name, t) in &raw.tenants.0 {
         let tpath = format!("{path}.tenants.{name}");
-        if name.is_empty() {
-            cx.err(&tpath, Problem::EmptyName);
-        }
+        cx.name(&tpath, name);
         tenant_index.insert(name.clone(), tenants.len());
-        tenants.push(tenant(cx, name, t, &tpath, burst, false));
+        let mut level = tenant(cx, name, t, &tpath, burst, false);
+        level.position = tenants.len();
+        tenants.push(level);
     }
     let default_tenant = raw
         .default_tenant
@@ -217,6 +283,15 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
                     t.burst
                 ),
             });
+        }
+        floor_within_budgets(cx, tpath, t.floor, period, &t.budgets);
+        for c in t.children.iter().chain(t.default_child.as_deref()) {
+            let cpath = if c.template {
+                format!("{tpath}.default_instance")
+            } else {
+                format!("{tpath}.instances.{}", c.name)
+            };
+            floor_within_budgets(cx, &cpath, c.floor, period, &c.budgets);
         }
         let share = share_of(spare, t.weight, weight_once);
         let nominal = t.floor + share;
@@ -294,6 +369,8 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         burst + banks
     };
 
+    floor_within_budgets(cx, path, reserved_floors, period, &budgets);
+
     // Budgets split across tenants with (almost) nothing left unallocated.
     for b in &budgets {
         let split: f64 = tenants
@@ -330,6 +407,34 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         reserved_floors,
         configured_weight,
         configured_tenant_burst,
+    }
+}
+
+/// Warns when a budget is smaller than what the floor guarantees over its window (the
+/// shortest month for a monthly one): once it is spent, calls within the floor are refused.
+fn floor_within_budgets(cx: &mut Ctx, path: &str, floor: f64, period: Period, budgets: &[Budget]) {
+    if floor <= 0.0 {
+        return;
+    }
+    for (i, b) in budgets.iter().enumerate() {
+        let window_hours = match b.period {
+            BudgetPeriod::Hour => 1.0,
+            BudgetPeriod::Day => 24.0,
+            BudgetPeriod::Month => 28.0 * 24.0,
+        };
+        let owed = floor * window_hours * 3_600_000_000.0 / period.as_micros() as f64;
+        if b.max < owed * (1.0 - 1e-12) {
+            cx.warnings.push(Warning {
+                path: format!("{path}.budgets[{i}].max"),
+                message: format!(
+                    "budget {} per {} is below what the floor guarantees ({floor} per {period} is {} per {}): once the budget is spent, calls within the floor are refused too; raise the budget or lower the floor",
+                    b.max,
+                    b.period.as_str(),
+                    (owed * 10.0).round() / 10.0,
+                    b.period.as_str()
+                ),
+            });
+        }
     }
 }
 
@@ -396,12 +501,19 @@ fn common(
     budgets: &[RawBudget],
     parent_burst: f64,
 ) -> LevelPolicy {
-    let weight = cx.positive(&format!("{path}.weight"), weight.unwrap_or(1.0));
-    let floor = cx.non_negative(&format!("{path}.floor"), floor.unwrap_or(0.0));
-    let ceiling = ceiling.map(|c| cx.positive(&format!("{path}.ceiling"), c));
+    let weight_path = format!("{path}.weight");
+    let mut weight = cx.positive(&weight_path, weight.unwrap_or(1.0));
+    if !WEIGHTS.contains(&weight) {
+        cx.err(&weight_path, Problem::WeightOutOfRange(weight));
+        weight = 1.0;
+    }
+    let floor_path = format!("{path}.floor");
+    let floor = cx.non_negative(&floor_path, floor.unwrap_or(0.0));
+    let floor = cx.at_most(&floor_path, floor);
+    let ceiling = ceiling.map(|c| cx.units(&format!("{path}.ceiling"), c));
     let explicit_burst = burst.is_some();
     let burst = match burst {
-        Some(b) => cx.positive(&format!("{path}.burst"), b),
+        Some(b) => cx.burst(&format!("{path}.burst"), b),
         None => parent_burst,
     };
     let max_concurrency =
@@ -409,6 +521,7 @@ fn common(
     let budgets = cx.budgets(path, budgets);
     LevelPolicy {
         name: if template { "*".into() } else { name.into() },
+        position: usize::MAX,
         template,
         weight,
         floor,
@@ -489,11 +602,10 @@ fn tenant(
     );
     for (iname, i) in &raw.instances.0 {
         let ipath = format!("{path}.instances.{iname}");
-        if iname.is_empty() {
-            cx.err(&ipath, Problem::EmptyName);
-        }
+        cx.name(&ipath, iname);
         t.child_index.insert(iname.clone(), t.children.len());
-        let inst = instance(cx, iname, i, &ipath, t.burst, false);
+        let mut inst = instance(cx, iname, i, &ipath, t.burst, false);
+        inst.position = t.children.len();
         t.children.push(inst);
     }
     if let Some(d) = &raw.default_instance {
