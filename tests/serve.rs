@@ -2,6 +2,8 @@
 //! with a hyper client.
 #![cfg(feature = "cli")]
 
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -80,6 +82,8 @@ impl Drop for Dir {
 struct Server {
     child: Child,
     addr: SocketAddr,
+    /// The metrics listener, when it has one.
+    metrics: Option<SocketAddr>,
     _stdout: BufReader<ChildStdout>,
     _dir: Dir,
 }
@@ -92,12 +96,18 @@ impl Drop for Server {
 }
 
 fn serve(name: &str) -> Server {
+    serve_with(name, &[])
+}
+
+/// `fairshare serve` with these arguments too.
+fn serve_with(name: &str, args: &[&str]) -> Server {
     let dir = Dir::new(name);
     let policy = dir.file("policy.toml", POLICY);
     let keys = dir.file("keys.toml", KEYS);
     let mut child = Command::new(env!("CARGO_BIN_EXE_fairshare"))
         .args(["serve", "--policy", &policy, "--keys", &keys])
         .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -110,9 +120,17 @@ fn serve(name: &str) -> Server {
         .rsplit_once("http://")
         .and_then(|(_, a)| a.parse().ok())
         .unwrap_or_else(|| panic!("serve prints its address first, not {line:?}"));
+    let mut second = String::new();
+    stdout.read_line(&mut second).unwrap();
+    let metrics = second
+        .split("metrics at http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|a| a.parse().ok());
     Server {
         child,
         addr,
+        metrics,
         _stdout: stdout,
         _dir: dir,
     }
@@ -286,9 +304,130 @@ fn a_bad_keys_file_is_refused_naming_the_field() {
     }
 }
 
+/// GET `url`, with a bearer token: status and body.
+async fn get(url: String, bearer: Option<&str>) -> (StatusCode, String) {
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut request = Request::get(url);
+    if let Some(key) = bearer {
+        request = request.header("authorization", format!("Bearer {key}"));
+    }
+    let response = client
+        .request(request.body(Empty::new()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// `/metrics` names every tenant: it is served only behind a key, or on a listener of its
+/// own, never to anyone who asks.
+#[tokio::test]
+async fn metrics_need_a_key_or_a_listener_of_their_own() {
+    let open = serve("metrics-none");
+    assert_eq!(
+        call(&open, "generate_report", Some("sk-acme")).await.status,
+        StatusCode::OK
+    );
+    let (status, _) = get(format!("http://{}/metrics", open.addr), None).await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "no metrics without a key or listener"
+    );
+
+    let keyed = serve_with("metrics-key", &["--metrics-key", "s3cret"]);
+    assert_eq!(
+        call(&keyed, "generate_report", Some("sk-acme"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    for wrong in [None, Some("guess")] {
+        let (status, body) = get(format!("http://{}/metrics", keyed.addr), wrong).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{wrong:?}: {body}");
+        assert!(!body.contains("fairshare_decisions_total"), "{body}");
+    }
+    let (status, body) = get(format!("http://{}/metrics", keyed.addr), Some("s3cret")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("fairshare_decisions_total"), "{body}");
+
+    let apart = serve_with("metrics-listen", &["--metrics-listen", "127.0.0.1:0"]);
+    assert_eq!(
+        call(&apart, "generate_report", Some("sk-acme"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let (status, _) = get(format!("http://{}/metrics", apart.addr), None).await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "not on the gateway's listener"
+    );
+    let at = apart.metrics.expect("serve prints the metrics listener");
+    let (status, body) = get(format!("http://{at}/metrics"), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("fairshare_decisions_total"), "{body}");
+}
+
+/// Only `/tools/{name}` is a tool: a path below it is not a route of the gateway (404) and
+/// is never charged.
+#[tokio::test]
+async fn a_path_below_a_tool_is_not_charged() {
+    let server = serve("subpath");
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    for _ in 0..5 {
+        let request = Request::post(format!(
+            "http://{}/tools/generate_report/extra",
+            server.addr
+        ))
+        .header("x-api-key", "sk-acme")
+        .body(Empty::new())
+        .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    }
+    // acme's allowance (3 at once) is whole.
+    for _ in 0..3 {
+        assert_eq!(
+            call(&server, "generate_report", Some("sk-acme"))
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+}
+
+/// A replica starts while Redis is down: each tool's `on_store_error` applies (here: deny,
+/// 503), and it serves from Redis as soon as Redis answers.
+#[tokio::test]
+async fn serve_starts_while_redis_is_down_and_connects_when_it_returns() {
+    let redis = support::RedisServer::start();
+    redis.kill();
+    let server = serve_with("redis-down", &["--redis", &redis.url()]);
+    let a = call(&server, "generate_report", Some("sk-acme")).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.json);
+    assert_eq!(a.json["error"], "store_unavailable");
+    assert!(redis.spawn(), "Redis starts");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let a = call(&server, "generate_report", Some("sk-acme")).await;
+        if a.status == StatusCode::OK {
+            break;
+        }
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.json);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never served from Redis"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn metrics_are_served_as_prometheus_text() {
-    let server = serve("metrics");
+    let server = serve_with("metrics", &["--metrics-key", "k"]);
     // A scripted mix: acme 3 admitted then 2 refused (ceiling 3), 1 call without identity.
     for k in 0..5 {
         let want = if k < 3 {
@@ -307,14 +446,8 @@ async fn metrics_are_served_as_prometheus_text() {
         call(&server, "generate_report", None).await.status,
         StatusCode::UNAUTHORIZED
     );
-    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let response = client
-        .get(format!("http://{}/metrics", server.addr).parse().unwrap())
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let text = response.into_body().collect().await.unwrap().to_bytes();
-    let text = String::from_utf8_lossy(&text).into_owned();
+    let (status, text) = get(format!("http://{}/metrics", server.addr), Some("k")).await;
+    assert_eq!(status, StatusCode::OK);
     let value = |name: &str, labels: &[&str]| -> f64 {
         let line = text
             .lines()

@@ -66,8 +66,32 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
         /// Keep state in Redis at this URL (shared by every replica) instead of in process.
+        /// The gateway starts even while Redis is down: each tool's `on_store_error` applies
+        /// until Redis answers.
         #[arg(long, value_name = "URL")]
         redis: Option<String>,
+        /// Serve `/metrics` on a listener of its own (e.g. one only the scraper can reach),
+        /// not on the gateway's.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<SocketAddr>,
+        /// Serve `/metrics` on the gateway's listener to requests with
+        /// `Authorization: Bearer <KEY>` (also read from FAIRSHARE_METRICS_KEY). Without this
+        /// or --metrics-listen there is no /metrics: it names every tenant.
+        #[arg(long, value_name = "KEY")]
+        metrics_key: Option<String>,
+        /// The most a client may take to send a request head; idle keep-alive connections
+        /// are closed after it too.
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        header_timeout: Duration,
+        /// The most a request may take (answered 503 past it).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        request_timeout: Duration,
+        /// The most connections open at once; more wait in the listen queue.
+        #[arg(long, default_value_t = 1024)]
+        max_connections: usize,
+        /// Also log every decision (tracing target `tower_fairshare::decision`) on stderr.
+        #[arg(long)]
+        log_decisions: bool,
     },
     /// Run the acceptance test over loopback HTTP: a heavy tenant at 10x its share, a quiet
     /// tenant, an interactive agent beside a runaway teammate. Exits 1 if a property fails.
@@ -101,7 +125,29 @@ fn main() -> ExitCode {
             keys,
             listen,
             redis,
-        } => serve(&policy, &keys, listen, redis),
+            metrics_listen,
+            metrics_key,
+            header_timeout,
+            request_timeout,
+            max_connections,
+            log_decisions,
+        } => {
+            init_logging(log_decisions);
+            let options = ServeOptions {
+                listen,
+                redis,
+                metrics_listen,
+                metrics_key: metrics_key
+                    .or_else(|| std::env::var("FAIRSHARE_METRICS_KEY").ok())
+                    .filter(|k| !k.trim().is_empty()),
+                limits: cli::serve::Limits {
+                    header_timeout,
+                    max_connections,
+                    request_timeout,
+                },
+            };
+            serve(&policy, &keys, options)
+        }
         Command::Demo { duration, svg } => {
             runtime().block_on(cli::demo::run(duration, svg.as_deref()))
         }
@@ -115,12 +161,45 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-fn serve(
-    policy_path: &Path,
-    keys_path: &Path,
+/// Warnings and errors on stderr (store faults, lost Redis state, rejected reloads); every
+/// decision too with `--log-decisions`.
+fn init_logging(decisions: bool) {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::prelude::*;
+    let decision_level = if decisions {
+        LevelFilter::DEBUG
+    } else {
+        LevelFilter::OFF
+    };
+    let filter = Targets::new()
+        .with_default(LevelFilter::INFO)
+        .with_target("tower_fairshare::decision", decision_level);
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(false)
+                .with_filter(filter),
+        )
+        .try_init();
+}
+
+struct ServeOptions {
     listen: SocketAddr,
     redis: Option<String>,
-) -> ExitCode {
+    metrics_listen: Option<SocketAddr>,
+    metrics_key: Option<String>,
+    limits: cli::serve::Limits,
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ExitCode> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        eprintln!("error: cannot listen on {addr}: {e}");
+        ExitCode::from(1)
+    })
+}
+
+fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
     let policy = match load(policy_path) {
         Ok(p) => p,
         Err(code) => return code,
@@ -142,50 +221,78 @@ fn serve(
     let n_keys = keys.len();
     let policy_file = policy_path.to_owned();
     runtime().block_on(async move {
-        let metrics = cli::serve::install_prometheus();
-        let app = match redis {
+        let handle = if o.metrics_listen.is_some() || o.metrics_key.is_some() {
+            cli::serve::install_prometheus()
+        } else {
+            None
+        };
+        let on_gateway = match (&handle, &o.metrics_key, o.metrics_listen) {
+            (Some(h), Some(key), None) => cli::serve::Metrics::WithKey(h.clone(), key.as_str().into()),
+            _ => cli::serve::Metrics::Off,
+        };
+        let app = match &o.redis {
             None => {
                 let limiter = tower_fairshare::Limiter::new(policy);
                 watch_policy(limiter.clone(), policy_file);
-                cli::serve::router_with(limiter, keys, metrics)
+                cli::serve::router_with(limiter, keys, on_gateway, o.limits)
             }
-            Some(url) => match tower_fairshare::store::RedisStore::connect(&url).await {
-                Ok(store) => {
-                    let limiter = tower_fairshare::Limiter::with_store(
-                        policy,
-                        store,
-                        tower_fairshare::SystemClock,
-                    );
-                    watch_policy(limiter.clone(), policy_file);
-                    cli::serve::router_with(limiter, keys, metrics)
+            Some(url) => {
+                // Lazily: a replica starts while Redis is down, and connects when it is back.
+                let store = match tower_fairshare::store::RedisStore::builder(url.as_str()).connect_lazy() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("error: cannot use Redis at {url}: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                if let Err(e) = store.check_health().await {
+                    eprintln!("warning: Redis at {url} does not answer ({e}): each tool's on_store_error applies until it does");
                 }
-                Err(e) => {
-                    eprintln!("error: cannot use Redis at {url}: {e}");
-                    return ExitCode::from(1);
-                }
-            },
+                let limiter =
+                    tower_fairshare::Limiter::with_store(policy, store, tower_fairshare::SystemClock);
+                watch_policy(limiter.clone(), policy_file);
+                cli::serve::router_with(limiter, keys, on_gateway, o.limits)
+            }
         };
-        let listener = match tokio::net::TcpListener::bind(listen).await {
+        let listener = match bind(o.listen).await {
             Ok(l) => l,
-            Err(e) => {
-                eprintln!("error: cannot listen on {listen}: {e}");
-                return ExitCode::from(1);
-            }
+            Err(code) => return code,
         };
         let addr = listener
             .local_addr()
             .expect("a bound socket has an address");
+        let metrics_listener = match (o.metrics_listen, &handle) {
+            (Some(a), Some(_)) => match bind(a).await {
+                Ok(l) => Some(l),
+                Err(code) => return code,
+            },
+            _ => None,
+        };
         // Scripts and tests read this line to learn the port.
         println!("fairshare serve: listening on http://{addr}");
+        let metrics_note = match (&metrics_listener, &o.metrics_key) {
+            (Some(l), _) => {
+                let a = l.local_addr().expect("a bound socket has an address");
+                format!("metrics at http://{a}/metrics")
+            }
+            (None, Some(_)) if handle.is_some() => {
+                "metrics at /metrics with `Authorization: Bearer <key>`".to_owned()
+            }
+            _ => "no /metrics (--metrics-listen or --metrics-key)".to_owned(),
+        };
         println!(
-            "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; metrics at /metrics",
+            "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; {metrics_note}",
             tools.join(", "),
             cli::serve::API_KEY
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
+        if let (Some(l), Some(h)) = (metrics_listener, handle) {
+            let app = cli::serve::metrics_router(h, o.limits);
+            tokio::spawn(cli::serve::run(l, app, o.limits, std::future::pending()));
+        }
         let shutdown = shutdown_signal();
-        match cli::serve::run(listener, app, shutdown).await {
+        match cli::serve::run(listener, app, o.limits, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: the server stopped: {e}");
@@ -231,14 +338,8 @@ fn watch_policy<S: tower_fairshare::Store, C: tower_fairshare::Clock>(
             let now = modified(&path);
             if signalled || now != seen {
                 seen = now;
-                match limiter.reload_from_path(&path) {
-                    Ok(()) => eprintln!("fairshare serve: policy reloaded from {}", path.display()),
-                    Err(e) => eprintln!(
-                        "error: policy file {} rejected, keeping the policy in force:\n  {}",
-                        path.display(),
-                        e.to_string().replace('\n', "\n  ")
-                    ),
-                }
+                // The limiter logs the outcome (the reload, or why the file was rejected).
+                let _ = limiter.reload_from_path(&path);
             }
         }
     });

@@ -175,9 +175,11 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
         .local_addr()
         .expect("a bound socket has an address");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let limits = serve::Limits::default();
     let server = tokio::spawn(serve::run(
         listener,
-        serve::router(policy, keys, None),
+        serve::router(policy, keys, serve::Metrics::Off, limits),
+        limits,
         async move {
             let _ = stopped.await;
         },

@@ -1,20 +1,31 @@
 //! `fairshare serve`: a reference axum gateway. The demo auth layer looks the `x-api-key`
 //! header up in the keys file and puts the [`Caller`] in the request extensions; the
 //! [`FairShareLayer`] behind it admits or refuses every `/tools/{name}` call as tool `name`.
-//! `/metrics` serves the limiter's metrics as Prometheus text.
+//!
+//! It is meant to be exposable: every connection must send its request head within a time
+//! limit (a client trickling bytes, or an idle keep-alive connection, is closed), the number
+//! of open connections is capped (past it, new ones wait in the listen queue), each request
+//! has a time limit, and the metrics — which name tenants — are served only behind a key or
+//! on a listener of their own.
 
 use std::future::Future;
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::header::CONTENT_TYPE;
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
 use axum::{Json, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tower_fairshare::{Caller, Clock, FairShareLayer, Limiter, Policy, Store};
 
 use super::keys::Keys;
@@ -22,42 +33,132 @@ use super::keys::Keys;
 /// The header the demo auth layer reads.
 pub(crate) const API_KEY: &str = "x-api-key";
 
-/// The gateway with an in-process store and the system clock; `/metrics` renders `metrics`
-/// (404 without it).
-pub(crate) fn router(policy: Policy, keys: Keys, metrics: Option<PrometheusHandle>) -> Router {
-    router_with(Limiter::new(policy), keys, metrics)
+/// The path prefix of tools: `/tools/{name}`.
+const TOOLS: &str = "/tools/";
+
+/// What a connection and a request may take.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Limits {
+    /// The most a client may take to send a request head (and the longest an idle keep-alive
+    /// connection stays open).
+    pub(crate) header_timeout: Duration,
+    /// The most connections open at once; more wait in the listen queue.
+    pub(crate) max_connections: usize,
+    /// The most a request may take, head to response.
+    pub(crate) request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            header_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How `/metrics` is reached on the gateway's own listener.
+#[derive(Clone)]
+pub(crate) enum Metrics {
+    /// Not there (off, or on a listener of its own: see [`metrics_router`]).
+    Off,
+    /// There, for requests that carry `Authorization: Bearer <key>`.
+    WithKey(PrometheusHandle, Arc<str>),
+}
+
+/// The gateway with an in-process store and the system clock.
+pub(crate) fn router(policy: Policy, keys: Keys, metrics: Metrics, limits: Limits) -> Router {
+    router_with(Limiter::new(policy), keys, metrics, limits)
 }
 
 /// The gateway deciding with `limiter`.
 pub(crate) fn router_with<S: Store, C: Clock>(
     limiter: Limiter<S, C>,
     keys: Keys,
-    metrics: Option<PrometheusHandle>,
+    metrics: Metrics,
+    limits: Limits,
 ) -> Router {
     let mut app = Router::new().route("/tools/{name}", any(tool));
-    if let Some(handle) = metrics {
+    if let Metrics::WithKey(handle, key) = metrics {
         app = app.route(
             "/metrics",
-            get(move || {
-                let text = handle.render();
+            get(move |req: Request| {
+                let (handle, key) = (handle.clone(), key.clone());
                 async move {
-                    (
-                        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-                        text,
-                    )
-                        .into_response()
+                    if bearer(&req).is_some_and(|k| k == &*key) {
+                        render(&handle)
+                    } else {
+                        (
+                            StatusCode::UNAUTHORIZED,
+                            [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare metrics\"")],
+                            "send the metrics key as `Authorization: Bearer <key>`\n",
+                        )
+                            .into_response()
+                    }
                 }
             }),
         );
     }
-    // `/metrics` is not under `/tools/`: the fair-share layer lets it through unmetered.
+    // Only `/tools/{name}` itself is a tool: any other path (`/metrics`, `/tools/x/extra`)
+    // passes the fair-share layer unmetered, so a path the router does not serve (404) is
+    // never charged.
     app.layer(
         FairShareLayer::new(limiter)
-            .tool_from_path("/tools/")
+            .tool_with(|head| {
+                let name = head.uri.path().strip_prefix(TOOLS)?;
+                (!name.is_empty() && !name.contains('/')).then(|| Arc::from(name))
+            })
             .headers(true),
     )
     // Outermost: the caller is known before the fair-share layer looks for it.
     .layer(middleware::from_fn_with_state(Arc::new(keys), authenticate))
+    .layer(middleware::from_fn_with_state(
+        limits.request_timeout,
+        time_limit,
+    ))
+}
+
+/// `/metrics` alone, for a listener of its own (e.g. one only the scraper can reach).
+pub(crate) fn metrics_router(handle: PrometheusHandle, limits: Limits) -> Router {
+    Router::new()
+        .route("/metrics", get(move || std::future::ready(render(&handle))))
+        .layer(middleware::from_fn_with_state(
+            limits.request_timeout,
+            time_limit,
+        ))
+}
+
+fn render(handle: &PrometheusHandle) -> Response {
+    (
+        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        handle.render(),
+    )
+        .into_response()
+}
+
+fn bearer(req: &Request) -> Option<&str> {
+    req.headers()
+        .get(AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+}
+
+/// A request that takes longer than its limit is answered 503, and its work dropped.
+async fn time_limit(State(limit): State<Duration>, req: Request, next: Next) -> Response {
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({
+                "error": "request_timeout",
+                "detail": format!("the request took longer than {} ms", limit.as_millis()),
+            })),
+        )
+            .into_response(),
+    }
 }
 
 /// The tool itself: every admitted call succeeds.
@@ -107,13 +208,190 @@ pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` completes, then lets calls in flight finish.
+/// Serves `app` on `listener` until `shutdown` completes, then lets calls in flight finish
+/// (for up to 10 s). HTTP/1.1, with `limits` on every connection.
 pub(crate) async fn run(
     listener: TcpListener,
     app: Router,
+    limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = pin!(shutdown);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    loop {
+        // A slot first: past the cap, connections wait in the kernel's listen queue.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors, or a connection reset before it was accepted: go on.
+                Err(e) => {
+                    eprintln!("warning: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            // A closed or timed-out connection is the client's business, not the server's.
+            let _ = conn.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(Duration::from_secs(10)) => {
+            eprintln!("warning: connections still open 10 s after shutdown began; closing them");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The gateway's guards against slow, idle and too many clients, in this process over real
+    //! loopback sockets, under tokio's paused clock: the timeouts pass in virtual time.
+
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    const POLICY: &str = r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+    "#;
+
+    async fn start(limits: Limits, app: Option<Router>) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = app.unwrap_or_else(|| {
+            router(
+                Policy::from_toml_str(POLICY).unwrap(),
+                Keys::from_toml_str("[keys.\"sk-a\"]\ntenant = \"a\"\n").unwrap(),
+                Metrics::Off,
+                limits,
+            )
+        });
+        tokio::spawn(run(listener, app, limits, std::future::pending()));
+        addr
+    }
+
+    /// Reads until the server closes the connection; what it sent.
+    async fn until_closed(stream: &mut TcpStream) -> String {
+        let mut out = Vec::new();
+        stream.read_to_end(&mut out).await.unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    const REQUEST: &[u8] =
+        b"POST /tools/t HTTP/1.1\r\nhost: x\r\nx-api-key: sk-a\r\ncontent-length: 0\r\n\r\n";
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_trickles_its_head_is_closed_at_the_header_timeout() {
+        let limits = Limits {
+            header_timeout: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        let addr = start(limits, None).await;
+        let mut slow = TcpStream::connect(addr).await.unwrap();
+        let started = tokio::time::Instant::now();
+        // One byte a second: never a whole head.
+        let closed = tokio::time::timeout(Duration::from_secs(3600), async {
+            for b in REQUEST.iter().take(20) {
+                if slow.write_all(&[*b]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            until_closed(&mut slow).await
+        })
         .await
+        .expect("the server never closed a client that trickles its head");
+        assert!(!closed.contains("200 OK"), "{closed}");
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(5) && took <= Duration::from_secs(6),
+            "closed after {took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn connections_past_the_cap_wait_until_idle_ones_are_closed() {
+        let limits = Limits {
+            header_timeout: Duration::from_secs(5),
+            max_connections: 2,
+            ..Limits::default()
+        };
+        let addr = start(limits, None).await;
+        // Two idle connections take both slots.
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+        }
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        let mut legit = TcpStream::connect(addr).await.unwrap();
+        legit.write_all(REQUEST).await.unwrap();
+        let mut buf = [0u8; 12];
+        tokio::time::timeout(Duration::from_secs(3600), legit.read_exact(&mut buf))
+            .await
+            .expect("never served")
+            .unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        // Served only once the idle connections were closed for not sending a head.
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_secs(5), "served after {waited:?}");
+        for mut c in idle {
+            assert_eq!(until_closed(&mut c).await, "");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_past_its_time_limit_is_503() {
+        let limits = Limits {
+            request_timeout: Duration::from_secs(2),
+            ..Limits::default()
+        };
+        let slow = Router::new()
+            .route(
+                "/slow",
+                get(|| async {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    "late"
+                }),
+            )
+            .layer(middleware::from_fn_with_state(
+                limits.request_timeout,
+                time_limit,
+            ));
+        let addr = start(limits, Some(slow)).await;
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let answer = until_closed(&mut c).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("request_timeout"), "{answer}");
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
 }
