@@ -415,7 +415,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         target: "tower_fairshare::decision",
                         tool, tenant, instance, cost = cost.0, outcome = "admitted",
                         weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
-                        remaining = a.remaining, slack = a.slack,
+                        remaining = a.remaining, slack = a.slack, at_us = a.at.as_micros(),
                     );
                 }
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),

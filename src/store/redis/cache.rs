@@ -16,6 +16,9 @@ pub(super) struct RefusalCache {
     capacity: usize,
 }
 
+/// How many refusals are remembered between two sweeps of the expired ones.
+const SWEEP_EVERY: usize = 256;
+
 #[derive(Debug)]
 struct Cached {
     refusal: Refusal,
@@ -76,7 +79,11 @@ impl RefusalCache {
         // Redis decided after `sent`, so `sent + wait` is never later than the true time.
         let until_instant = sent + wait;
         let mut map = self.lock();
-        if map.len() >= self.capacity && !map.contains_key(keys) {
+        // Forget what has expired now and then, so the cache holds the callers refused now,
+        // not every caller ever refused.
+        if (map.len() >= self.capacity || map.len() % SWEEP_EVERY == SWEEP_EVERY - 1)
+            && !map.contains_key(keys)
+        {
             let now_i = Instant::now();
             map.retain(|_, c| {
                 c.until_instant > now_i && (time == TimeSource::Redis || c.until > now)
@@ -126,6 +133,17 @@ impl RefusalCache {
                 map.remove(keys);
                 None
             }
+        }
+    }
+
+    /// Forgets the refusals whose time is over (on this host's clock), and gives the memory
+    /// back when most of it is unused.
+    pub(super) fn sweep(&self) {
+        let now = Instant::now();
+        let mut map = self.lock();
+        map.retain(|_, c| c.until_instant > now);
+        if map.capacity() > 4 * map.len().max(64) {
+            map.shrink_to_fit();
         }
     }
 

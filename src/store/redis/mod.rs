@@ -197,7 +197,6 @@ impl Script {
 struct Scripts {
     admit: Script,
     adjust: Script,
-    epoch: Script,
     release: Script,
     renew: Script,
     sweep: Script,
@@ -208,7 +207,6 @@ impl Scripts {
         Scripts {
             admit: Script::standalone(include_str!("admit.lua").to_owned()),
             adjust: Script::new(include_str!("adjust.lua")),
-            epoch: Script::standalone(include_str!("epoch.lua").to_owned()),
             release: Script::new(include_str!("release.lua")),
             renew: Script::new(include_str!("renew.lua")),
             sweep: Script::new(include_str!("sweep.lua")),
