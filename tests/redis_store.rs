@@ -985,3 +985,42 @@ fn lost_state_and_a_risky_configuration_are_reported() {
     assert_eq!(find(STORE_RISK, &["risk=\"eviction\""]), 0.0);
     assert_eq!(find(STORE_RISK, &["risk=\"no_persistence\""]), 0.0);
 }
+
+/// While Redis is down the store fails fast: after three decisions in a row could not reach
+/// it, calls get the tool's `on_store_error` at once (no waiting out the timeout, nothing left
+/// waiting for Redis) and only one probe per 100 ms goes out; the first answer closes it.
+#[test]
+fn an_outage_fails_fast_with_one_probe_per_100_ms() {
+    let server = Arc::new(RedisServer::start());
+    let policy = Policy::from_toml_str(FAULTS).unwrap();
+    let rt = current_thread();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_millis(100))
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, SystemClock);
+        let a = Caller::new("A");
+        limiter.admit(&a, "strict", Cost(1.0)).await.unwrap();
+        server.kill();
+        let started = Instant::now();
+        for _ in 0..2000 {
+            let r = limiter.admit(&a, "strict", Cost(1.0)).await.unwrap_err();
+            assert_eq!(r.reason, Reason::StoreUnavailable);
+        }
+        let took = started.elapsed();
+        // Three attempts opened it, then at most one probe per 100 ms started.
+        let attempts = limiter.store().errors();
+        let probes = took.as_millis() as u64 / 100 + 1;
+        assert!(
+            attempts <= 3 + probes,
+            "{attempts} calls reached for Redis in {took:?}"
+        );
+        assert!(server.spawn());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while limiter.admit(&a, "strict", Cost(1.0)).await.is_err() {
+            assert!(Instant::now() < deadline, "never closed again");
+        }
+    });
+}

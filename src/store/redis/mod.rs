@@ -93,7 +93,11 @@
 //! logged (`tracing`) and counted ([`RedisStore::errors`]). The default connection, redis-rs's
 //! multiplexed `ConnectionManager`, reconnects by itself when Redis returns; this store sets
 //! its reconnect backoff to at most 200 ms so calls succeed again promptly.
-//! [`RedisStoreBuilder::connect_lazy`] starts a store while Redis is down.
+//! [`RedisStoreBuilder::connect_lazy`] starts a store while Redis is down. After three
+//! decisions in a row could not reach Redis, the store fails fast: calls get
+//! [`StoreError::Unavailable`] at once instead of waiting out the timeout, and one probe every
+//! 100 ms finds out when Redis is back.
+
 //!
 //! # State loss
 //!
@@ -243,6 +247,74 @@ impl CallIds {
     }
 }
 
+/// Fails fast while Redis does not answer: after [`Breaker::TRIPS`] decisions in a row failed
+/// to reach it, calls fail at once (no command, no waiting out the timeout) except one probe
+/// every [`Breaker::PROBE_EVERY`]; the first answer closes it. An outage then costs each caller
+/// nothing but its tool's `on_store_error`, and no decisions pile up waiting for Redis.
+#[derive(Debug)]
+struct Breaker {
+    started: Instant,
+    /// Decisions in a row that could not reach Redis.
+    failures: std::sync::atomic::AtomicU32,
+    /// While open: µs since `started` before which calls fail at once.
+    open_until: AtomicU64,
+}
+
+impl Breaker {
+    const TRIPS: u32 = 3;
+    const PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+    fn new() -> Self {
+        Breaker {
+            started: Instant::now(),
+            failures: std::sync::atomic::AtomicU32::new(0),
+            open_until: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
+    }
+
+    /// Whether a decision may go to Redis now: always while closed; while open, one probe per
+    /// [`Self::PROBE_EVERY`].
+    fn admits(&self) -> bool {
+        if self.failures.load(Ordering::Relaxed) < Self::TRIPS {
+            return true;
+        }
+        let now = self.now();
+        let until = self.open_until.load(Ordering::Relaxed);
+        now >= until
+            && self
+                .open_until
+                .compare_exchange(
+                    until,
+                    now + Self::PROBE_EVERY.as_micros() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
+    /// A decision reached Redis; whether that closed the breaker.
+    fn answered(&self) -> bool {
+        self.failures.swap(0, Ordering::Relaxed) >= Self::TRIPS
+    }
+
+    /// A decision could not reach Redis; whether that opened the breaker.
+    fn failed(&self) -> bool {
+        let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n == Self::TRIPS {
+            self.open_until.store(
+                self.now() + Self::PROBE_EVERY.as_micros() as u64,
+                Ordering::Relaxed,
+            );
+            return true;
+        }
+        false
+    }
+}
+
 /// The permits a call of this store holds, so they can be renewed while it runs.
 #[derive(Debug)]
 struct HeldPermits {
@@ -261,6 +333,7 @@ struct Shared {
     errors: AtomicU64,
     cached_refusals: AtomicU64,
     abandoned: AtomicU64,
+    breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
     health: upkeep::HealthState,
@@ -317,6 +390,7 @@ impl RedisStore {
                 errors: AtomicU64::new(0),
                 cached_refusals: AtomicU64::new(0),
                 abandoned: AtomicU64::new(0),
+                breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
@@ -373,6 +447,11 @@ impl RedisStore {
         keys: &CallKeys,
     ) -> Result<Decision, StoreError> {
         let sh = &self.shared;
+        if !sh.breaker.admits() {
+            return Err(StoreError::Unavailable(
+                "Redis has not answered the last decisions: failing fast until it does".into(),
+            ));
+        }
         sh.health.saw_tool(sh, &keys.tool);
         let call = sh.ids.next();
         let levels = LevelKeys::new(sh.state_keys(keys));
@@ -402,10 +481,26 @@ impl RedisStore {
         let reply = match tokio::time::timeout(timeout, fut).await {
             Ok(reply) => reply,
             // Dropping `pending` finishes the decision in the background.
-            Err(_) => return Err(sh.failed("decide", &keys.tool, StoreError::Timeout(timeout))),
+            Err(_) => {
+                sh.unreachable(&keys.tool);
+                return Err(sh.failed("decide", &keys.tool, StoreError::Timeout(timeout)));
+            }
         };
         let undo = pending.disarm();
-        let reply = reply.map_err(|e| sh.failed("decide", &keys.tool, e))?;
+        let reply = match reply {
+            Ok(r) => {
+                if sh.breaker.answered() {
+                    tracing::info!(store = "redis", "Redis answers again");
+                }
+                r
+            }
+            Err(e) => {
+                if !matches!(e, StoreError::Protocol(_)) {
+                    sh.unreachable(&keys.tool);
+                }
+                return Err(sh.failed("decide", &keys.tool, e));
+            }
+        };
         let reply = wire::parse_reply(reply).map_err(|e| {
             sh.errors.fetch_add(1, Ordering::Relaxed);
             tracing::error!(store = "redis", tool = %keys.tool, error = %e, "unexpected answer from the admission script");
@@ -582,6 +677,13 @@ impl Shared {
                 .unwrap_or_else(|| "connecting".to_owned());
             StoreError::Unavailable(format!("not connected to Redis yet ({why})"))
         })
+    }
+
+    /// A decision could not reach Redis.
+    fn unreachable(&self, tool: &str) {
+        if self.breaker.failed() {
+            tracing::warn!(store = "redis", tool, "Redis is not answering: failing fast (each tool's on_store_error applies) and trying again every 100 ms");
+        }
     }
 
     fn note_connect_error(&self, e: &StoreError) {
