@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use crate::admission::{LevelRef, Plan, Reason, Refusal, Scope};
+use crate::admission::engine::{LevelRef, Plan};
+use crate::admission::{Reason, Refusal, Scope};
 use crate::clock::{Clock, SystemClock};
 use crate::identity::{Caller, Cost};
 use crate::policy::{OnStoreError, Policy, ToolPolicy};

@@ -45,7 +45,7 @@ use http::{Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::admission::{LevelView, NodeState, Plan};
+use crate::admission::engine::{LevelView, NodeState, Plan};
 use crate::clock::{Clock, ManualClock, Timestamp};
 use crate::identity::{Caller, Cost};
 use crate::layer::FairShareLayer;

@@ -104,7 +104,7 @@ impl tower_fairshare::Store for Down {
     }
     async fn decide(
         &self,
-        _: &tower_fairshare::admission::Plan<'_>,
+        _: &tower_fairshare::admission::engine::Plan<'_>,
         _: &tower_fairshare::store::CallKeys,
     ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
         Err(tower_fairshare::StoreError::Unavailable(
@@ -128,8 +128,10 @@ impl tower_fairshare::Store for Down {
     async fn inspect(
         &self,
         _: &tower_fairshare::store::CallKeys,
-    ) -> Result<[Option<tower_fairshare::admission::NodeState>; 3], tower_fairshare::StoreError>
-    {
+    ) -> Result<
+        [Option<tower_fairshare::admission::engine::NodeState>; 3],
+        tower_fairshare::StoreError,
+    > {
         Ok(Default::default())
     }
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::RedisServer;
-use tower_fairshare::admission::{LevelRef, Plan};
+use tower_fairshare::admission::engine::{LevelRef, Plan};
 use tower_fairshare::store::{CallKeys, Decision, RedisStore};
 use tower_fairshare::{Policy, Store, Timestamp};
 

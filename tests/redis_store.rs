@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::{command_calls, RedisServer};
-use tower_fairshare::admission::{LevelRef, Plan};
+use tower_fairshare::admission::engine::{LevelRef, Plan};
 use tower_fairshare::simulate::EPOCH;
 use tower_fairshare::store::RedisStore;
 use tower_fairshare::{
@@ -701,7 +701,7 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };
-        let check = |state: [Option<tower_fairshare::admission::NodeState>; 3]| {
+        let check = |state: [Option<tower_fairshare::admission::engine::NodeState>; 3]| {
             let tool = state[0]
                 .clone()
                 .expect("the tool was charged at some point");

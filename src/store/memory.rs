@@ -12,8 +12,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{self, NodeState, Tracking};
-use crate::admission::Plan;
+use crate::admission::engine::{self, NodeState, Plan, Tracking};
 use crate::clock::Timestamp;
 
 /// Keeps admission state in this process.

@@ -15,7 +15,8 @@ use std::sync::Arc;
 pub use self::redis::RedisStore;
 pub use memory::MemoryStore;
 
-use crate::admission::{Charge, LevelView, NodeState, Plan, Refusal};
+use crate::admission::engine::{Charge, LevelView, NodeState, Plan};
+use crate::admission::Refusal;
 use crate::clock::Timestamp;
 
 /// Identifies the levels of one admitted call, so the store can find them again to correct

@@ -7,7 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::builder::TimeSource;
-use crate::admission::{Plan, Reason, Refusal};
+use crate::admission::engine::Plan;
+use crate::admission::{Reason, Refusal};
 use crate::store::CallKeys;
 
 #[derive(Debug)]

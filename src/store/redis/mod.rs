@@ -169,8 +169,7 @@ use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
 use self::wire::{LevelKeys, Reply, Shape};
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{Charge, NodeState};
-use crate::admission::Plan;
+use crate::admission::engine::{Charge, NodeState, Plan};
 use crate::clock::Timestamp;
 
 const COMMON: &str = include_str!("common.lua");

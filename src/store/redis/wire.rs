@@ -6,8 +6,8 @@ use std::time::Duration;
 use redis::Value;
 
 use super::super::{Admission, CallKeys, Decision, StoreError};
-use crate::admission::engine::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState};
-use crate::admission::{Plan, Reason, Refusal, Scope};
+use crate::admission::engine::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Plan};
+use crate::admission::{Reason, Refusal, Scope};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
 use crate::policy::{Budget, BudgetPeriod, LevelPolicy};

@@ -1,0 +1,161 @@
+//! The decision's entry points: the plan of one call, and the pure decision over a snapshot
+//! of the stored states (for stores that read, decide and write atomically), or over the
+//! stored states themselves (for the in-process store).
+
+use super::phases::{above, below, commit_below, Below};
+use super::refusal::Refusal;
+use super::state::{Charge, LevelView, NodeState, Tracking};
+use crate::clock::Timestamp;
+use crate::policy::{LevelPolicy, ToolPolicy};
+
+/// A level of the call: its name and the policy that applies (own entry or template).
+#[derive(Copy, Clone, Debug)]
+pub struct LevelRef<'a> {
+    /// Tenant or instance name (for an untenanted caller: its client id).
+    pub name: &'a str,
+    /// The applicable policy.
+    pub policy: &'a LevelPolicy,
+}
+
+/// Everything static about one decision.
+#[derive(Copy, Clone, Debug)]
+pub struct Plan<'a> {
+    /// Now, µs since the epoch.
+    pub now: Timestamp,
+    /// Cost in the tool's unit.
+    pub cost: f64,
+    /// The tool.
+    pub tool: &'a ToolPolicy,
+    /// The tenant (or the untenanted caller, governed by the tenant template).
+    pub tenant: LevelRef<'a>,
+    /// The instance, when the tenant limits instances separately.
+    pub instance: Option<LevelRef<'a>>,
+    /// True when `tenant` is an untenanted caller.
+    pub untenanted: bool,
+}
+
+/// The stored state a decision reads.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// The tool's state.
+    pub tool: NodeState,
+    /// The tenant's state.
+    pub tenant: NodeState,
+    /// The instance's state (ignored without an instance).
+    pub instance: NodeState,
+    /// The tenant among the tool's template tenants.
+    pub tenant_tracking: Tracking,
+    /// The instance among the tenant's template instances.
+    pub instance_tracking: Tracking,
+}
+
+/// The outcome of an admitted call.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    /// New tool state.
+    pub tool: NodeState,
+    /// New tenant state.
+    pub tenant: NodeState,
+    /// New instance state (meaningless without an instance).
+    pub instance: NodeState,
+    /// When each level's state may be forgotten without changing any future decision (µs):
+    /// tool, tenant, instance, provided it holds no permits.
+    pub expires: [f64; 3],
+    /// Track the tenant (a template tenant) until this time (µs), if it is one.
+    pub track_tenant_until: Option<f64>,
+    /// Track the instance (a template instance) until this time (µs), if it is one.
+    pub track_instance_until: Option<f64>,
+    /// What was charged where.
+    pub charge: Charge,
+    /// Units the caller could still take now (for the `RateLimit` header).
+    pub remaining: f64,
+    /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
+    pub quota: f64,
+    /// Microseconds until the aligned window resets.
+    pub reset_in: f64,
+    /// Pool tokens left at the tool after the call: the slack to lend.
+    pub slack: f64,
+    /// Tenant and instance numbers.
+    pub views: [LevelView; 2],
+}
+
+/// The engine's verdict.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// Admit, writing the new state.
+    Admit(Box<Admitted>),
+    /// Refuse; nothing changes.
+    Refuse(Box<Refusal>),
+}
+
+/// Decides one call. Pure: the same plan and snapshot always give the same verdict.
+pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
+    let mut tool = snap.tool.clone();
+    let mut tenant = snap.tenant.clone();
+    let mut instance = if plan.instance.is_some() {
+        snap.instance.clone()
+    } else {
+        NodeState::default()
+    };
+    let tracking = [snap.tenant_tracking, snap.instance_tracking];
+    let inst = plan.instance.is_some().then_some(&mut instance);
+    match decide_in_place(plan, &mut tool, &mut tenant, inst, tracking) {
+        Err(r) => Verdict::Refuse(r),
+        Ok(o) => Verdict::Admit(Box::new(Admitted {
+            tool,
+            tenant,
+            instance,
+            expires: o.expires,
+            track_tenant_until: o.track_tenant_until,
+            track_instance_until: o.track_instance_until,
+            charge: o.charge,
+            remaining: o.remaining,
+            quota: o.quota,
+            reset_in: o.reset_in,
+            slack: o.slack,
+            views: o.views,
+        })),
+    }
+}
+
+/// What an admitted call changed besides the states: [`Admitted`] without them.
+#[derive(Clone, Debug)]
+pub(crate) struct Outcome {
+    pub(crate) expires: [f64; 3],
+    pub(crate) track_tenant_until: Option<f64>,
+    pub(crate) track_instance_until: Option<f64>,
+    pub(crate) charge: Charge,
+    pub(crate) remaining: f64,
+    pub(crate) quota: f64,
+    pub(crate) reset_in: f64,
+    pub(crate) slack: f64,
+    pub(crate) views: [LevelView; 2],
+}
+
+/// [`decide`] over the stored states themselves: they are read, and written only when the call
+/// is admitted (a refusal leaves them untouched). `instance` is `Some` exactly when the plan
+/// has an instance; `tracking` is the tenant's and the instance's template tracking.
+pub(crate) fn decide_in_place(
+    plan: &Plan<'_>,
+    tool_state: &mut NodeState,
+    tenant_state: &mut NodeState,
+    instance_state: Option<&mut NodeState>,
+    tracking: [Tracking; 2],
+) -> Result<Outcome, Box<Refusal>> {
+    let mut b = Below::new();
+    below(
+        &mut b,
+        plan,
+        tenant_state,
+        instance_state.as_deref(),
+        tracking,
+    );
+    let mut top = above(plan, &mut b, tool_state)?;
+    Ok(commit_below(
+        plan,
+        &mut b,
+        &mut top,
+        tenant_state,
+        instance_state,
+    ))
+}

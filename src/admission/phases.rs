@@ -1,0 +1,596 @@
+//! The decision in two halves, so a store can hold the tool's lock for the tool's part only:
+//! [`below`] works out everything below the tool (the caller's tenant and instance) from their
+//! states, [`above`] does the tool's checks and draw under the tool's lock, and
+//! [`commit_below`] writes the tenant's and instance's states once the call is admitted.
+
+use std::time::Duration;
+
+use super::bucket::{bucket, expiry, refill, roll_window, EPS};
+use super::decide::{Outcome, Plan};
+use super::refusal::{Reason, Refusal, Scope};
+use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Scalars, Tracking};
+use super::walk::{room, Fail, Label, Level, PathCtx, Walk};
+use crate::clock::Timestamp;
+use crate::policy::numbers::{level_numbers, LevelNumbers};
+
+/// A decision's first half: everything below the tool (the caller's tenant and instance),
+/// worked out from their states and the template tracking assumed. Reads no tool state, so a
+/// store can compute it before it locks the tool; [`above`] finishes the decision.
+pub(crate) struct Below<'a> {
+    levels: [Level<'a>; 3],
+    n: usize,
+    banks: [f64; 3],
+    now: f64,
+    period: f64,
+    window: f64,
+    next_window: f64,
+    /// A refusal for too many template callers (decided before anything else).
+    callers: Option<Fail>,
+    /// The first of the tenant's and the instance's concurrency caps that is full.
+    concurrency: Option<Fail>,
+    /// The worst failing budget of the tenant and the instance.
+    budgets: Option<Fail>,
+    /// The walk up to the tool, share first (floor first is walked only if needed).
+    walk: Result<Walk, Fail>,
+}
+
+/// The worst failure so far: the longest wait, the first one on a tie.
+fn worse(worst: &mut Option<Fail>, f: Fail) {
+    match worst {
+        Some(w) if f.wait <= w.wait => {}
+        _ => *worst = Some(f),
+    }
+}
+
+fn placeholder<'a>() -> Level<'a> {
+    let none = bucket(0.0, 0.0);
+    Level {
+        scope: Scope::Tool,
+        numbers: LevelNumbers::default(),
+        floor_b: none,
+        share_b: none,
+        ceil_b: none,
+        state: Scalars::default(),
+        policy: None,
+    }
+}
+
+impl Below<'_> {
+    /// An empty first half, for [`below`] to fill.
+    pub(crate) fn new() -> Self {
+        let walk = Walk {
+            takes: [[0.0; 3]; 3],
+            rem: 0.0,
+            own_chain: true,
+            child_threshold: 0.5,
+        };
+        Below {
+            levels: [placeholder(), placeholder(), placeholder()],
+            n: 2,
+            banks: [0.0; 3],
+            now: 0.0,
+            period: 1.0,
+            window: 0.0,
+            next_window: 0.0,
+            callers: None,
+            concurrency: None,
+            budgets: None,
+            walk: Ok(walk),
+        }
+    }
+}
+
+/// The first half of a decision (see [`Below`]), into `b` (filled in place: it is large).
+pub(crate) fn below<'a>(
+    b: &mut Below<'a>,
+    plan: &Plan<'a>,
+    tenant_state: &NodeState,
+    instance_state: Option<&NodeState>,
+    tracking: [Tracking; 2],
+) {
+    let tool = plan.tool;
+    let now = plan.now.as_micros() as f64;
+    let period = tool.period.as_micros() as f64;
+    let window = (now / period).floor();
+    let next_window = (window + 1.0) * period;
+    let c = plan.cost;
+    b.n = 2;
+    b.now = now;
+    b.period = period;
+    b.window = window;
+    b.next_window = next_window;
+    b.callers = None;
+    b.concurrency = None;
+    b.budgets = None;
+
+    // 1. Tracked template callers: a flood of new identities stops here.
+    let t_pol = plan.tenant.policy;
+    let mut n_tenants = tracking[0].count;
+    if t_pol.template && !tracking[0].tracked {
+        if n_tenants >= t_pol.max_tracked {
+            b.callers = Some(Fail {
+                reason: Reason::CapExceeded,
+                scope: Scope::Tenant,
+                wait: period,
+                window: Label::Word("callers"),
+                window_secs: None,
+                limit: t_pol.max_tracked as f64,
+                used: n_tenants as f64,
+                reset_at: None,
+            });
+            return;
+        }
+        n_tenants += 1;
+    }
+    let mut n_instances = tracking[1].count;
+    if let Some(i) = plan.instance {
+        if i.policy.template && !tracking[1].tracked {
+            if n_instances >= i.policy.max_tracked {
+                b.callers = Some(Fail {
+                    reason: Reason::CapExceeded,
+                    scope: Scope::Instance,
+                    wait: period,
+                    window: Label::Word("callers"),
+                    window_secs: None,
+                    limit: i.policy.max_tracked as f64,
+                    used: n_instances as f64,
+                    reset_at: None,
+                });
+                return;
+            }
+            n_instances += 1;
+        }
+    }
+
+    // 2. The numbers each level is owed right now.
+    let spare = tool.spare();
+    let tn = level_numbers(
+        t_pol,
+        spare,
+        tool.configured_weight
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
+    );
+    b.levels[1] = Level {
+        scope: Scope::Tenant,
+        floor_b: bucket(tn.own_floor, tn.own_floor),
+        share_b: bucket(tn.share_rate, t_pol.burst),
+        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
+        numbers: tn,
+        state: Scalars::of(tenant_state),
+        policy: Some(t_pol),
+    };
+    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
+        let inn = level_numbers(i.policy, inner_spare, inner_weight);
+        b.levels[2] = Level {
+            scope: Scope::Instance,
+            floor_b: bucket(inn.own_floor, inn.own_floor),
+            share_b: bucket(inn.share_rate, i.policy.burst),
+            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
+            numbers: inn,
+            state: Scalars::of(s),
+            policy: Some(i.policy),
+        };
+        b.n = 3;
+    }
+    // What the children of the tool and of the tenant can hold in their share banks.
+    b.banks = [
+        tool.configured_tenant_burst
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.burst) * n_tenants as f64,
+        t_pol.configured_child_burst
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.burst) * n_instances as f64,
+        0.0,
+    ];
+    let n = b.n;
+    for l in b.levels[1..n].iter_mut() {
+        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
+        roll_window(&mut l.state, window);
+    }
+
+    // 3. Concurrency (the tool's cap is checked first, in `above`).
+    let caps = [
+        None,
+        t_pol.max_concurrency,
+        plan.instance.and_then(|i| i.policy.max_concurrency),
+    ];
+    for (l, cap) in b.levels[..n].iter().zip(caps) {
+        if let Some(cap) = cap {
+            if l.state.in_flight + 1.0 > cap as f64 {
+                b.concurrency = Some(Fail {
+                    reason: Reason::ConcurrencyExceeded,
+                    scope: l.scope,
+                    wait: 1_000_000.0,
+                    window: Label::Word("in_flight"),
+                    window_secs: None,
+                    limit: cap as f64,
+                    used: l.state.in_flight,
+                    reset_at: None,
+                });
+                return;
+            }
+        }
+    }
+
+    // 4. Budgets: every matching calendar window must have room.
+    let states = [None, Some(tenant_state), instance_state];
+    for (idx, s) in states.iter().enumerate().take(n).skip(1) {
+        if let Some(s) = s {
+            budget_fails(
+                plan,
+                budget_list(plan, idx),
+                s,
+                b.levels[idx].scope,
+                &mut b.budgets,
+            );
+        }
+    }
+
+    // 5. The walk from the caller up to the tool: share first (a floor bucket left full loses
+    // nothing the caller is owed, a full share bank would), the floor for the rest. (Floor
+    // first, for when that path is blocked, is walked in `above` only then.)
+    let ctx = PathCtx {
+        levels: &b.levels[..n],
+        banks: b.banks,
+        cost: c,
+        period,
+        now,
+        next_window,
+        period_secs: tool.period.as_secs_ceil(),
+    };
+    b.walk = ctx.below(true);
+}
+
+fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
+    match idx {
+        0 => &plan.tool.budgets[..],
+        1 => &plan.tenant.policy.budgets[..],
+        _ => plan.instance.map_or(&[][..], |i| &i.policy.budgets[..]),
+    }
+}
+
+fn budget_fails(
+    plan: &Plan<'_>,
+    list: &[crate::policy::Budget],
+    s: &NodeState,
+    scope: Scope,
+    worst: &mut Option<Fail>,
+) {
+    let now = plan.now.as_micros() as f64;
+    let c = plan.cost;
+    for b in list {
+        let (start, end) = b.period.window(plan.now);
+        let start = start.as_micros() as f64;
+        let used = s
+            .budgets
+            .iter()
+            .find(|x| x.period == b.period && x.start == start)
+            .map_or(0.0, |x| x.used);
+        if used + c > b.max + EPS {
+            let end = end.as_micros() as f64;
+            worse(
+                worst,
+                Fail {
+                    reason: Reason::CapExceeded,
+                    scope,
+                    wait: if c > b.max + EPS {
+                        f64::INFINITY
+                    } else {
+                        end - now
+                    },
+                    window: Label::Word(b.period.as_str()),
+                    window_secs: Some(((end - start) / 1e6) as u64),
+                    limit: b.max,
+                    used,
+                    reset_at: Some(end),
+                },
+            );
+        }
+    }
+}
+
+/// The tool's half of an admitted decision, already written to the tool's state.
+pub(crate) struct Top {
+    takes: [[f64; 3]; 3],
+    charge: LevelCharge,
+    expires: f64,
+    room: f64,
+    slack: f64,
+}
+
+fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
+    let tool = plan.tool;
+    let mut r = Refusal::new(f.reason, &tool.name);
+    r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
+    r.instance = if plan.untenanted {
+        Some(plan.tenant.name.to_owned())
+    } else {
+        plan.instance.map(|i| i.name.to_owned())
+    };
+    r.scope = Some(f.scope);
+    r.window = Some(match f.window {
+        Label::Period => tool.period.label(),
+        Label::Word(w) => w.to_owned(),
+    });
+    r.limit = Some(f.limit);
+    r.used = Some(f.used);
+    r.window_secs = f.window_secs;
+    if f.wait.is_finite() {
+        let wait = f.wait.max(1.0).ceil();
+        r.retry_after = Some(Duration::from_micros(wait as u64));
+        r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
+        r.retryable = true;
+    }
+    Box::new(r)
+}
+
+/// A decision's second half: the tool's checks and draw, with the tool's state (locked by the
+/// store for just this). Admitted: the tool's state is written and the rest is for
+/// [`commit_below`]. Refused: nothing is written anywhere.
+pub(crate) fn above(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    tool_state: &mut NodeState,
+) -> Result<Top, Box<Refusal>> {
+    let (now, period) = (b.now, b.period);
+    if let Some(f) = b.callers {
+        return Err(refuse(plan, now, f));
+    }
+    let tool = plan.tool;
+    let spare = tool.spare();
+    let mut t = Level {
+        scope: Scope::Tool,
+        numbers: LevelNumbers {
+            weight: 0.0,
+            floor: 0.0,
+            own_floor: 0.0,
+            share: spare,
+            ceiling: tool.capacity,
+            share_rate: 0.0,
+            ceiling_rate: spare,
+        },
+        floor_b: bucket(0.0, 0.0),
+        share_b: bucket(0.0, 0.0),
+        ceil_b: bucket(spare, tool.burst),
+        state: Scalars::of(tool_state),
+        policy: None,
+    };
+    refill(&mut t.state, &t.floor_b, &t.share_b, &t.ceil_b, now, period);
+    roll_window(&mut t.state, b.window);
+    b.levels[0] = t;
+
+    // 3. Concurrency, before any rate is looked at: the tool's cap, then the caller's.
+    if let Some(cap) = tool.max_concurrency {
+        if t.state.in_flight + 1.0 > cap as f64 {
+            return Err(refuse(
+                plan,
+                now,
+                Fail {
+                    reason: Reason::ConcurrencyExceeded,
+                    scope: Scope::Tool,
+                    wait: 1_000_000.0,
+                    window: Label::Word("in_flight"),
+                    window_secs: None,
+                    limit: cap as f64,
+                    used: t.state.in_flight,
+                    reset_at: None,
+                },
+            ));
+        }
+    }
+    if let Some(f) = b.concurrency {
+        return Err(refuse(plan, now, f));
+    }
+
+    // 4. Budgets, the tool's first; 5. the tool's part of the walk.
+    let mut worst = None;
+    budget_fails(plan, &tool.budgets, tool_state, Scope::Tool, &mut worst);
+    if let Some(f) = b.budgets {
+        worse(&mut worst, f);
+    }
+    let ctx = PathCtx {
+        levels: &b.levels[..b.n],
+        banks: b.banks,
+        cost: plan.cost,
+        period,
+        now,
+        next_window: b.next_window,
+        period_secs: tool.period.as_secs_ceil(),
+    };
+    let takes = match b.walk.and_then(|w| ctx.at_tool(w, true)) {
+        Ok(t) => t,
+        Err(_) => match ctx.below(false).and_then(|w| ctx.at_tool(w, false)) {
+            Ok(t) => t,
+            Err(f) => {
+                worse(&mut worst, f);
+                [[0.0; 3]; 3]
+            }
+        },
+    };
+    if let Some(f) = worst {
+        return Err(refuse(plan, now, f));
+    }
+
+    // 6. Commit the tool.
+    let (charge, expires) = commit_level(plan, b, 0, takes[0], tool_state);
+    // The tool counts every floor unit drawn below it, for the window report.
+    let mut floor_units = 0.0;
+    for take in &takes[..b.n] {
+        floor_units += take[0];
+    }
+    let s = &mut b.levels[0].state;
+    s.floor_used += floor_units - takes[0][0];
+    s.write(tool_state);
+    let l = &b.levels[0];
+    Ok(Top {
+        takes,
+        charge,
+        expires,
+        room: room(l),
+        slack: l.state.ceiling,
+    })
+}
+
+impl Top {
+    /// When the tool's state may be forgotten (µs).
+    pub(crate) fn expires(&self) -> f64 {
+        self.expires
+    }
+}
+
+impl Below<'_> {
+    /// Until when an admitted template caller counts as tracked (µs).
+    pub(crate) fn track_until(&self) -> f64 {
+        self.now + self.period
+    }
+}
+
+/// Takes `take` (floor, share, ceiling) from level `idx`, counts the call in its windows and
+/// budgets, and writes the budgets to `target` (the bucket numbers stay in `b` until written).
+fn commit_level(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    idx: usize,
+    take: [f64; 3],
+    target: &mut NodeState,
+) -> (LevelCharge, f64) {
+    let c = plan.cost;
+    let l = &mut b.levels[idx];
+    let [f, h, k] = take;
+    let s = &mut l.state;
+    s.floor -= f;
+    s.share -= h;
+    s.ceiling -= k;
+    s.total += c;
+    s.non_floor += k;
+    s.floor_used += f;
+    let permit = match idx {
+        0 => plan.tool.max_concurrency.is_some(),
+        1 => plan.tenant.policy.max_concurrency.is_some(),
+        _ => plan
+            .instance
+            .is_some_and(|i| i.policy.max_concurrency.is_some()),
+    };
+    if permit {
+        s.in_flight += 1.0;
+    }
+    let list = budget_list(plan, idx);
+    let mut charged = Vec::new();
+    if !list.is_empty() {
+        charged.reserve_exact(list.len());
+        if target.budgets.capacity() < list.len() {
+            target
+                .budgets
+                .reserve_exact(list.len() - target.budgets.len());
+        }
+    }
+    for bud in list {
+        let start = bud.period.window(plan.now).0.as_micros() as f64;
+        match target.budgets.iter_mut().find(|x| x.period == bud.period) {
+            Some(x) if x.start == start => x.used += c,
+            Some(x) => {
+                x.start = start;
+                x.used = c;
+            }
+            None => target.budgets.push(BudgetCounter {
+                period: bud.period,
+                start,
+                used: c,
+            }),
+        }
+        charged.push((bud.period, start));
+    }
+    let charge = LevelCharge {
+        present: true,
+        floor: f,
+        floor_depth: l.floor_b.depth,
+        share: h,
+        share_depth: l.share_b.depth,
+        ceiling: k,
+        ceiling_depth: l.ceil_b.depth,
+        permit,
+        budgets: charged,
+    };
+    let expires = expiry(
+        &l.state,
+        &target.budgets,
+        &l.floor_b,
+        &l.share_b,
+        &l.ceil_b,
+        b.now,
+        b.period,
+        b.next_window,
+    );
+    (charge, expires)
+}
+
+/// A decision's last part, once [`above`] admitted it: writes the tenant's and the
+/// instance's states. Needs no tool state.
+pub(crate) fn commit_below(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    top: &mut Top,
+    tenant_state: &mut NodeState,
+    instance_state: Option<&mut NodeState>,
+) -> Outcome {
+    let n = b.n;
+    let mut charge = Charge {
+        cost: plan.cost,
+        window: b.window,
+        levels: Default::default(),
+    };
+    let mut expires = [b.now; 3];
+    charge.levels[0] = std::mem::take(&mut top.charge);
+    expires[0] = top.expires;
+    let (c1, e1) = commit_level(plan, b, 1, top.takes[1], tenant_state);
+    charge.levels[1] = c1;
+    expires[1] = e1;
+    b.levels[1].state.write(tenant_state);
+    if let (3, Some(s)) = (n, instance_state) {
+        let (c2, e2) = commit_level(plan, b, 2, top.takes[2], s);
+        charge.levels[2] = c2;
+        expires[2] = e2;
+        b.levels[2].state.write(s);
+    }
+
+    let leaf = n - 1;
+    let lf = &b.levels[leaf];
+    let mut remaining = (lf.numbers.own_floor - lf.state.floor_used)
+        .min(lf.state.floor)
+        .max(0.0);
+    let mut non_floor_room = f64::INFINITY.min(top.room);
+    for l in &b.levels[1..n] {
+        non_floor_room = non_floor_room.min(room(l));
+    }
+    remaining += non_floor_room;
+
+    let view = |l: &Level<'_>| LevelView {
+        weight: l.numbers.weight,
+        floor: l.numbers.floor,
+        share: l.numbers.share,
+        ceiling: l.numbers.ceiling,
+    };
+    let views = [
+        view(&b.levels[1]),
+        if n == 3 {
+            view(&b.levels[2])
+        } else {
+            LevelView::default()
+        },
+    ];
+    let track_until = b.now + b.period;
+    Outcome {
+        expires,
+        track_tenant_until: plan.tenant.policy.template.then_some(track_until),
+        track_instance_until: plan
+            .instance
+            .and_then(|i| i.policy.template.then_some(track_until)),
+        charge,
+        remaining,
+        quota: b.levels[leaf].numbers.ceiling,
+        reset_in: b.next_window - b.now,
+        slack: top.slack,
+        views,
+    }
+}

@@ -1,0 +1,152 @@
+//! What a store keeps per level and what an admitted call charged: the records the engine
+//! reads and writes.
+
+use crate::policy::BudgetPeriod;
+
+/// A budget counter: units used in the window that starts at `start` (µs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BudgetCounter {
+    /// Which calendar window.
+    pub period: BudgetPeriod,
+    /// Start of the window counted, µs since the epoch.
+    pub start: f64,
+    /// Units used in it.
+    pub used: f64,
+}
+
+/// The stored state of one level (tool, tenant or instance). A handful of numbers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeState {
+    /// False for a level never seen (or expired): its buckets are full.
+    pub live: bool,
+    /// When the buckets were last brought up to date, µs.
+    pub t: f64,
+    /// Floor bucket tokens.
+    pub floor: f64,
+    /// Share bucket tokens.
+    pub share: f64,
+    /// Ceiling bucket tokens (for the tool: the shared pool).
+    pub ceiling: f64,
+    /// The aligned window (`floor(now / P)`) the counters below belong to.
+    pub window: f64,
+    /// Units through this level in the window.
+    pub total: f64,
+    /// Non-floor units at this level in the window.
+    pub non_floor: f64,
+    /// Floor units in the window (for the tool: floor units of every caller).
+    pub floor_used: f64,
+    /// Calls in flight holding a permit at this level.
+    pub in_flight: f64,
+    /// Calendar budget counters.
+    pub budgets: Vec<BudgetCounter>,
+}
+
+/// Whether a template caller is already tracked, and how many are.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tracking {
+    /// Template callers tracked now (expired ones excluded).
+    pub count: u64,
+    /// Whether this caller is one of them.
+    pub tracked: bool,
+}
+
+/// What one level charged, so the charge can be corrected or refunded later.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LevelCharge {
+    /// Whether the level took part.
+    pub present: bool,
+    /// Units taken from the floor bucket, its depth.
+    pub floor: f64,
+    /// Depth of the floor bucket.
+    pub floor_depth: f64,
+    /// Units taken from the share bucket.
+    pub share: f64,
+    /// Depth of the share bucket.
+    pub share_depth: f64,
+    /// Units taken from the ceiling bucket / pool.
+    pub ceiling: f64,
+    /// Depth of the ceiling bucket / pool.
+    pub ceiling_depth: f64,
+    /// Whether a concurrency permit was taken here.
+    pub permit: bool,
+    /// Budget windows charged: (period, window start).
+    pub budgets: Vec<(BudgetPeriod, f64)>,
+}
+
+/// What an admitted call charged: the input to correction, refund and permit release.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Charge {
+    /// The cost charged.
+    pub cost: f64,
+    /// The aligned window the call was counted in.
+    pub window: f64,
+    /// Tool, tenant, instance.
+    pub levels: [LevelCharge; 3],
+}
+
+impl Charge {
+    /// Whether any concurrency permit was taken.
+    pub fn holds_permits(&self) -> bool {
+        self.levels.iter().any(|l| l.permit)
+    }
+}
+
+/// The numbers that explain a decision at one level (for logs, headers and disputes).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct LevelView {
+    /// Weight.
+    pub weight: f64,
+    /// Floor per period.
+    pub floor: f64,
+    /// Nominal share per period (with the template callers tracked now).
+    pub share: f64,
+    /// Ceiling per period.
+    pub ceiling: f64,
+}
+
+/// The numbers of a level's state, copied out of the store's `NodeState`, brought up to date
+/// and drawn on; written back only when the call is admitted. Copying these few doubles is
+/// cheaper than cloning a `NodeState` (its budget list lives on the heap).
+#[derive(Copy, Clone, Default)]
+pub(super) struct Scalars {
+    pub(super) live: bool,
+    pub(super) t: f64,
+    pub(super) floor: f64,
+    pub(super) share: f64,
+    pub(super) ceiling: f64,
+    pub(super) window: f64,
+    pub(super) total: f64,
+    pub(super) non_floor: f64,
+    pub(super) floor_used: f64,
+    pub(super) in_flight: f64,
+}
+
+impl Scalars {
+    pub(super) fn of(s: &NodeState) -> Self {
+        Scalars {
+            live: s.live,
+            t: s.t,
+            floor: s.floor,
+            share: s.share,
+            ceiling: s.ceiling,
+            window: s.window,
+            total: s.total,
+            non_floor: s.non_floor,
+            floor_used: s.floor_used,
+            in_flight: s.in_flight,
+        }
+    }
+
+    pub(super) fn write(&self, s: &mut NodeState) {
+        s.live = self.live;
+        s.t = self.t;
+        s.floor = self.floor;
+        s.share = self.share;
+        s.ceiling = self.ceiling;
+        s.window = self.window;
+        s.total = self.total;
+        s.non_floor = self.non_floor;
+        s.floor_used = self.floor_used;
+        s.in_flight = self.in_flight;
+    }
+}

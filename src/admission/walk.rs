@@ -1,0 +1,205 @@
+//! The walk from the caller up to the tool: which bucket of which level each unit of a call
+//! is drawn from, share first or floor first, with the borrowing bar, or why it cannot pass.
+
+use super::bucket::{wait_for, Bucket, EPS};
+use super::refusal::{Reason, Scope};
+use super::state::Scalars;
+use crate::policy::numbers::LevelNumbers;
+use crate::policy::LevelPolicy;
+
+#[derive(Copy, Clone)]
+pub(super) struct Level<'a> {
+    pub(super) scope: Scope,
+    pub(super) numbers: LevelNumbers,
+    pub(super) floor_b: Bucket,
+    pub(super) share_b: Bucket,
+    pub(super) ceil_b: Bucket,
+    pub(super) state: Scalars,
+    pub(super) policy: Option<&'a LevelPolicy>,
+}
+
+/// The window a refusal names: the tool's period, or a fixed word. Rendered only when the
+/// refusal is built, so a draw that fails and is retried allocates nothing.
+#[derive(Copy, Clone)]
+pub(super) enum Label {
+    Period,
+    Word(&'static str),
+}
+
+#[derive(Copy, Clone)]
+pub(super) struct Fail {
+    pub(super) reason: Reason,
+    pub(super) scope: Scope,
+    pub(super) wait: f64,
+    pub(super) window: Label,
+    pub(super) window_secs: Option<u64>,
+    pub(super) limit: f64,
+    pub(super) used: f64,
+    pub(super) reset_at: Option<f64>,
+}
+
+pub(super) struct PathCtx<'l, 'a> {
+    pub(super) levels: &'l [Level<'a>],
+    pub(super) banks: [f64; 3],
+    pub(super) cost: f64,
+    pub(super) period: f64,
+    pub(super) now: f64,
+    pub(super) next_window: f64,
+    pub(super) period_secs: u64,
+}
+
+/// Where a walk from the caller up stands: what each level takes so far, what is left to
+/// place higher up, and whether everything so far was within its share.
+#[derive(Copy, Clone)]
+pub(super) struct Walk {
+    pub(super) takes: [[f64; 3]; 3],
+    pub(super) rem: f64,
+    pub(super) own_chain: bool,
+    pub(super) child_threshold: f64,
+}
+
+impl PathCtx<'_, '_> {
+    /// The walk from the caller up to (not including) the tool: share first (or floor first),
+    /// or why the call cannot pass below the tool. Needs no tool state.
+    pub(super) fn below(&self, share_first: bool) -> Result<Walk, Fail> {
+        let mut w = Walk {
+            takes: [[0.0f64; 3]; 3],
+            rem: self.cost,
+            own_chain: true,
+            child_threshold: 0.5,
+        };
+        for idx in (1..self.levels.len()).rev() {
+            if w.rem <= EPS {
+                break;
+            }
+            self.step(idx, share_first, &mut w)?;
+        }
+        Ok(w)
+    }
+
+    /// The tool's part of a walk: units per level (floor, share, ceiling), or why not.
+    pub(super) fn at_tool(&self, mut w: Walk, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
+        if w.rem > EPS {
+            self.step(0, share_first, &mut w)?;
+        }
+        Ok(w.takes)
+    }
+
+    /// One level of the walk.
+    fn step(&self, idx: usize, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
+        let leaf = self.levels.len() - 1;
+        let l = &self.levels[idx];
+        let s = &l.state;
+        // The level's own floor (a caller's floor, a tenant's residual floor), for what its
+        // share cannot cover.
+        let own_floor = l.numbers.own_floor;
+        if own_floor > 0.0 {
+            let covered = if share_first && idx > 0 {
+                s.share.min(s.ceiling).min(w.rem).max(0.0)
+            } else {
+                0.0
+            };
+            let x = (w.rem - covered)
+                .min(s.floor)
+                .min(own_floor - s.floor_used)
+                .max(0.0);
+            w.takes[idx][0] = x;
+            w.rem -= x;
+            if w.rem <= EPS {
+                return Ok(());
+            }
+        }
+        // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
+        // only take what lies above every child's share bank, so the pool always holds at
+        // least the share tokens its children have banked and an own-share draw never fails
+        // for a borrower's sake; inside the lending room, heavier borrowers see a lower bar
+        // than lighter ones.
+        let rem = w.rem;
+        // The borrower's own bank is its own to spend: only the other children's banks are
+        // held back from it.
+        let banks = if idx < leaf {
+            self.banks[idx] - self.levels[idx + 1].share_b.depth
+        } else {
+            0.0
+        };
+        let threshold = if idx < leaf && !w.own_chain {
+            banks + w.child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
+        } else {
+            0.0
+        };
+        let need = rem + threshold;
+        // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`, so
+        // never more than C a period); a caller's ceiling is its bucket's business, and a
+        // per-window cap there would round a fractional allowance down every period.
+        // Borrowers also leave the banks' worth of the window to own-share draws.
+        let window_cap = if idx > 0 {
+            f64::INFINITY
+        } else if threshold > 0.0 {
+            l.numbers.ceiling_rate - banks
+        } else {
+            l.numbers.ceiling_rate
+        };
+        let bucket_ok = s.ceiling + EPS >= need;
+        let window_ok = s.non_floor + rem <= window_cap + EPS;
+        if !(bucket_ok && window_ok) {
+            return Err(self.fail(l, need, rem, window_ok, window_cap));
+        }
+        w.takes[idx][2] = rem;
+        if idx > 0 {
+            if s.share + EPS >= rem {
+                w.takes[idx][1] = rem;
+            } else {
+                w.own_chain = false;
+            }
+            w.child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+        }
+        Ok(())
+    }
+
+    pub(super) fn fail(
+        &self,
+        l: &Level<'_>,
+        need: f64,
+        rem: f64,
+        window_ok: bool,
+        window_cap: f64,
+    ) -> Fail {
+        let s = &l.state;
+        let mut wait = wait_for(s.ceiling, need, &l.ceil_b, self.period);
+        if !window_ok {
+            wait = wait.max(if rem > window_cap + EPS {
+                f64::INFINITY
+            } else {
+                self.next_window - self.now
+            });
+        }
+        // Could the whole call be served by the caller's floor later instead?
+        let lf = &self.levels[self.levels.len() - 1];
+        let c = self.cost;
+        if lf.numbers.own_floor + EPS >= c {
+            let mut fw = wait_for(lf.state.floor, c, &lf.floor_b, self.period);
+            if lf.state.floor_used + c > lf.numbers.own_floor + EPS {
+                fw = fw.max(self.next_window - self.now);
+            }
+            wait = wait.min(fw);
+        }
+        Fail {
+            reason: Reason::RateLimited,
+            scope: l.scope,
+            wait,
+            window: Label::Period,
+            window_secs: Some(self.period_secs),
+            limit: l.numbers.ceiling,
+            used: s.total,
+            reset_at: None,
+        }
+    }
+}
+
+/// Non-floor units a level could still pass now.
+pub(super) fn room(l: &Level<'_>) -> f64 {
+    l.state
+        .ceiling
+        .min(l.numbers.ceiling_rate - l.state.non_floor)
+        .max(0.0)
+}
