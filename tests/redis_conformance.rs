@@ -77,56 +77,104 @@ impl conformance::Factory for Redis {
 
 suite!(Redis::new());
 
-const DIFF_POLICY: &str = r#"
-[[tool]]
-name = "t"
-unit = "tokens"
-rate = { limit = 120, per = "10s" }
-burst = 30
-max_concurrency = 12
-require_tenant = false
-budgets = [{ period = "hour", max = 3000 }, { period = "month", max = 20000 }]
-
-[tool.default_tenant]
-weight = 1
-max_tenants = 3
-burst = 5
-
-[tool.tenants.A]
-weight = 3
-floor = 20
-ceiling = 80
-burst = 15
-max_concurrency = 4
-budgets = [{ period = "day", max = 1500 }]
-
-[tool.tenants.A.instances.x]
-weight = 2
-floor = 5
-max_concurrency = 2
-
-[tool.tenants.A.default_instance]
-weight = 1
-max_instances = 2
-
-[tool.tenants.B]
-weight = 1
-floor = 10
-
-# No caps, no budgets, templates only: the other branch of every check.
-[[tool]]
-name = "u"
-unit = "calls"
-rate = { limit = 50, per = "1m" }
-
-[tool.default_tenant]
-weight = 2
-ceiling = 30
-burst = 4
-
-[tool.default_tenant.default_instance]
-weight = 1
-"#;
+/// A generated policy for the differential test: two tools with every feature the engine has
+/// — floors, weights, ceilings, bursts, budgets of every period, concurrency caps at every
+/// level, listed and template tenants and instances, untenanted callers — and rates per
+/// second, ten seconds, minute, hour or day. Draws that are not valid policies (floors or
+/// ceilings that do not fit) are drawn again: every case runs a valid one.
+fn policy() -> impl Strategy<Value = String> {
+    let budgets = |scale: u32| {
+        prop::sample::subsequence(vec!["hour", "day", "month"], 0..=3).prop_flat_map(move |ps| {
+            let n = ps.len();
+            (Just(ps), prop::collection::vec(1u32..40, n)).prop_map(move |(ps, maxes)| {
+                if ps.is_empty() {
+                    return String::new();
+                }
+                let items: Vec<String> = ps
+                    .iter()
+                    .zip(maxes)
+                    .map(|(p, m)| format!("{{ period = \"{p}\", max = {} }}", m * scale))
+                    .collect();
+                format!("budgets = [{}]\n", items.join(", "))
+            })
+        })
+    };
+    let opt = |key: &'static str, values: std::ops::Range<u32>| {
+        prop::option::weighted(0.4, values).prop_map(move |v| match v {
+            Some(v) => format!("{key} = {v}\n"),
+            None => String::new(),
+        })
+    };
+    let level = move |scale: u32| {
+        (
+            1u32..6,
+            prop::option::weighted(0.5, 1u32..4),
+            opt("burst", 2..12),
+            opt("max_concurrency", 1..4),
+            budgets(scale),
+            prop::option::weighted(0.4, 0u32..3),
+        )
+            .prop_map(move |(w, floor, burst, cap, budgets, ceiling)| {
+                let floor = floor.map_or(0, |f| f * scale / 10);
+                let mut out = format!("weight = {w}\n{burst}{cap}{budgets}");
+                if floor > 0 {
+                    out.push_str(&format!("floor = {floor}\n"));
+                }
+                if let Some(c) = ceiling {
+                    out.push_str(&format!("ceiling = {}\n", floor + (c + 1) * scale / 4));
+                }
+                out
+            })
+    };
+    let tool = move |name: &'static str| {
+        (
+            (10u32..60).prop_map(|l| l * 10),
+            prop_oneof![Just("1s"), Just("10s"), Just("1m"), Just("1h"), Just("1d")],
+            opt("burst", 20..60),
+            opt("max_concurrency", 2..12),
+            budgets(400),
+            prop::bool::weighted(0.3),
+            (level(8), level(8), level(4), level(2), prop::option::of(level(2))),
+            (1u32..4, 1u32..4),
+        )
+            .prop_map(
+                move |(limit, per, burst, cap, budgets, untenanted, levels, maxes)| {
+                    let (a, b, x, default_instance, default_of_default) = levels;
+                    let mut t = format!(
+                        "[[tool]]\nname = \"{name}\"\nunit = \"tokens\"\nrate = {{ limit = {limit}, per = \"{per}\" }}\n{burst}{cap}{budgets}"
+                    );
+                    if untenanted {
+                        t.push_str("require_tenant = false\n");
+                    }
+                    t.push_str(&format!(
+                        "[tool.default_tenant]\nweight = 1\nmax_tenants = {}\n",
+                        maxes.0
+                    ));
+                    if let Some(d) = default_of_default {
+                        // Template instances of template tenants: no floor (it needs a bound).
+                        let d: String = d.lines().filter(|l| !l.starts_with("floor")).map(|l| format!("{l}\n")).collect();
+                        t.push_str(&format!("[tool.default_tenant.default_instance]\n{d}"));
+                    }
+                    t.push_str(&format!("[tool.tenants.A]\n{a}"));
+                    t.push_str(&format!("[tool.tenants.A.instances.x]\n{x}"));
+                    let di: String = default_instance
+                        .lines()
+                        .filter(|l| !l.starts_with("floor"))
+                        .map(|l| format!("{l}\n"))
+                        .collect();
+                    t.push_str(&format!(
+                        "[tool.tenants.A.default_instance]\n{di}max_instances = {}\n",
+                        maxes.1
+                    ));
+                    t.push_str(&format!("[tool.tenants.B]\n{b}"));
+                    t
+                },
+            )
+    };
+    (tool("t"), tool("u"))
+        .prop_map(|(t, u)| format!("{t}\n{u}"))
+        .prop_filter("a valid policy", |text| Policy::from_toml_str(text).is_ok())
+}
 
 fn callers() -> Vec<Caller> {
     vec![
@@ -173,7 +221,6 @@ const PERMITS_NEVER_LAPSE: Duration = Duration::from_secs(400 * 86_400);
 #[test]
 fn redis_script_matches_the_engine_call_for_call() {
     let server = RedisServer::start();
-    let policy = Policy::from_toml_str(DIFF_POLICY).expect("valid policy");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -182,7 +229,7 @@ fn redis_script_matches_the_engine_call_for_call() {
     let cases = std::env::var("FS_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(24);
+        .unwrap_or(300);
     let mut runner = TestRunner::new(Config {
         cases,
         failure_persistence: None,
@@ -191,169 +238,177 @@ fn redis_script_matches_the_engine_call_for_call() {
     let cache_hits = Cell::new(0u64);
     let compared = [Cell::new(0usize), Cell::new(0), Cell::new(0)];
     runner
-        .run(&prop::collection::vec(op(), 50..250), |ops| {
-            server.flushall();
-            // Start an hour before a month ends, so windows of every kind roll over.
-            let start = Timestamp(EPOCH.as_micros() + 30 * 86_400_000_000 + 23 * 3_600_000_000);
-            let clock = ManualClock::new(start);
-            let redis = rt
-                .block_on(
-                    RedisStore::builder(server.url())
-                        .injected_clock()
-                        .refusal_cache(false)
-                        .timeout(Duration::from_secs(10))
-                        // The memory store's permits never lapse: nor may these, over the
-                        // weeks of virtual time the workloads cover.
-                        .permit_ttl(PERMITS_NEVER_LAPSE)
-                        .connect(),
-                )
-                .unwrap();
-            let mem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
-            let red = Limiter::with_store(policy.clone(), redis, clock.clone());
-            // A third store, refusal cache on, in a namespace of its own: it must never refuse
-            // a call the engine admits.
-            let cached = rt
-                .block_on(
-                    RedisStore::builder(server.url())
-                        .injected_clock()
-                        .namespace("cached:")
-                        .timeout(Duration::from_secs(10))
-                        .permit_ttl(PERMITS_NEVER_LAPSE)
-                        .connect(),
-                )
-                .unwrap();
-            let cac = Limiter::with_store(policy.clone(), cached, clock.clone());
-            rt.block_on(async {
-                let mut held = Vec::new();
-                let ops = ops.into_iter().flat_map(|op| match op {
-                    Op::Flood(c, n, other) => vec![Op::Admit(c, 1000, 1, false, other); n as usize],
-                    op => vec![op],
-                });
-                for (n, op) in ops.enumerate() {
-                    match op {
-                        Op::Admit(who, dt, cost, keep, other) => {
-                            clock.advance(Duration::from_micros(dt));
-                            let c = &callers[who];
-                            let tool = if other { "u" } else { "t" };
-                            let a = mem.admit(c, tool, Cost(cost as f64)).await;
-                            let b = red.admit(c, tool, Cost(cost as f64)).await;
-                            let z = cac.admit(c, tool, Cost(cost as f64)).await;
-                            match (&a, &z) {
-                                (Ok(_), Ok(_)) => {}
-                                (Err(x), Err(y)) => prop_assert_eq!(x.reason, y.reason, "op {}", n),
-                                _ => prop_assert!(
-                                    false,
-                                    "op {}: memory {:?} but the cached store {:?}",
-                                    n,
-                                    a,
-                                    z
-                                ),
-                            }
-                            match (&a, &b) {
-                                (Ok(x), Ok(y)) => {
-                                    let (x, y) = (
-                                        x.admission.as_ref().unwrap(),
-                                        y.admission.as_ref().unwrap(),
-                                    );
-                                    prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
-                                    prop_assert_eq!(
-                                        x.remaining.to_bits(),
-                                        y.remaining.to_bits(),
-                                        "op {} remaining {} vs {}",
-                                        n,
-                                        x.remaining,
-                                        y.remaining
-                                    );
-                                    prop_assert_eq!(x.quota.to_bits(), y.quota.to_bits());
-                                    prop_assert_eq!(x.reset_in.to_bits(), y.reset_in.to_bits());
-                                    prop_assert_eq!(x.slack.to_bits(), y.slack.to_bits());
-                                    prop_assert_eq!(x.views, y.views);
-                                    prop_assert_eq!(x.at, y.at);
-                                    compared[0].set(compared[0].get() + 1);
-                                }
-                                (Err(x), Err(y)) => {
-                                    prop_assert_eq!(x, y, "op {}", n);
-                                    compared[1].set(compared[1].get() + 1);
-                                }
-                                _ => prop_assert!(
-                                    false,
-                                    "op {}: memory {:?} but redis {:?}",
-                                    n,
-                                    a,
-                                    b
-                                ),
-                            }
-                            if let (Ok(x), Ok(y), Ok(z)) = (a, b, z) {
-                                if keep {
-                                    held.push((x, y, z));
-                                } else {
-                                    mem.release(&x).await;
-                                    red.release(&y).await;
-                                    cac.release(&z).await;
-                                }
-                            }
-                            // Every stored state the call touched is the same, bit for bit.
-                            let Ok(keys) = mem.call_keys(c, tool) else {
-                                continue;
-                            };
-                            let sm = mem.store().inspect(&keys).await.unwrap();
-                            let sr = red.store().inspect(&keys).await.unwrap();
-                            for level in 0..3 {
-                                match (&sm[level], &sr[level]) {
-                                    (Some(x), Some(y)) => {
-                                        prop_assert_eq!(x, y, "op {} level {}", n, level);
-                                        compared[2].set(compared[2].get() + 1);
+        .run(
+            &(policy(), prop::collection::vec(op(), 50..250)),
+            |(text, ops)| {
+                let policy = Policy::from_toml_str(&text).expect("drawn valid");
+                server.flushall();
+                // Start an hour before a month ends, so windows of every kind roll over.
+                let start = Timestamp(EPOCH.as_micros() + 30 * 86_400_000_000 + 23 * 3_600_000_000);
+                let clock = ManualClock::new(start);
+                let redis = rt
+                    .block_on(
+                        RedisStore::builder(server.url())
+                            .injected_clock()
+                            .refusal_cache(false)
+                            .timeout(Duration::from_secs(10))
+                            // The memory store's permits never lapse: nor may these, over the
+                            // weeks of virtual time the workloads cover.
+                            .permit_ttl(PERMITS_NEVER_LAPSE)
+                            .connect(),
+                    )
+                    .unwrap();
+                let mem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
+                let red = Limiter::with_store(policy.clone(), redis, clock.clone());
+                // A third store, refusal cache on, in a namespace of its own: it must never refuse
+                // a call the engine admits.
+                let cached = rt
+                    .block_on(
+                        RedisStore::builder(server.url())
+                            .injected_clock()
+                            .namespace("cached:")
+                            .timeout(Duration::from_secs(10))
+                            .permit_ttl(PERMITS_NEVER_LAPSE)
+                            .connect(),
+                    )
+                    .unwrap();
+                let cac = Limiter::with_store(policy.clone(), cached, clock.clone());
+                rt.block_on(async {
+                    let mut held = Vec::new();
+                    let ops = ops.into_iter().flat_map(|op| match op {
+                        Op::Flood(c, n, other) => {
+                            vec![Op::Admit(c, 1000, 1, false, other); n as usize]
+                        }
+                        op => vec![op],
+                    });
+                    for (n, op) in ops.enumerate() {
+                        match op {
+                            Op::Admit(who, dt, cost, keep, other) => {
+                                clock.advance(Duration::from_micros(dt));
+                                let c = &callers[who];
+                                let tool = if other { "u" } else { "t" };
+                                let a = mem.admit(c, tool, Cost(cost as f64)).await;
+                                let b = red.admit(c, tool, Cost(cost as f64)).await;
+                                let z = cac.admit(c, tool, Cost(cost as f64)).await;
+                                match (&a, &z) {
+                                    (Ok(_), Ok(_)) => {}
+                                    (Err(x), Err(y)) => {
+                                        prop_assert_eq!(x.reason, y.reason, "op {}", n)
                                     }
-                                    (None, None) => {}
-                                    // Redis's real-time TTL may drop a state that is already
-                                    // equivalent to a fresh one; the memory store keeps it until
-                                    // a sweep. Anything else is a mismatch.
-                                    (Some(_), None) => {}
-                                    (None, Some(y)) => prop_assert!(
+                                    _ => prop_assert!(
                                         false,
-                                        "op {} level {}: only redis holds {:?}",
+                                        "op {}: memory {:?} but the cached store {:?}",
                                         n,
-                                        level,
-                                        y
+                                        a,
+                                        z
                                     ),
                                 }
+                                match (&a, &b) {
+                                    (Ok(x), Ok(y)) => {
+                                        let (x, y) = (
+                                            x.admission.as_ref().unwrap(),
+                                            y.admission.as_ref().unwrap(),
+                                        );
+                                        prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
+                                        prop_assert_eq!(
+                                            x.remaining.to_bits(),
+                                            y.remaining.to_bits(),
+                                            "op {} remaining {} vs {}",
+                                            n,
+                                            x.remaining,
+                                            y.remaining
+                                        );
+                                        prop_assert_eq!(x.quota.to_bits(), y.quota.to_bits());
+                                        prop_assert_eq!(x.reset_in.to_bits(), y.reset_in.to_bits());
+                                        prop_assert_eq!(x.slack.to_bits(), y.slack.to_bits());
+                                        prop_assert_eq!(x.views, y.views);
+                                        prop_assert_eq!(x.at, y.at);
+                                        compared[0].set(compared[0].get() + 1);
+                                    }
+                                    (Err(x), Err(y)) => {
+                                        prop_assert_eq!(x, y, "op {}", n);
+                                        compared[1].set(compared[1].get() + 1);
+                                    }
+                                    _ => prop_assert!(
+                                        false,
+                                        "op {}: memory {:?} but redis {:?}",
+                                        n,
+                                        a,
+                                        b
+                                    ),
+                                }
+                                if let (Ok(x), Ok(y), Ok(z)) = (a, b, z) {
+                                    if keep {
+                                        held.push((x, y, z));
+                                    } else {
+                                        mem.release(&x).await;
+                                        red.release(&y).await;
+                                        cac.release(&z).await;
+                                    }
+                                }
+                                // Every stored state the call touched is the same, bit for bit.
+                                let Ok(keys) = mem.call_keys(c, tool) else {
+                                    continue;
+                                };
+                                let sm = mem.store().inspect(&keys).await.unwrap();
+                                let sr = red.store().inspect(&keys).await.unwrap();
+                                for level in 0..3 {
+                                    match (&sm[level], &sr[level]) {
+                                        (Some(x), Some(y)) => {
+                                            prop_assert_eq!(x, y, "op {} level {}", n, level);
+                                            compared[2].set(compared[2].get() + 1);
+                                        }
+                                        (None, None) => {}
+                                        // Redis's real-time TTL may drop a state that is already
+                                        // equivalent to a fresh one; the memory store keeps it until
+                                        // a sweep. Anything else is a mismatch.
+                                        (Some(_), None) => {}
+                                        (None, Some(y)) => prop_assert!(
+                                            false,
+                                            "op {} level {}: only redis holds {:?}",
+                                            n,
+                                            level,
+                                            y
+                                        ),
+                                    }
+                                }
                             }
+                            Op::Settle(pct) if !held.is_empty() => {
+                                let (x, y, z) = &held[0];
+                                let actual = Cost(
+                                    x.admission.as_ref().unwrap().charge.cost * pct as f64 / 100.0,
+                                );
+                                mem.settle(x, actual).await;
+                                red.settle(y, actual).await;
+                                cac.settle(z, actual).await;
+                            }
+                            Op::Refund if !held.is_empty() => {
+                                let (x, y, z) = held.remove(0);
+                                mem.refund(&x).await;
+                                red.refund(&y).await;
+                                cac.refund(&z).await;
+                                mem.release(&x).await;
+                                red.release(&y).await;
+                                cac.release(&z).await;
+                            }
+                            Op::Release if !held.is_empty() => {
+                                let (x, y, z) = held.remove(0);
+                                mem.release(&x).await;
+                                red.release(&y).await;
+                                cac.release(&z).await;
+                            }
+                            _ => {}
                         }
-                        Op::Settle(pct) if !held.is_empty() => {
-                            let (x, y, z) = &held[0];
-                            let actual = Cost(
-                                x.admission.as_ref().unwrap().charge.cost * pct as f64 / 100.0,
-                            );
-                            mem.settle(x, actual).await;
-                            red.settle(y, actual).await;
-                            cac.settle(z, actual).await;
-                        }
-                        Op::Refund if !held.is_empty() => {
-                            let (x, y, z) = held.remove(0);
-                            mem.refund(&x).await;
-                            red.refund(&y).await;
-                            cac.refund(&z).await;
-                            mem.release(&x).await;
-                            red.release(&y).await;
-                            cac.release(&z).await;
-                        }
-                        Op::Release if !held.is_empty() => {
-                            let (x, y, z) = held.remove(0);
-                            mem.release(&x).await;
-                            red.release(&y).await;
-                            cac.release(&z).await;
-                        }
-                        _ => {}
                     }
-                }
-                cache_hits.set(cache_hits.get() + cac.store().cached_refusals());
-                Ok(())
-            })
-        })
+                    cache_hits.set(cache_hits.get() + cac.store().cached_refusals());
+                    Ok(())
+                })
+            },
+        )
         .unwrap();
     let [admitted, refused, states] = compared.map(Cell::into_inner);
     eprintln!(
-        "compared {admitted} admissions, {refused} refusals, {states} stored states; {} refusals from the cache",
+        "{cases} generated policies and workloads: compared {admitted} admissions, {refused} refusals, {states} stored states; {} refusals from the cache",
         cache_hits.get()
     );
     assert!(
