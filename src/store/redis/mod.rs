@@ -147,15 +147,16 @@
 //! # let _ = limiter; Ok(()) }
 //! ```
 
+mod batch;
 mod builder;
 mod cache;
+mod record;
 mod upkeep;
 mod wire;
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::BuildHasher;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -167,12 +168,10 @@ pub use upkeep::StoreHealth;
 
 use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
-use self::wire::{LevelKeys, Reply, Shape};
+use self::wire::LevelKeys;
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{Charge, NodeState, Plan};
+use crate::admission::engine::{NodeState, Plan};
 use crate::clock::Timestamp;
-
-const COMMON: &str = include_str!("common.lua");
 
 #[derive(Debug)]
 struct Script {
@@ -181,15 +180,6 @@ struct Script {
 }
 
 impl Script {
-    /// A script with the shared helpers of `common.lua` in front.
-    fn new(body: &str) -> Self {
-        let mut code = String::with_capacity(COMMON.len() + body.len() + 1);
-        code.push_str(COMMON);
-        code.push('\n');
-        code.push_str(body);
-        Script::standalone(code)
-    }
-
     fn standalone(code: String) -> Self {
         let hash = redis::Script::new(&code).get_hash().to_owned();
         Script { code, hash }
@@ -198,8 +188,8 @@ impl Script {
 
 #[derive(Debug)]
 struct Scripts {
-    admit: Script,
-    adjust: Script,
+    read: Script,
+    apply: Script,
     release: Script,
     renew: Script,
     sweep: Script,
@@ -207,12 +197,13 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
+        let script = |code: &str| Script::standalone(code.to_owned());
         Scripts {
-            admit: Script::standalone(include_str!("admit.lua").to_owned()),
-            adjust: Script::new(include_str!("adjust.lua")),
-            release: Script::new(include_str!("release.lua")),
-            renew: Script::new(include_str!("renew.lua")),
-            sweep: Script::new(include_str!("sweep.lua")),
+            read: script(include_str!("read.lua")),
+            apply: script(include_str!("apply.lua")),
+            release: script(include_str!("release.lua")),
+            renew: script(include_str!("renew.lua")),
+            sweep: script(include_str!("sweep.lua")),
         }
     }
 }
@@ -243,6 +234,13 @@ impl CallIds {
 
     fn next(&self) -> u128 {
         (u128::from(self.prefix) << 64) | u128::from(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A record version: never the same twice from one store, and unlike another store's
+    /// (its prefix is random).
+    fn version(&self) -> u64 {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        self.prefix ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 }
 
@@ -335,10 +333,10 @@ struct Shared {
     breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
+    /// Each tool's queue of decisions and corrections (see `batch`).
+    queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
 }
-
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// Keeps admission state in Redis (or Redis Cluster), shared by every replica. See the
 /// [module docs](self) for the script, the key layout and the failure modes. Cheap to clone:
@@ -392,6 +390,7 @@ impl RedisStore {
                 breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
+                queues: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
             }),
         }
@@ -452,46 +451,32 @@ impl RedisStore {
             ));
         }
         sh.health.saw_tool(sh, &keys.tool);
-        let call = sh.ids.next();
-        let levels = LevelKeys::new(sh.state_keys(keys));
-        let script_keys = levels.for_admission();
-        let args = vec![
-            wire::encode_plan(plan, sh.now_arg(plan.now), sh.permit_ttl_ms()),
-            call.to_le_bytes().to_vec(),
-        ];
-        let owned = sh.clone();
-        let mut pending = Pending {
-            fut: Some(Box::pin(async move {
-                owned.eval(&owned.scripts.admit, &script_keys, &args).await
-            })),
-            undo: Some(Undo {
-                shared: sh.clone(),
-                tool: keys.tool.clone(),
-                levels,
-                shape: Shape::of(plan),
-                call,
-            }),
-        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
         let sent = Instant::now();
+        batch::submit(
+            sh,
+            &keys.tool,
+            batch::Job::Decide {
+                plan: batch::OwnedPlan::of(plan),
+                keys: keys.clone(),
+                call: sh.ids.next(),
+                reply,
+            },
+        );
         let timeout = sh.config.timeout;
-        let Some(fut) = pending.fut.as_mut() else {
-            unreachable!("set above")
+        // Timed out or dropped here, the call is still decided; if it is admitted nobody
+        // takes the answer, and the worker gives it back.
+        let decided = match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+            Err(_) => Err(StoreError::Timeout(timeout)),
         };
-        let reply = match tokio::time::timeout(timeout, fut).await {
-            Ok(reply) => reply,
-            // Dropping `pending` finishes the decision in the background.
-            Err(_) => {
-                sh.unreachable(&keys.tool);
-                return Err(sh.failed("decide", &keys.tool, StoreError::Timeout(timeout)));
-            }
-        };
-        let undo = pending.disarm();
-        let reply = match reply {
-            Ok(r) => {
+        let decision = match decided {
+            Ok(d) => {
                 if sh.breaker.answered() {
                     tracing::info!(store = "redis", "Redis answers again");
                 }
-                r
+                d
             }
             Err(e) => {
                 if !matches!(e, StoreError::Protocol(_)) {
@@ -500,36 +485,26 @@ impl RedisStore {
                 return Err(sh.failed("decide", &keys.tool, e));
             }
         };
-        let reply = wire::parse_reply(reply).map_err(|e| {
-            sh.errors.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(store = "redis", tool = %keys.tool, error = %e, "unexpected answer from the admission script");
-            e
-        })?;
-        match reply {
-            Reply::Refused(n) => {
-                let sure_wait = n.sure_wait;
-                let refusal = wire::refusal(n, plan);
-                if let Some(cache) = &sh.cache {
-                    cache.remember(keys, plan, &refusal, sure_wait, sent, sh.config.time);
+        match &decision {
+            Decision::Refused(r) => {
+                if let (Some(cache), Some(wait)) = (&sh.cache, r.not_before) {
+                    cache.remember(keys, plan, r, wait, sent, sh.config.time);
                 }
-                Ok(Decision::Refused(Box::new(refusal)))
             }
-            Reply::Admitted(n) => {
-                let decision = wire::admission(&n, plan, keys, &undo.shape, call);
-                if undo.shape.holds_permits() {
-                    if let Decision::Admitted(a) = &decision {
-                        lock(&sh.held).insert(
-                            call,
-                            HeldPermits {
-                                tool: keys.tool.clone(),
-                                keys: undo.levels.permits(&a.charge),
-                            },
-                        );
-                    }
+            Decision::Admitted(a) => {
+                if a.charge.holds_permits() {
+                    let levels = LevelKeys::new(sh.state_keys(keys));
+                    lock(&sh.held).insert(
+                        a.call,
+                        HeldPermits {
+                            tool: keys.tool.clone(),
+                            keys: levels.permits(&a.charge),
+                        },
+                    );
                 }
-                Ok(decision)
             }
         }
+        Ok(decision)
     }
 
     /// Drops every state that is equivalent to fresh state at `now`, every tracker entry
@@ -590,84 +565,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// An admission script on its way. Dropped before its answer was taken (the caller went away,
-/// or the timeout fired), it is finished in the background and, if Redis admitted the call,
-/// everything is given back.
-struct Pending {
-    fut: Option<BoxFuture<Result<Value, StoreError>>>,
-    undo: Option<Undo>,
-}
-
-impl Pending {
-    /// The answer was taken: nothing to finish.
-    fn disarm(&mut self) -> Undo {
-        self.fut = None;
-        self.undo.take().expect("disarmed once")
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        let (Some(fut), Some(undo)) = (self.fut.take(), self.undo.take()) else {
-            return;
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move { undo.finish(fut.await).await });
-            }
-            Err(_) => tracing::warn!(
-                store = "redis",
-                tool = %undo.tool,
-                "a decision was dropped outside a tokio runtime: if Redis admitted it, its units stay charged and its permits lapse after the permit TTL"
-            ),
-        }
-    }
-}
-
-/// What giving back an admission nobody received needs.
-struct Undo {
-    shared: Arc<Shared>,
-    tool: Arc<str>,
-    levels: LevelKeys,
-    shape: Shape,
-    call: u128,
-}
-
-impl Undo {
-    async fn finish(self, reply: Result<Value, StoreError>) {
-        // An error: nothing was admitted, or the answer is lost with the connection (then the
-        // units stay charged and the permits lapse by themselves).
-        let Ok(reply) = reply else { return };
-        let Ok(Reply::Admitted(n)) = wire::parse_reply(reply) else {
-            return;
-        };
-        let sh = &self.shared;
-        let charge = self.shape.charge(&n);
-        let refunded = sh
-            .adjust_charge(
-                &self.tool,
-                &self.levels,
-                &charge,
-                -1.0,
-                sh.now_arg(Timestamp(n.now as u64)),
-            )
-            .await;
-        let released = sh
-            .release_call(&self.tool, &self.levels, &charge, self.call)
-            .await;
-        sh.abandoned.fetch_add(1, Ordering::Relaxed);
-        crate::telemetry::abandoned(&self.tool);
-        match (refunded, released) {
-            (Ok(()), Ok(())) => {
-                tracing::debug!(store = "redis", tool = %self.tool, "gave back a decision whose caller went away")
-            }
-            (r, p) => {
-                tracing::warn!(store = "redis", tool = %self.tool, refund = ?r.err(), release = ?p.err(), "could not give back all of a decision whose caller went away")
-            }
-        }
-    }
-}
-
 impl Shared {
     fn backend(&self) -> Result<&Backend, StoreError> {
         self.backend.get().ok_or_else(|| {
@@ -691,10 +588,6 @@ impl Shared {
             tracing::warn!(store = "redis", error = %e, "cannot reach Redis; every call follows its tool's on_store_error until it answers");
         }
         *last = Some(e.to_string());
-    }
-
-    fn permit_ttl_ms(&self) -> f64 {
-        self.config.permit_ttl.as_millis() as f64
     }
 
     fn state_keys(&self, keys: &CallKeys) -> [Option<String>; 3] {
@@ -765,54 +658,23 @@ impl Shared {
         }
     }
 
-    /// Adds `factor` × `charge` at every level it charged.
-    async fn adjust_charge(
-        &self,
-        tool: &str,
-        levels: &LevelKeys,
-        charge: &Charge,
-        factor: f64,
-        now: f64,
-    ) -> Result<(), StoreError> {
-        if factor < 0.0 {
-            if let Some(cache) = &self.cache {
-                cache.forget_tool(tool);
-            }
-        }
-        let Some((keys, blob)) =
-            wire::encode_adjustment(levels, charge, factor, now, self.permit_ttl_ms())
-        else {
-            return Ok(());
-        };
-        let _: i64 = self
-            .guarded(
-                "adjust",
-                tool,
-                self.eval(&self.scripts.adjust, &keys, std::slice::from_ref(&blob)),
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Gives back the permits `call` took (and stops renewing them).
-    async fn release_call(
-        &self,
-        tool: &str,
-        levels: &LevelKeys,
-        charge: &Charge,
-        call: u128,
-    ) -> Result<(), StoreError> {
-        lock(&self.held).remove(&call);
-        let keys = levels.for_release(charge);
+    /// Gives back the permits an admitted call took (and stops renewing them).
+    async fn release_call(&self, admission: &Admission) -> Result<(), StoreError> {
+        lock(&self.held).remove(&admission.call);
+        let levels = LevelKeys::new(self.state_keys(&admission.keys));
+        let keys = levels.for_release(&admission.charge);
         if keys.is_empty() {
             return Ok(());
         }
-        let id = call.to_le_bytes().to_vec();
+        let args = [
+            admission.call.to_le_bytes().to_vec(),
+            format!("{}", self.now_arg(admission.at)).into_bytes(),
+        ];
         let _: i64 = self
             .guarded(
                 "release",
-                tool,
-                self.eval(&self.scripts.release, &keys, std::slice::from_ref(&id)),
+                &admission.keys.tool,
+                self.eval(&self.scripts.release, &keys, &args),
             )
             .await?;
         Ok(())
@@ -829,12 +691,12 @@ impl Shared {
                     .extend_from_slice(&call.to_le_bytes());
             }
         }
-        let head = wire::pack(&[self.now_arg(now), self.permit_ttl_ms()]);
         let mut renewed = 0;
         for (tool, keys) in by_tool {
             let (names, ids): (Vec<String>, Vec<Vec<u8>>) = keys.into_iter().unzip();
-            let mut args = Vec::with_capacity(ids.len() + 1);
-            args.push(head.clone());
+            let mut args = Vec::with_capacity(ids.len() + 2);
+            args.push(format!("{}", self.now_arg(now)).into_bytes());
+            args.push(self.config.permit_ttl.as_millis().to_string().into_bytes());
             args.extend(ids);
             let n: u64 = self
                 .guarded(
@@ -875,27 +737,34 @@ impl Store for RedisStore {
         now: Timestamp,
     ) -> Result<(), StoreError> {
         let sh = &self.shared;
-        let levels = LevelKeys::new(sh.state_keys(&admission.keys));
-        sh.adjust_charge(
+        if factor < 0.0 {
+            if let Some(cache) = &sh.cache {
+                cache.forget_tool(&admission.keys.tool);
+            }
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        batch::submit(
+            sh,
             &admission.keys.tool,
-            &levels,
-            &admission.charge,
-            factor,
-            sh.now_arg(now),
-        )
-        .await
+            batch::Job::Adjust {
+                admission: Box::new(admission.clone()),
+                factor,
+                now,
+                reply: Some(reply),
+            },
+        );
+        let timeout = sh.config.timeout;
+        let done = match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+            // Still applied in the background.
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        done.map_err(|e| sh.failed("adjust", &admission.keys.tool, e))
     }
 
     async fn release<'a>(&'a self, admission: &'a Admission) -> Result<(), StoreError> {
-        let sh = &self.shared;
-        let levels = LevelKeys::new(sh.state_keys(&admission.keys));
-        sh.release_call(
-            &admission.keys.tool,
-            &levels,
-            &admission.charge,
-            admission.call,
-        )
-        .await
+        self.shared.release_call(admission).await
     }
 
     async fn inspect<'a>(
@@ -939,7 +808,7 @@ impl Store for RedisStore {
         let mut out: [Option<NodeState>; 3] = Default::default();
         for (((level, _), value), held) in present.iter().zip(values).zip(held) {
             let state = match value {
-                Some(bytes) => wire::decode_state(&bytes)?,
+                Some(bytes) => Some(record::Record::decode(&bytes)?.state),
                 None => None,
             };
             // Calls in flight are the permits held (lapsed or not: as the store holds them).
