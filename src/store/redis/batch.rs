@@ -170,24 +170,108 @@ fn drop_job(job: Job, why: &str) {
     }
 }
 
-/// A tool's worker: batches until the store is gone.
-async fn work(shared: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) {
-    let mut held: Option<Job> = None;
+/// A tool's worker, until the store is gone: one round trip per batch when nothing else
+/// writes the tool's records — the script that writes a batch also reads for the next.
+async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
+    let Some(namespace) = shared.upgrade().map(|s| s.config.namespace.clone()) else {
+        return;
+    };
+    let mut queue = Queue {
+        rx,
+        backlog: std::collections::VecDeque::new(),
+        namespace,
+    };
+    // A batch whose read came back with the last write.
+    let mut carried: Option<(Batch, Read)> = None;
     loop {
-        let first = match held.take() {
-            Some(j) => j,
-            None => match rx.recv().await {
-                Some(j) => j,
-                None => return,
-            },
+        let (mut batch, read) = match carried.take() {
+            Some(c) => c,
+            None => {
+                let Some(injected) = shared
+                    .upgrade()
+                    .map(|s| s.config.time == TimeSource::Injected)
+                else {
+                    return;
+                };
+                let Some(batch) = queue.next_batch(injected, true).await else {
+                    return;
+                };
+                let Some(sh) = shared.upgrade() else { return };
+                match cycle(&sh, None, Some(&batch)).await {
+                    Ok(c) => {
+                        let read = c.read.expect("a read was asked for");
+                        (batch, read)
+                    }
+                    Err(e) => {
+                        batch.fail(&e);
+                        continue;
+                    }
+                }
+            }
         };
-        // With an injected clock a batch shares one `now`: the counts it reads are at that time.
-        let injected = shared
-            .upgrade()
-            .is_some_and(|s| s.config.time == TimeSource::Injected);
+        let Some(sh) = shared.upgrade() else { return };
+        // Callers that left while their batch was read: not decided.
+        batch.retain_waited_for();
+        let decided = decide(&sh, &batch, &read);
+        if decided.nothing_to_write() {
+            batch.answer(&sh, decided.outcomes);
+            continue;
+        }
+        // The next batch rides on this write: its read comes back with it.
+        let injected = sh.config.time == TimeSource::Injected;
+        let next = queue.next_batch(injected, false).await;
+        match cycle(&sh, Some((&batch, &decided)), next.as_ref()).await {
+            Ok(c) if c.written => {
+                batch.answer(&sh, decided.outcomes);
+                carried = next.zip(c.read);
+            }
+            Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
+                batch.fail(&StoreError::Unavailable(format!(
+                    "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
+                )));
+                queue.put_back(next);
+            }
+            // Another replica wrote first: decide again, with the next batch, on a fresh read.
+            Ok(_) => {
+                batch.attempts += 1;
+                let mut jobs = std::mem::take(&mut batch.jobs);
+                if let Some(n) = next {
+                    jobs.extend(n.jobs);
+                }
+                queue.put_front(Batch::new(&queue.namespace, jobs, batch.attempts));
+            }
+            Err(e) => {
+                batch.fail(&e);
+                queue.put_back(next);
+            }
+        }
+    }
+}
+
+/// A tool's queue, with what was taken from it and not yet decided.
+struct Queue {
+    rx: mpsc::UnboundedReceiver<Job>,
+    backlog: std::collections::VecDeque<Batch>,
+    /// The store's key prefix.
+    namespace: String,
+}
+
+impl Queue {
+    /// The next batch: waits for a job when `wait`, otherwise takes only what is there. With
+    /// an injected clock a batch shares one `now` (the counts it reads are at that time).
+    async fn next_batch(&mut self, injected: bool, wait: bool) -> Option<Batch> {
+        if let Some(b) = self.backlog.pop_front() {
+            return Some(b);
+        }
+        let first = if wait {
+            self.rx.recv().await?
+        } else {
+            self.rx.try_recv().ok()?
+        };
         let mut jobs = vec![first];
+        let mut held = None;
         while jobs.len() < MAX_BATCH {
-            match rx.try_recv() {
+            match self.rx.try_recv() {
                 Ok(j) if injected && j.now() != jobs[0].now() => {
                     held = Some(j);
                     break;
@@ -196,8 +280,30 @@ async fn work(shared: Weak<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) {
                 Err(_) => break,
             }
         }
-        let Some(sh) = shared.upgrade() else { return };
-        run(&sh, jobs).await;
+        jobs.retain(|j| !j.gone());
+        let batch = Batch::new(&self.namespace, jobs, 0);
+        if let Some(j) = held {
+            self.backlog
+                .push_back(Batch::new(&self.namespace, vec![j], 0));
+        }
+        if batch.jobs.is_empty() {
+            return if wait {
+                Box::pin(self.next_batch(injected, wait)).await
+            } else {
+                None
+            };
+        }
+        Some(batch)
+    }
+
+    fn put_front(&mut self, b: Batch) {
+        self.backlog.push_front(b);
+    }
+
+    fn put_back(&mut self, b: Option<Batch>) {
+        if let Some(b) = b {
+            self.backlog.push_front(b);
+        }
     }
 }
 
@@ -240,21 +346,132 @@ impl Keys {
     }
 }
 
-/// A zset change, in `apply.lua`'s words.
-enum ZOp {
-    Add {
-        key: usize,
-        score: f64,
-        member: Vec<u8>,
-    },
-    Prune {
-        key: usize,
-        upto: f64,
-    },
-    Expire {
-        key: usize,
-        ms: u64,
-    },
+/// Jobs decided together, with the keys they touch.
+struct Batch {
+    jobs: Vec<Job>,
+    keys: Keys,
+    job_keys: Vec<JobKeys>,
+    /// How many times the batch's write found a record changed.
+    attempts: usize,
+}
+
+impl Batch {
+    fn new(namespace: &str, jobs: Vec<Job>, attempts: usize) -> Batch {
+        let (keys, job_keys) = Batch::keys_of(namespace, &jobs);
+        Batch {
+            jobs,
+            keys,
+            job_keys,
+            attempts,
+        }
+    }
+
+    /// Drops the jobs whose callers left (their keys stay: reading them costs nothing).
+    fn retain_waited_for(&mut self) {
+        let mut i = 0;
+        while i < self.jobs.len() {
+            if self.jobs[i].gone() {
+                self.jobs.remove(i);
+                self.job_keys.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        self.jobs.first().map_or(Timestamp(0), Job::now)
+    }
+
+    /// The keys of `jobs`: each job's records, trackers and permits.
+    fn keys_of(namespace: &str, jobs: &[Job]) -> (Keys, Vec<JobKeys>) {
+        let mut keys = Keys::default();
+        let mut job_keys = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let (call_keys, plan) = match job {
+                Job::Decide { keys, plan, .. } => (keys, Some(plan)),
+                Job::Adjust { admission, .. } => (&admission.keys, None),
+            };
+            let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
+            let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
+            let instance = instance.filter(|_| plan.is_none_or(|p| p.instance.is_some()));
+            let mut jk = JobKeys {
+                records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
+                trackers: [None, None],
+                permits: [None, None, None],
+            };
+            if let Some(i) = &instance {
+                jk.records[2] = Some(keys.record(i));
+            }
+            if let Some(plan) = plan {
+                let p = plan.plan(call_keys, plan.now);
+                if p.tenant.policy.template {
+                    jk.trackers[0] = Some(keys.zset(tracker_key(&tool)));
+                }
+                if p.instance.is_some_and(|i| i.policy.template) {
+                    jk.trackers[1] = Some(keys.zset(tracker_key(&tenant)));
+                }
+                let caps = [
+                    p.tool.max_concurrency.is_some(),
+                    p.tenant.policy.max_concurrency.is_some(),
+                    p.instance
+                        .is_some_and(|i| i.policy.max_concurrency.is_some()),
+                ];
+                let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
+                for (l, (cap, k)) in caps.iter().zip(level_keys).enumerate() {
+                    if let (true, Some(k)) = (cap, k) {
+                        jk.permits[l] = Some(keys.zset(permits_key(k)));
+                    }
+                }
+            }
+            job_keys.push(jk);
+        }
+        (keys, job_keys)
+    }
+
+    /// Every job fails with `e`.
+    fn fail(self, e: &StoreError) {
+        for job in self.jobs {
+            match job {
+                Job::Decide { reply, .. } => {
+                    let _ = reply.send(Err(clone_error(e)));
+                }
+                Job::Adjust { reply, .. } => {
+                    if let Some(r) = reply {
+                        let _ = r.send(Err(clone_error(e)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Answers every job; an admission whose caller left is given back.
+    fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
+        for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
+            match (job, outcome) {
+                (Job::Decide { reply, .. }, Outcome::Decided(d)) => {
+                    if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
+                        give_back(sh, a);
+                    }
+                }
+                (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
+                    if let Some(r) = reply {
+                        let _ = r.send(Ok(()));
+                    }
+                }
+                _ => unreachable!("an outcome per job, of its kind"),
+            }
+        }
+    }
+}
+
+fn namespaced(ns: &str, mut keys: [Option<String>; 3]) -> [Option<String>; 3] {
+    if !ns.is_empty() {
+        for k in keys.iter_mut().flatten() {
+            k.insert_str(0, ns);
+        }
+    }
+    keys
 }
 
 /// What a job came to.
@@ -263,68 +480,8 @@ enum Outcome {
     Adjusted,
 }
 
-fn fmt_score(x: f64) -> String {
-    // Whole microseconds: exact in a double, and in Redis's parser.
-    format!("{}", x as u64)
-}
-
 fn ttl_ms(until: f64, now: f64) -> u64 {
     (((until - now) / 1000.0).ceil() as i64).max(1) as u64
-}
-
-/// Reads, decides and writes one batch, answering every job.
-async fn run(sh: &Arc<Shared>, mut jobs: Vec<Job>) {
-    // A caller that went away before its call was decided: nothing to decide, nothing to undo.
-    jobs.retain(|j| !j.gone());
-    if jobs.is_empty() {
-        return;
-    }
-    let mut attempt = 0;
-    let outcomes = loop {
-        attempt += 1;
-        match attempt_batch(sh, &jobs).await {
-            Ok(Some(outcomes)) => break Ok(outcomes),
-            Ok(None) if attempt < MAX_ATTEMPTS => continue,
-            Ok(None) => break Err(StoreError::Unavailable(format!(
-                "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
-            ))),
-            Err(e) => break Err(e),
-        }
-    };
-    match outcomes {
-        Err(e) => {
-            for job in jobs {
-                match job {
-                    Job::Decide { reply, .. } => {
-                        let _ = reply.send(Err(clone_error(&e)));
-                    }
-                    Job::Adjust { reply, .. } => {
-                        if let Some(r) = reply {
-                            let _ = r.send(Err(clone_error(&e)));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(outcomes) => {
-            for (job, outcome) in jobs.into_iter().zip(outcomes) {
-                match (job, outcome) {
-                    (Job::Decide { reply, .. }, Outcome::Decided(d)) => {
-                        if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
-                            // Admitted, and nobody took the answer: give it all back.
-                            give_back(sh, a);
-                        }
-                    }
-                    (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
-                        if let Some(r) = reply {
-                            let _ = r.send(Ok(()));
-                        }
-                    }
-                    _ => unreachable!("an outcome per job, of its kind"),
-                }
-            }
-        }
-    }
 }
 
 fn clone_error(e: &StoreError) -> StoreError {
@@ -363,94 +520,62 @@ fn give_back(sh: &Arc<Shared>, admission: Box<Admission>) {
     );
 }
 
-/// One read–decide–write round. `Ok(None)`: another replica wrote a record first; read again.
-async fn attempt_batch(sh: &Arc<Shared>, jobs: &[Job]) -> Result<Option<Vec<Outcome>>, StoreError> {
-    let mut keys = Keys::default();
-    let mut job_keys = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        let (call_keys, plan) = match job {
-            Job::Decide { keys, plan, .. } => (keys, Some(plan)),
-            Job::Adjust { admission, .. } => (&admission.keys, None),
-        };
-        let [tool, tenant, instance] = sh.state_keys(call_keys);
-        let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
-        let instance = instance.filter(|_| plan.is_none_or(|p| p.instance.is_some()));
-        let mut jk = JobKeys {
-            records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
-            trackers: [None, None],
-            permits: [None, None, None],
-        };
-        if let Some(i) = &instance {
-            jk.records[2] = Some(keys.record(i));
-        }
-        if let Some(plan) = plan {
-            let p = plan.plan(call_keys_of(job), plan.now);
-            if p.tenant.policy.template {
-                jk.trackers[0] = Some(keys.zset(tracker_key(&tool)));
-            }
-            if p.instance.is_some_and(|i| i.policy.template) {
-                jk.trackers[1] = Some(keys.zset(tracker_key(&tenant)));
-            }
-            let caps = [
-                p.tool.max_concurrency.is_some(),
-                p.tenant.policy.max_concurrency.is_some(),
-                p.instance
-                    .is_some_and(|i| i.policy.max_concurrency.is_some()),
-            ];
-            let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
-            for (l, (cap, k)) in caps.iter().zip(level_keys).enumerate() {
-                if let (true, Some(k)) = (cap, k) {
-                    jk.permits[l] = Some(keys.zset(permits_key(k)));
-                }
-            }
-        }
-        job_keys.push(jk);
-    }
+/// What one batch's read found.
+struct Read {
+    now: u64,
+    records: Vec<Option<Record>>,
+    versions: Vec<Vec<u8>>,
+    counts: Vec<f64>,
+}
 
-    // 1. Read.
-    let now_arg = match sh.config.time {
-        TimeSource::Redis => -1.0,
-        TimeSource::Injected => jobs[0].now().as_micros() as f64,
-    };
-    let mut all = keys.records.clone();
-    all.extend(keys.zsets.iter().cloned());
-    let args = vec![
-        format!("{now_arg}").into_bytes(),
-        keys.records.len().to_string().into_bytes(),
-    ];
-    let reply: Value = within(sh, sh.eval(&sh.scripts.read, &all, &args)).await?;
-    let (read_now, raw, counts) = parse_read(reply)?;
-    let mut records: Vec<Option<Record>> = Vec::with_capacity(raw.len());
-    let mut versions: Vec<Vec<u8>> = Vec::with_capacity(raw.len());
-    for r in &raw {
-        match r {
-            Some(bytes) => {
-                let rec = Record::decode(bytes)?;
-                versions.push(rec.version.to_le_bytes().to_vec());
-                records.push(Some(rec));
-            }
-            None => {
-                versions.push(Vec::new());
-                records.push(None);
-            }
-        }
+/// A zset's changes from one batch.
+#[derive(Default)]
+struct ZChange {
+    /// Members whose score is at most this go (`None`: none).
+    prune: Option<f64>,
+    /// Members to add (or re-score).
+    adds: Vec<(f64, Vec<u8>)>,
+    /// Its TTL from now on.
+    ttl_ms: Option<u64>,
+}
+
+/// What a batch decided, and what to write for it.
+struct Decided {
+    outcomes: Vec<Outcome>,
+    /// The records' versions when read: what the write checks.
+    versions: Vec<Vec<u8>>,
+    records: Vec<Option<Record>>,
+    written: Vec<bool>,
+    /// Records decided on (their TTL is set); those only corrected keep theirs.
+    decided: Vec<bool>,
+    holds: Vec<bool>,
+    zsets: Vec<ZChange>,
+    now: f64,
+}
+
+impl Decided {
+    fn nothing_to_write(&self) -> bool {
+        !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
     }
-    let mut counts: Vec<f64> = counts.into_iter().map(|c| c as f64).collect();
+}
+
+/// Decides every job of `batch`, one after the other, each on what the ones before it left.
+fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
+    let mut records = read.records.clone();
+    let mut counts = read.counts.clone();
     let mut written = vec![false; records.len()];
-    // Records only corrected (not decided on) keep their TTL: a correction never makes a
-    // state live longer, and their permits were not counted here.
     let mut decided = vec![false; records.len()];
-    let mut zops: Vec<ZOp> = Vec::new();
+    let mut zsets: Vec<ZChange> = (0..counts.len()).map(|_| ZChange::default()).collect();
     let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
-
-    // 2. Decide, one job after the other, each on what the ones before it left.
-    let mut outcomes = Vec::with_capacity(jobs.len());
-    for (job, jk) in jobs.iter().zip(&job_keys) {
+    let mut outcomes = Vec::with_capacity(batch.jobs.len());
+    let mut last_now = read.now as f64;
+    for (job, jk) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
-            TimeSource::Redis => Timestamp(read_now),
+            TimeSource::Redis => Timestamp(read.now),
             TimeSource::Injected => job.now(),
         };
         let now_f = now.as_micros() as f64;
+        last_now = now_f;
         match job {
             Job::Decide {
                 plan,
@@ -496,19 +621,17 @@ async fn attempt_batch(sh: &Arc<Shared>, jobs: &[Job]) -> Result<Option<Vec<Outc
                         let a = *a;
                         let new_states = [a.tool, a.tenant, a.instance];
                         let track = [None, a.track_tenant_until, a.track_instance_until];
-                        for l in 0..3 {
+                        for (l, new_state) in new_states.into_iter().enumerate() {
                             let Some(i) = jk.records[l] else { continue };
                             if l == 2 && p.instance.is_none() {
                                 continue;
                             }
                             let old_until = records[i].as_ref().map_or(0.0, |r| r.track_until);
-                            let was_tracked = old_until > now_f;
-                            let track_until = track[l].unwrap_or(old_until);
                             records[i] = Some(Record {
                                 version: sh.ids.version(),
                                 expires: a.expires[l],
-                                track_until,
-                                state: new_states[l].clone(),
+                                track_until: track[l].unwrap_or(old_until),
+                                state: new_state,
                             });
                             written[i] = true;
                             decided[i] = true;
@@ -519,39 +642,23 @@ async fn attempt_batch(sh: &Arc<Shared>, jobs: &[Job]) -> Result<Option<Vec<Outc
                                 _ => None,
                             };
                             if let (Some(until), Some(z)) = (track[l], tracker) {
-                                if !was_tracked {
+                                if old_until <= now_f {
                                     counts[z] += 1.0;
                                 }
-                                zops.push(ZOp::Prune {
-                                    key: z,
-                                    upto: now_f,
-                                });
-                                zops.push(ZOp::Add {
-                                    key: z,
-                                    score: until,
-                                    member: keys.records[i].clone().into_bytes(),
-                                });
-                                zops.push(ZOp::Expire {
-                                    key: z,
-                                    ms: ttl_ms(until, now_f),
-                                });
+                                let zc = &mut zsets[z];
+                                zc.prune = Some(now_f);
+                                zc.adds
+                                    .push((until, batch.keys.records[i].clone().into_bytes()));
+                                zc.ttl_ms = Some(zc.ttl_ms.unwrap_or(0).max(ttl_ms(until, now_f)));
                             }
                             if a.charge.levels[l].permit {
                                 if let Some(z) = jk.permits[l] {
                                     counts[z] += 1.0;
-                                    zops.push(ZOp::Prune {
-                                        key: z,
-                                        upto: now_f,
-                                    });
-                                    zops.push(ZOp::Add {
-                                        key: z,
-                                        score: now_f + permit_ttl_us,
-                                        member: call.to_le_bytes().to_vec(),
-                                    });
-                                    zops.push(ZOp::Expire {
-                                        key: z,
-                                        ms: sh.config.permit_ttl.as_millis() as u64,
-                                    });
+                                    let zc = &mut zsets[z];
+                                    zc.prune = Some(now_f);
+                                    zc.adds
+                                        .push((now_f + permit_ttl_us, call.to_le_bytes().to_vec()));
+                                    zc.ttl_ms = Some(sh.config.permit_ttl.as_millis() as u64);
                                 }
                             }
                         }
@@ -587,76 +694,112 @@ async fn attempt_batch(sh: &Arc<Shared>, jobs: &[Job]) -> Result<Option<Vec<Outc
             }
         }
     }
-
-    // 3. Write, if nothing read has changed.
-    if !written.iter().any(|w| *w) && zops.is_empty() {
-        return Ok(Some(outcomes));
-    }
-    let now_f = match sh.config.time {
-        TimeSource::Redis => read_now as f64,
-        TimeSource::Injected => jobs.last().map_or(0, |j| j.now().as_micros()) as f64,
-    };
-    // A record lives until it is equivalent to a fresh one and, for a tracked template
-    // caller, its tracked time; and at least the permit TTL while calls hold permits there.
+    // A record lives at least the permit TTL while calls hold permits at its level.
     let mut holds = vec![false; records.len()];
-    for jk in &job_keys {
+    for jk in &batch.job_keys {
         for l in 0..3 {
             if let (Some(i), Some(z)) = (jk.records[l], jk.permits[l]) {
                 holds[i] |= counts[z] > 0.0;
             }
         }
     }
-    let n = keys.records.len();
-    let mut args: Vec<Vec<u8>> = Vec::with_capacity(2 + n + 4 * n + 5 * zops.len());
-    args.push(n.to_string().into_bytes());
-    args.extend(versions);
-    let writes: Vec<usize> = (0..n).filter(|i| written[*i]).collect();
-    args.push(writes.len().to_string().into_bytes());
-    for &i in &writes {
-        let rec = records[i].as_ref().expect("a written record");
-        let mut keep = rec.expires.max(rec.track_until);
-        if holds[i] {
-            keep = keep.max(now_f + permit_ttl_us);
+    Decided {
+        outcomes,
+        versions: read.versions.clone(),
+        records,
+        written,
+        decided,
+        holds,
+        zsets,
+        now: last_now,
+    }
+}
+
+/// What a round trip came back with.
+struct Cycle {
+    written: bool,
+    read: Option<Read>,
+}
+
+/// One round trip: `write` (the last batch's records, if nothing it read has changed), then
+/// the read for `next`.
+async fn cycle(
+    sh: &Shared,
+    write: Option<(&Batch, &Decided)>,
+    next: Option<&Batch>,
+) -> Result<Cycle, StoreError> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut args: Vec<Vec<u8>> = Vec::new();
+    let mut write_keys = 0;
+    let mut checked = 0;
+    let mut write_args: Vec<Vec<u8>> = Vec::new();
+    if let Some((batch, d)) = write {
+        let n = batch.keys.records.len();
+        keys.extend(batch.keys.records.iter().cloned());
+        keys.extend(batch.keys.zsets.iter().cloned());
+        write_keys = keys.len();
+        checked = n;
+        write_args.extend(d.versions.iter().cloned());
+        let writes: Vec<usize> = (0..n).filter(|i| d.written[*i]).collect();
+        write_args.push(writes.len().to_string().into_bytes());
+        let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+        for &i in &writes {
+            let rec = d.records[i].as_ref().expect("a written record");
+            write_args.push((i + 1).to_string().into_bytes());
+            write_args.push(rec.encode());
+            write_args.push(if d.decided[i] {
+                let mut keep = rec.expires.max(rec.track_until);
+                if d.holds[i] {
+                    keep = keep.max(d.now + permit_ttl_us);
+                }
+                ttl_ms(keep, d.now).to_string().into_bytes()
+            } else {
+                Vec::new()
+            });
         }
-        args.push((i + 1).to_string().into_bytes());
-        args.push(rec.encode());
-        args.push(if decided[i] {
-            ttl_ms(keep, now_f).to_string().into_bytes()
-        } else {
-            Vec::new()
-        });
-    }
-    args.push(zops.len().to_string().into_bytes());
-    for op in &zops {
-        match op {
-            ZOp::Add { key, score, member } => {
-                args.push(b"A".to_vec());
-                args.push((n + key + 1).to_string().into_bytes());
-                args.push(fmt_score(*score).into_bytes());
-                args.push(member.clone());
-            }
-            ZOp::Prune { key, upto } => {
-                args.push(b"P".to_vec());
-                args.push((n + key + 1).to_string().into_bytes());
-                args.push(fmt_score(*upto).into_bytes());
-                args.push(Vec::new());
-            }
-            ZOp::Expire { key, ms } => {
-                args.push(b"E".to_vec());
-                args.push((n + key + 1).to_string().into_bytes());
-                args.push(ms.to_string().into_bytes());
-                args.push(Vec::new());
+        let changed: Vec<usize> = (0..d.zsets.len())
+            .filter(|z| !d.zsets[*z].adds.is_empty() || d.zsets[*z].prune.is_some())
+            .collect();
+        write_args.push(changed.len().to_string().into_bytes());
+        for z in changed {
+            let zc = &d.zsets[z];
+            write_args.push((n + z + 1).to_string().into_bytes());
+            write_args.push(zc.prune.map_or_else(Vec::new, |p| score(p).into_bytes()));
+            write_args.push(
+                zc.ttl_ms
+                    .map_or_else(Vec::new, |t| t.to_string().into_bytes()),
+            );
+            write_args.push(zc.adds.len().to_string().into_bytes());
+            for (s, m) in &zc.adds {
+                write_args.push(score(*s).into_bytes());
+                write_args.push(m.clone());
             }
         }
     }
-    let reply: Value = within(sh, sh.eval(&sh.scripts.apply, &all, &args)).await?;
-    match reply {
-        Value::Int(1) => Ok(Some(outcomes)),
-        Value::Array(_) => Ok(None),
-        other => Err(StoreError::Protocol(format!(
-            "the write script answered {other:?}"
-        ))),
-    }
+    let (read_now, read_records) = match next {
+        Some(b) => {
+            let now = match sh.config.time {
+                TimeSource::Redis => "-1".to_owned(),
+                TimeSource::Injected => b.now().as_micros().to_string(),
+            };
+            keys.extend(b.keys.records.iter().cloned());
+            keys.extend(b.keys.zsets.iter().cloned());
+            (now, b.keys.records.len())
+        }
+        None => (String::new(), 0),
+    };
+    args.push(write_keys.to_string().into_bytes());
+    args.push(checked.to_string().into_bytes());
+    args.push(read_now.into_bytes());
+    args.push(read_records.to_string().into_bytes());
+    args.extend(write_args);
+    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
+    parse_cycle(reply, next.is_some())
+}
+
+fn score(x: f64) -> String {
+    // Whole microseconds: exact in a double, and in Redis's parser.
+    format!("{}", x as u64)
 }
 
 /// A worker's Redis call. It may take longer than the callers wait (they count their own
@@ -673,33 +816,54 @@ async fn within<T>(
     }
 }
 
-fn call_keys_of(job: &Job) -> &CallKeys {
-    match job {
-        Job::Decide { keys, .. } => keys,
-        Job::Adjust { admission, .. } => &admission.keys,
-    }
-}
-
-type ReadReply = (u64, Vec<Option<Vec<u8>>>, Vec<u64>);
-
-fn parse_read(reply: Value) -> Result<ReadReply, StoreError> {
-    let bad = |what: &str| StoreError::Protocol(format!("the read script answered {what}"));
-    let Value::Array(mut items) = reply else {
+fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("the batch script answered {what}"));
+    let Value::Array(items) = reply else {
         return Err(bad("something other than an array"));
     };
-    if items.len() != 3 {
+    let mut it = items.into_iter();
+    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next())
+    else {
         return Err(bad("the wrong number of parts"));
+    };
+    let written = matches!(written, Value::Int(1));
+    if !read {
+        return Ok(Cycle {
+            written,
+            read: None,
+        });
     }
-    let counts = items.pop().expect("3 parts");
-    let records = items.pop().expect("3 parts");
-    let now = items.pop().expect("3 parts");
     let now: u64 = redis::from_redis_value::<String>(now)
         .map_err(|_| bad("no time"))?
         .parse::<f64>()
         .map_err(|_| bad("a time that is not a number"))? as u64;
-    let records: Vec<Option<Vec<u8>>> =
+    let raw: Vec<Option<Vec<u8>>> =
         redis::from_redis_value(records).map_err(|_| bad("records that are not strings"))?;
     let counts: Vec<u64> =
         redis::from_redis_value(counts).map_err(|_| bad("counts that are not numbers"))?;
-    Ok((now, records, counts))
+    let mut records = Vec::with_capacity(raw.len());
+    let mut versions = Vec::with_capacity(raw.len());
+    for r in raw {
+        match r {
+            Some(bytes) => {
+                let rec = Record::decode(&bytes)?;
+                versions.push(rec.version.to_le_bytes().to_vec());
+                records.push(Some(rec));
+            }
+            None => {
+                versions.push(Vec::new());
+                records.push(None);
+            }
+        }
+    }
+    Ok(Cycle {
+        written,
+        read: Some(Read {
+            now,
+            records,
+            versions,
+            counts: counts.into_iter().map(|c| c as f64).collect(),
+        }),
+    })
 }

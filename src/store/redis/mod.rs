@@ -188,8 +188,7 @@ impl Script {
 
 #[derive(Debug)]
 struct Scripts {
-    read: Script,
-    apply: Script,
+    cycle: Script,
     release: Script,
     renew: Script,
     sweep: Script,
@@ -199,8 +198,7 @@ impl Scripts {
     fn new() -> Self {
         let script = |code: &str| Script::standalone(code.to_owned());
         Scripts {
-            read: script(include_str!("read.lua")),
-            apply: script(include_str!("apply.lua")),
+            cycle: script(include_str!("cycle.lua")),
             release: script(include_str!("release.lua")),
             renew: script(include_str!("renew.lua")),
             sweep: script(include_str!("sweep.lua")),
