@@ -1,20 +1,34 @@
 //! The Redis store: one exact budget shared by every replica, on Redis and Redis Cluster.
 //!
-//! Every decision is **one Lua script run by `EVALSHA`** (reloaded by `EVAL` when the server
-//! answers `NOSCRIPT`): one round trip that reads every level, runs the same decision as
-//! [`engine::decide`](crate::admission::engine::decide) — operation for operation, in the same
-//! `f64` arithmetic — and writes the result back, atomically. Nothing a replica holds locally
-//! takes part in the decision, so any number of replicas share one exact budget: the capacity
-//! bound holds with no overshoot from races.
+//! **Rust decides, Redis compares and copies.** Every call of a tool on this store goes
+//! through the tool's queue. A worker takes what is queued and reads, in one script, everything
+//! those calls touch: the time, the record of every level (tool, tenant, instance), how many
+//! template callers each tracker counts and how many permits each capped level holds now. It
+//! decides the calls one after the other on that snapshot with the same engine as the
+//! in-process store ([`engine::decide`](crate::admission::engine::decide)), each seeing the
+//! ones before it, and sends the new records in one more script, which writes them only if
+//! none of the records it read has changed since: each record carries a random 8-byte
+//! version, and the script compares versions before it copies anything. If one changed
+//! (another replica wrote first), nothing is written and the calls are read and decided
+//! again. The script that writes a batch also reads for the next one, so a busy tool costs one
+//! round trip per batch. The arithmetic therefore exists once, in Rust: the Lua scripts
+//! (`cycle.lua`, `release.lua`, `renew.lua`, `sweep.lua`) do no fair-share arithmetic. Any
+//! number of replicas share one exact budget: a write lands only on the state it was decided
+//! from, so the capacity bound holds with no overshoot from races.
+//!
+//! What the versions do not cover cannot make a decision wrong: permits given back or lapsed,
+//! and template callers no longer tracked, only lower what was counted; and every call that
+//! takes a permit or joins a tracker also writes the records of its levels, whose versions are
+//! compared.
 //!
 //! # Time
 //!
-//! By default the script reads Redis `TIME`, so replicas with skewed clocks still agree (Redis 7
-//! replicates scripts by their effects, so reading the time is allowed).
-//! [`RedisStoreBuilder::injected_clock`] makes the store use the limiter's clock (the `now` of
-//! the plan) instead: for tests and `fairshare simulate --redis` over a virtual clock. TTLs
-//! always run on Redis's own clock; with an injected clock that runs faster than real time, call
-//! [`RedisStore::sweep`] to drop what is idle in virtual time.
+//! By default the read takes Redis `TIME`, so replicas with skewed clocks still agree (a batch
+//! is decided at the time it was read). [`RedisStoreBuilder::injected_clock`] makes the store use
+//! the limiter's clock (the `now` of the plan) instead: for tests and `fairshare simulate
+//! --redis` over a virtual clock. TTLs always run on Redis's own clock; with an injected clock
+//! that runs faster than real time, call [`RedisStore::sweep`] to drop what is idle in virtual
+//! time.
 //!
 //! # Key layout
 //!
@@ -23,38 +37,29 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `fs3{<tool>}T` | string | the tool: shared pool, window counters, budgets |
-//! | `fs3{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
-//! | `fs3{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
-//! | `fs3{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
-//! | `fs3{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
-//! | `fs3{<tool>}t<tenant>#` / `!` | zset | the tenant's template instances tracked now / its permits |
-//! | `fs3{<tool>}i<tenant><instance>` / `!` | string / zset | an instance / its permits |
+//! | `fs4{<tool>}T` | string | the tool's record: shared pool, window counters, budgets |
+//! | `fs4{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: until when it counts, µs) |
+//! | `fs4{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
+//! | `fs4{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
+//! | `fs4{<tool>}t<tenant>` / `u<client>` | string | a tenant's / an untenanted caller's record |
+//! | `fs4{<tool>}t<tenant>#` / `!` | zset | the tenant's template instances tracked now / its permits |
+//! | `fs4{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
 //!
-//! A level's string is a handful of little-endian doubles (layout version mark, its
-//! `NodeState`, its tracked-until time as a template caller, the count and least score of its
-//! own tracker, the bucket rates and depths it was charged with, and its budget counters; the
-//! exact layout is described at the top of `admit.lua`). A string without the mark (an older
-//! layout) reads as absent. Numbers travel between Rust and Lua as packed doubles too, so
-//! nothing is rounded through text. Every key carries a TTL: for a state, until the engine's
-//! expiry (the moment the state is equivalent to a fresh one) and, for a template caller, its
-//! tracked-until time, and at least the permit TTL while calls hold permits there; for a
-//! tracker, until its latest member's time is over; for permits, until the latest lapses. A
-//! TTL is only re-set when it must grow, and then up to 1/16 of a period ahead (setting a TTL
-//! on every call costs as much as a read), so a busy key may outlive its state by that much.
-//! With an injected clock, TTLs assume the virtual time runs at least as fast as real time
-//! (tests and simulations do).
+//! A record is its version (8 bytes) and little-endian doubles: when the state is equivalent to
+//! a fresh one, until when it counts as a template caller, the engine's `NodeState` and its
+//! budget counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
+//! state is equivalent to a fresh one and, for a template caller, until it stops counting, and
+//! at least the permit TTL while calls hold permits at its level; a tracker until its latest
+//! member stops counting; permits until the latest lapses. With an injected clock, TTLs assume
+//! the virtual time runs at least as fast as real time (tests and simulations do).
 //!
 //! ## Template trackers
 //!
 //! A template caller counts as tracked until `now + period` after each admitted call, and a
-//! level's count excludes expired members (the engine's rule, which the memory store keeps
-//! exactly). Here the exact tracked-until time lives in the member's own state (read by the
-//! decision anyway); the zset holds a lower bound of it per member, and the parent's state
-//! holds the zset's size and least score. Only when `now` reaches that least score does a
-//! decision look at the members whose score has passed: re-scored to their exact time if it is
-//! later, removed if it is over. So a decision costs no tracker command unless a caller is new
-//! or a tracked time has passed (each member at most once per period), and the count is exact.
+//! level counts the template children whose time has not passed (the engine's rule, which the
+//! memory store keeps exactly). Here each tracker is a zset scored with exactly that time, and
+//! the read counts the members scored after now; a batch prunes the members whose time has
+//! passed.
 //!
 //! ## Concurrency permits
 //!
@@ -69,21 +74,20 @@
 //! ## What it means on Redis Cluster
 //!
 //! The hash tag `{<tool>}` is the tool's name only, so **every key of one tool lives in one
-//! slot**, on one master: the script runs unchanged on a cluster (no `CROSSSLOT`), and one
+//! slot**, on one master: the scripts run unchanged on a cluster (no `CROSSSLOT`), and one
 //! tool's whole budget is exact. The flip side: one tool's traffic is served by one master.
-//! Load spreads over a cluster **by tool**, not by tenant; a single very hot tool is bounded by
-//! what one Redis core does (≈ the script's cost inside Redis per decision). Split a hot tool
-//! into several tools (e.g. per region) if one master is not enough.
+//! Load spreads over a cluster **by tool**, not by tenant. Split a hot tool into several tools
+//! (e.g. per region) if one master is not enough.
 //!
 //! # Cancellation
 //!
-//! A decision whose caller went away — its future dropped (a client disconnected) or cut off
-//! by the [timeout](RedisStoreBuilder::timeout) — is still finished: the script may already be
-//! running in Redis. The store keeps waiting for its answer in the background and, if Redis
-//! admitted the call, gives everything back: the units at every level
-//! ([`Store::adjust`] by −1) and the permits. No path leaks a permit or a unit; a call whose
-//! answer never comes (the connection broke) keeps its units, and its permits lapse after the
-//! permit TTL. [`RedisStore::abandoned`] counts the decisions given back this way.
+//! A call whose caller went away — its future dropped (a client disconnected) or cut off by
+//! the [timeout](RedisStoreBuilder::timeout) — is never decided if it had not been yet. One
+//! decided after its caller left (it took a permit, it was charged) is given back in the
+//! background: its units refunded at every level, through the same queue, and its permits
+//! released. No path leaks a permit or a unit; a batch whose write is lost with the connection
+//! keeps its units, and its permits lapse after the permit TTL. [`RedisStore::abandoned`]
+//! counts the calls given back.
 //!
 //! # Faults
 //!
@@ -124,19 +128,13 @@
 //!
 //! # Performance
 //!
-//! One decision is one round trip, but the script does a nested decision's work (three
-//! levels, trackers, budgets). The script is written for Redis's Lua: one `MGET` for the
-//! states, a `SET … KEEPTTL` per level (the TTL only when it must grow), no tracker command
-//! on the common path, flat arrays instead of records, min/max written out, literal `struct`
-//! formats. A nested decision with template tenant and instance and a daily budget costs 6
-//! Redis commands (`EVALSHA`, `TIME`, `MGET`, three `SET`s), plus one `ZCOUNT` per level with
-//! a concurrency cap and three more commands there when admitted, and about 240k CPU
-//! instructions inside Redis (callgrind) against about 42k for a one-key GCRA script: the
-//! script's own work, not the round trip, bounds what one Redis core serves (measured ratios:
-//! `scripts/bench-compare`). Packed doubles are the cheapest encoding we found in Redis's Lua
-//! (`%.17g` text is ≈ 15× slower, `cmsgpack` no faster than `struct`). The multiplexed
-//! connection is the default: a bb8 pool of 16 was no faster and, at 64 tasks in flight, left
-//! one task with a single call in 3 s (starved), while every multiplexed task progressed.
+//! A busy tool costs one round trip and two scripts' worth of Redis work per batch, not per
+//! call: a batch's record writes, one `ZADD` per changed zset, and the next batch's `MGET` and
+//! counts. The worker keeps one round trip in flight per tool, so under load calls queue for
+//! one cycle and are decided in the next; `scripts/bench-compare` measures it against a one-key
+//! GCRA script. The multiplexed connection is the default: a bb8 pool of 16 was no faster and,
+//! at 64 tasks in flight, left one task with a single call in 3 s (starved), while every
+//! multiplexed task progressed.
 //!
 //! ```no_run
 //! use tower_fairshare::store::RedisStore;
