@@ -1,6 +1,6 @@
 //! Store keys, built in one place.
 //!
-//! Every key is `fs3{<tool>}<kind><parts>` where each part is length-prefixed
+//! Every key is `fs4{<tool>}<kind><parts>` where each part is length-prefixed
 //! (`<byte length>:<bytes>`). Length prefixes make the encoding uniquely decodable, so no two
 //! distinct (tool, tenant, instance) triples share a key whatever bytes they contain (`:`,
 //! `|`, `{`, `}`, unicode). The kind byte keeps tool, tenant, instance and untenanted keys
@@ -32,7 +32,7 @@ impl KeyKind {
 }
 
 /// The version prefix: bump it when the state layout changes so old keys are never misread.
-pub const KEY_PREFIX: &str = "fs3";
+pub const KEY_PREFIX: &str = "fs4";
 
 fn push_part(out: &mut String, part: &str) {
     out.push_str(itoa::Buffer::new().format(part.len()));

@@ -566,7 +566,12 @@ fn tool_name(shared: &Arc<str>) -> Arc<str> {
         .unwrap_or_else(|_| shared.clone())
 }
 
-type Resolved<'p> = (&'p ToolPolicy, LevelRef<'p>, Option<LevelRef<'p>>, CallKeys);
+type Resolved<'p> = (
+    &'p Arc<ToolPolicy>,
+    LevelRef<'p>,
+    Option<LevelRef<'p>>,
+    CallKeys,
+);
 
 /// Who is charged for `caller` calling `tool`: the identity and tool checks of the order of
 /// operations, before any counter is touched.

@@ -5,6 +5,8 @@
 use super::phases::{above, below, commit_below, Below};
 use super::refusal::Refusal;
 use super::state::{Charge, LevelView, NodeState, Tracking};
+use std::sync::Arc;
+
 use crate::clock::Timestamp;
 use crate::policy::{LevelPolicy, ToolPolicy};
 
@@ -24,8 +26,8 @@ pub struct Plan<'a> {
     pub now: Timestamp,
     /// Cost in the tool's unit.
     pub cost: f64,
-    /// The tool.
-    pub tool: &'a ToolPolicy,
+    /// The tool (shared: a store may keep it past the call, to decide it later in a batch).
+    pub tool: &'a Arc<ToolPolicy>,
     /// The tenant (or the untenanted caller, governed by the tenant template).
     pub tenant: LevelRef<'a>,
     /// The instance, when the tenant limits instances separately.

@@ -117,6 +117,7 @@ pub(crate) fn below<'a>(
                 limit: t_pol.max_tracked as f64,
                 used: n_tenants as f64,
                 reset_at: None,
+                sure_wait: 0.0,
             });
             return;
         }
@@ -135,6 +136,7 @@ pub(crate) fn below<'a>(
                     limit: i.policy.max_tracked as f64,
                     used: n_instances as f64,
                     reset_at: None,
+                    sure_wait: 0.0,
                 });
                 return;
             }
@@ -207,6 +209,7 @@ pub(crate) fn below<'a>(
                     limit: cap as f64,
                     used: l.state.in_flight,
                     reset_at: None,
+                    sure_wait: 0.0,
                 });
                 return;
             }
@@ -284,6 +287,12 @@ fn budget_fails(
                     limit: b.max,
                     used,
                     reset_at: Some(end),
+                    // A calendar window: the wait is exact.
+                    sure_wait: if c > b.max + EPS {
+                        f64::INFINITY
+                    } else {
+                        end - now
+                    },
                 },
             );
         }
@@ -321,6 +330,9 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
         r.retry_after = Some(Duration::from_micros(wait as u64));
         r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
         r.retryable = true;
+    }
+    if f.sure_wait.is_finite() && f.sure_wait > 0.0 {
+        r.not_before = Some(Duration::from_micros(f.sure_wait.floor() as u64));
     }
     Box::new(r)
 }
@@ -375,6 +387,7 @@ pub(crate) fn above(
                     limit: cap as f64,
                     used: t.state.in_flight,
                     reset_at: None,
+                    sure_wait: 0.0,
                 },
             ));
         }
@@ -389,6 +402,8 @@ pub(crate) fn above(
     if let Some(f) = b.budgets {
         worse(&mut worst, f);
     }
+    // A budget's wait is exact: the longest one is a sure wait.
+    let mut sure_wait = worst.map_or(0.0, |f: Fail| f.wait);
     let ctx = PathCtx {
         levels: &b.levels[..b.n],
         banks: b.banks,
@@ -403,12 +418,18 @@ pub(crate) fn above(
         Err(_) => match ctx.below(false).and_then(|w| ctx.at_tool(w, false)) {
             Ok(t) => t,
             Err(f) => {
+                let fewest = [
+                    plan.tenant.policy.template,
+                    plan.instance.is_some_and(|i| i.policy.template),
+                ];
+                sure_wait = sure_wait.max(ctx.sure_wait(&f, tool, fewest));
                 worse(&mut worst, f);
                 [[0.0; 3]; 3]
             }
         },
     };
-    if let Some(f) = worst {
+    if let Some(mut f) = worst {
+        f.sure_wait = sure_wait;
         return Err(refuse(plan, now, f));
     }
 

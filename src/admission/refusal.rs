@@ -91,6 +91,10 @@ pub struct Refusal {
     /// For refusals that are not about a window, what was wrong: `missing_tenant`, `tier`,
     /// `unknown_tool`, `unlisted_tenant`, `unlisted_instance`, `invalid_cost`, `store`.
     pub detail: Option<&'static str>,
+    /// A wait the same call surely cannot pass before (`retry_after` is the engine's estimate
+    /// and may be later): what a store may remember the refusal for. Absent when any moment
+    /// may change the answer (concurrency, tracked callers).
+    pub(crate) not_before: Option<Duration>,
 }
 
 impl Refusal {
@@ -109,6 +113,7 @@ impl Refusal {
             retry_after: None,
             retryable: false,
             detail: None,
+            not_before: None,
         }
     }
 

@@ -4,8 +4,8 @@
 use super::bucket::{wait_for, Bucket, EPS};
 use super::refusal::{Reason, Scope};
 use super::state::Scalars;
-use crate::policy::numbers::LevelNumbers;
-use crate::policy::LevelPolicy;
+use crate::policy::numbers::{level_numbers, LevelNumbers};
+use crate::policy::{LevelPolicy, ToolPolicy};
 
 #[derive(Copy, Clone)]
 pub(super) struct Level<'a> {
@@ -36,6 +36,8 @@ pub(super) struct Fail {
     pub(super) limit: f64,
     pub(super) used: f64,
     pub(super) reset_at: Option<f64>,
+    /// A wait the same call surely cannot pass before (0: none known).
+    pub(super) sure_wait: f64,
 }
 
 pub(super) struct PathCtx<'l, 'a> {
@@ -192,7 +194,64 @@ impl PathCtx<'_, '_> {
             limit: l.numbers.ceiling,
             used: s.total,
             reset_at: None,
+            sure_wait: 0.0,
         }
+    }
+
+    /// A lower bound of the time before any path could pass the level that refused (`f`,
+    /// from the floor-first walk): the least it must draw there once every floor at and below
+    /// it is full, at the highest rate its ceiling can reach (the fewest template callers
+    /// counted), with no borrowing bar. A store may remember the refusal that long: it never
+    /// refuses a call the decision would admit.
+    pub(super) fn sure_wait(&self, f: &Fail, tool: &ToolPolicy, fewest: [bool; 2]) -> f64 {
+        let at = match f.scope {
+            Scope::Tool => 0,
+            Scope::Tenant => 1,
+            Scope::Instance => 2,
+        };
+        let l = &self.levels[at];
+        let mut rem = self.cost;
+        for below in &self.levels[at..] {
+            rem -= below.numbers.own_floor;
+        }
+        if rem <= EPS {
+            return 0.0;
+        }
+        let mut b = l.ceil_b;
+        if at > 0 {
+            // A tenant's or instance's ceiling rate grows when other template callers stop
+            // counting: the most it can become, with only this caller counted.
+            let (Some(t), mut burst) = (self.levels[1].policy, 0.0) else {
+                return 0.0;
+            };
+            let n_t = if fewest[0] { 1.0 } else { 0.0 };
+            let tn = level_numbers(
+                t,
+                tool.spare(),
+                tool.configured_weight
+                    + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_t,
+            );
+            let mut rate = tn.ceiling_rate;
+            burst += t.burst;
+            if at == 2 {
+                if let Some(i) = self.levels[2].policy {
+                    let n_i = if fewest[1] { 1.0 } else { 0.0 };
+                    let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
+                    let inner_weight = t.configured_child_weight
+                        + t.default_child.as_ref().map_or(0.0, |d| d.weight) * n_i;
+                    rate = level_numbers(i, inner_spare, inner_weight).ceiling_rate;
+                    burst = i.burst;
+                }
+            }
+            if rate > b.rate {
+                b = Bucket { rate, depth: burst };
+            }
+        }
+        let mut sure = wait_for(l.state.ceiling, rem, &b, self.period);
+        if at == 0 && l.state.non_floor + rem > l.numbers.ceiling_rate + EPS {
+            sure = sure.max(self.next_window - self.now);
+        }
+        sure.min(f.wait)
     }
 }
 

@@ -43,14 +43,14 @@ impl RefusalCache {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers a refusal for `sure_wait` µs: the script's lower bound of when the same call
-    /// could pass (the refusal's own retry time is the engine's estimate, which may be later).
+    /// Remembers a refusal for `not_before`: the engine's lower bound of when the same call
+    /// could pass (the refusal's own retry time is an estimate, which may be later).
     pub(super) fn remember(
         &self,
         keys: &CallKeys,
         plan: &Plan<'_>,
         r: &Refusal,
-        sure_wait: f64,
+        not_before: Duration,
         sent: Instant,
         time: TimeSource,
     ) {
@@ -61,7 +61,7 @@ impl RefusalCache {
             Reason::CapExceeded => r.window.as_deref() != Some("callers"),
             _ => false,
         };
-        if !(cacheable && r.retryable && sure_wait.is_finite() && sure_wait >= 1000.0) {
+        if !(cacheable && r.retryable && not_before >= Duration::from_millis(1)) {
             return;
         }
         // Concurrency is checked before rates: where a cap applies, a slot taken meanwhile
@@ -74,7 +74,7 @@ impl RefusalCache {
         if capped {
             return;
         }
-        let wait = Duration::from_micros(sure_wait.floor() as u64);
+        let wait = not_before;
         let now = plan.now.as_micros();
         let until = now.saturating_add(wait.as_micros() as u64);
         // Redis decided after `sent`, so `sent + wait` is never later than the true time.

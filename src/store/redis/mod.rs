@@ -1,20 +1,34 @@
 //! The Redis store: one exact budget shared by every replica, on Redis and Redis Cluster.
 //!
-//! Every decision is **one Lua script run by `EVALSHA`** (reloaded by `EVAL` when the server
-//! answers `NOSCRIPT`): one round trip that reads every level, runs the same decision as
-//! [`engine::decide`](crate::admission::engine::decide) — operation for operation, in the same
-//! `f64` arithmetic — and writes the result back, atomically. Nothing a replica holds locally
-//! takes part in the decision, so any number of replicas share one exact budget: the capacity
-//! bound holds with no overshoot from races.
+//! **Rust decides, Redis compares and copies.** Every call of a tool on this store goes
+//! through the tool's queue. A worker takes what is queued and reads, in one script, everything
+//! those calls touch: the time, the record of every level (tool, tenant, instance), how many
+//! template callers each tracker counts and how many permits each capped level holds now. It
+//! decides the calls one after the other on that snapshot with the same engine as the
+//! in-process store ([`engine::decide`](crate::admission::engine::decide)), each seeing the
+//! ones before it, and sends the new records in one more script, which writes them only if
+//! none of the records it read has changed since: each record carries a random 8-byte
+//! version, and the script compares versions before it copies anything. If one changed
+//! (another replica wrote first), nothing is written and the calls are read and decided
+//! again. The script that writes a batch also reads for the next one, so a busy tool costs one
+//! round trip per batch. The arithmetic therefore exists once, in Rust: the Lua scripts
+//! (`cycle.lua`, `release.lua`, `renew.lua`, `sweep.lua`) do no fair-share arithmetic. Any
+//! number of replicas share one exact budget: a write lands only on the state it was decided
+//! from, so the capacity bound holds with no overshoot from races.
+//!
+//! What the versions do not cover cannot make a decision wrong: permits given back or lapsed,
+//! and template callers no longer tracked, only lower what was counted; and every call that
+//! takes a permit or joins a tracker also writes the records of its levels, whose versions are
+//! compared.
 //!
 //! # Time
 //!
-//! By default the script reads Redis `TIME`, so replicas with skewed clocks still agree (Redis 7
-//! replicates scripts by their effects, so reading the time is allowed).
-//! [`RedisStoreBuilder::injected_clock`] makes the store use the limiter's clock (the `now` of
-//! the plan) instead: for tests and `fairshare simulate --redis` over a virtual clock. TTLs
-//! always run on Redis's own clock; with an injected clock that runs faster than real time, call
-//! [`RedisStore::sweep`] to drop what is idle in virtual time.
+//! By default the read takes Redis `TIME`, so replicas with skewed clocks still agree (a batch
+//! is decided at the time it was read). [`RedisStoreBuilder::injected_clock`] makes the store use
+//! the limiter's clock (the `now` of the plan) instead: for tests and `fairshare simulate
+//! --redis` over a virtual clock. TTLs always run on Redis's own clock; with an injected clock
+//! that runs faster than real time, call [`RedisStore::sweep`] to drop what is idle in virtual
+//! time.
 //!
 //! # Key layout
 //!
@@ -23,38 +37,29 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `fs3{<tool>}T` | string | the tool: shared pool, window counters, budgets |
-//! | `fs3{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: a lower bound of its tracked-until time, µs) |
-//! | `fs3{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
-//! | `fs3{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
-//! | `fs3{<tool>}t<tenant>` / `u<client>` | string | a tenant / an untenanted caller |
-//! | `fs3{<tool>}t<tenant>#` / `!` | zset | the tenant's template instances tracked now / its permits |
-//! | `fs3{<tool>}i<tenant><instance>` / `!` | string / zset | an instance / its permits |
+//! | `fs4{<tool>}T` | string | the tool's record: shared pool, window counters, budgets |
+//! | `fs4{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: until when it counts, µs) |
+//! | `fs4{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
+//! | `fs4{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
+//! | `fs4{<tool>}t<tenant>` / `u<client>` | string | a tenant's / an untenanted caller's record |
+//! | `fs4{<tool>}t<tenant>#` / `!` | zset | the tenant's template instances tracked now / its permits |
+//! | `fs4{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
 //!
-//! A level's string is a handful of little-endian doubles (layout version mark, its
-//! `NodeState`, its tracked-until time as a template caller, the count and least score of its
-//! own tracker, the bucket rates and depths it was charged with, and its budget counters; the
-//! exact layout is described at the top of `admit.lua`). A string without the mark (an older
-//! layout) reads as absent. Numbers travel between Rust and Lua as packed doubles too, so
-//! nothing is rounded through text. Every key carries a TTL: for a state, until the engine's
-//! expiry (the moment the state is equivalent to a fresh one) and, for a template caller, its
-//! tracked-until time, and at least the permit TTL while calls hold permits there; for a
-//! tracker, until its latest member's time is over; for permits, until the latest lapses. A
-//! TTL is only re-set when it must grow, and then up to 1/16 of a period ahead (setting a TTL
-//! on every call costs as much as a read), so a busy key may outlive its state by that much.
-//! With an injected clock, TTLs assume the virtual time runs at least as fast as real time
-//! (tests and simulations do).
+//! A record is its version (8 bytes) and little-endian doubles: when the state is equivalent to
+//! a fresh one, until when it counts as a template caller, the engine's `NodeState` and its
+//! budget counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
+//! state is equivalent to a fresh one and, for a template caller, until it stops counting, and
+//! at least the permit TTL while calls hold permits at its level; a tracker until its latest
+//! member stops counting; permits until the latest lapses. With an injected clock, TTLs assume
+//! the virtual time runs at least as fast as real time (tests and simulations do).
 //!
 //! ## Template trackers
 //!
 //! A template caller counts as tracked until `now + period` after each admitted call, and a
-//! level's count excludes expired members (the engine's rule, which the memory store keeps
-//! exactly). Here the exact tracked-until time lives in the member's own state (read by the
-//! decision anyway); the zset holds a lower bound of it per member, and the parent's state
-//! holds the zset's size and least score. Only when `now` reaches that least score does a
-//! decision look at the members whose score has passed: re-scored to their exact time if it is
-//! later, removed if it is over. So a decision costs no tracker command unless a caller is new
-//! or a tracked time has passed (each member at most once per period), and the count is exact.
+//! level counts the template children whose time has not passed (the engine's rule, which the
+//! memory store keeps exactly). Here each tracker is a zset scored with exactly that time, and
+//! the read counts the members scored after now; a batch prunes the members whose time has
+//! passed.
 //!
 //! ## Concurrency permits
 //!
@@ -69,21 +74,20 @@
 //! ## What it means on Redis Cluster
 //!
 //! The hash tag `{<tool>}` is the tool's name only, so **every key of one tool lives in one
-//! slot**, on one master: the script runs unchanged on a cluster (no `CROSSSLOT`), and one
+//! slot**, on one master: the scripts run unchanged on a cluster (no `CROSSSLOT`), and one
 //! tool's whole budget is exact. The flip side: one tool's traffic is served by one master.
-//! Load spreads over a cluster **by tool**, not by tenant; a single very hot tool is bounded by
-//! what one Redis core does (≈ the script's cost inside Redis per decision). Split a hot tool
-//! into several tools (e.g. per region) if one master is not enough.
+//! Load spreads over a cluster **by tool**, not by tenant. Split a hot tool into several tools
+//! (e.g. per region) if one master is not enough.
 //!
 //! # Cancellation
 //!
-//! A decision whose caller went away — its future dropped (a client disconnected) or cut off
-//! by the [timeout](RedisStoreBuilder::timeout) — is still finished: the script may already be
-//! running in Redis. The store keeps waiting for its answer in the background and, if Redis
-//! admitted the call, gives everything back: the units at every level
-//! ([`Store::adjust`] by −1) and the permits. No path leaks a permit or a unit; a call whose
-//! answer never comes (the connection broke) keeps its units, and its permits lapse after the
-//! permit TTL. [`RedisStore::abandoned`] counts the decisions given back this way.
+//! A call whose caller went away — its future dropped (a client disconnected) or cut off by
+//! the [timeout](RedisStoreBuilder::timeout) — is never decided if it had not been yet. One
+//! decided after its caller left (it took a permit, it was charged) is given back in the
+//! background: its units refunded at every level, through the same queue, and its permits
+//! released. No path leaks a permit or a unit; a batch whose write is lost with the connection
+//! keeps its units, and its permits lapse after the permit TTL. [`RedisStore::abandoned`]
+//! counts the calls given back.
 //!
 //! # Faults
 //!
@@ -124,19 +128,13 @@
 //!
 //! # Performance
 //!
-//! One decision is one round trip, but the script does a nested decision's work (three
-//! levels, trackers, budgets). The script is written for Redis's Lua: one `MGET` for the
-//! states, a `SET … KEEPTTL` per level (the TTL only when it must grow), no tracker command
-//! on the common path, flat arrays instead of records, min/max written out, literal `struct`
-//! formats. A nested decision with template tenant and instance and a daily budget costs 6
-//! Redis commands (`EVALSHA`, `TIME`, `MGET`, three `SET`s), plus one `ZCOUNT` per level with
-//! a concurrency cap and three more commands there when admitted, and about 240k CPU
-//! instructions inside Redis (callgrind) against about 42k for a one-key GCRA script: the
-//! script's own work, not the round trip, bounds what one Redis core serves (measured ratios:
-//! `scripts/bench-compare`). Packed doubles are the cheapest encoding we found in Redis's Lua
-//! (`%.17g` text is ≈ 15× slower, `cmsgpack` no faster than `struct`). The multiplexed
-//! connection is the default: a bb8 pool of 16 was no faster and, at 64 tasks in flight, left
-//! one task with a single call in 3 s (starved), while every multiplexed task progressed.
+//! A busy tool costs one round trip and two scripts' worth of Redis work per batch, not per
+//! call: a batch's record writes, one `ZADD` per changed zset, and the next batch's `MGET` and
+//! counts. The worker keeps one round trip in flight per tool, so under load calls queue for
+//! one cycle and are decided in the next; `scripts/bench-compare` measures it against a one-key
+//! GCRA script. The multiplexed connection is the default: a bb8 pool of 16 was no faster and,
+//! at 64 tasks in flight, left one task with a single call in 3 s (starved), while every
+//! multiplexed task progressed.
 //!
 //! ```no_run
 //! use tower_fairshare::store::RedisStore;
@@ -147,15 +145,16 @@
 //! # let _ = limiter; Ok(()) }
 //! ```
 
+mod batch;
 mod builder;
 mod cache;
+mod record;
 mod upkeep;
 mod wire;
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::BuildHasher;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -167,12 +166,10 @@ pub use upkeep::StoreHealth;
 
 use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
-use self::wire::{LevelKeys, Reply, Shape};
+use self::wire::LevelKeys;
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{Charge, NodeState, Plan};
+use crate::admission::engine::{NodeState, Plan};
 use crate::clock::Timestamp;
-
-const COMMON: &str = include_str!("common.lua");
 
 #[derive(Debug)]
 struct Script {
@@ -181,15 +178,6 @@ struct Script {
 }
 
 impl Script {
-    /// A script with the shared helpers of `common.lua` in front.
-    fn new(body: &str) -> Self {
-        let mut code = String::with_capacity(COMMON.len() + body.len() + 1);
-        code.push_str(COMMON);
-        code.push('\n');
-        code.push_str(body);
-        Script::standalone(code)
-    }
-
     fn standalone(code: String) -> Self {
         let hash = redis::Script::new(&code).get_hash().to_owned();
         Script { code, hash }
@@ -198,8 +186,7 @@ impl Script {
 
 #[derive(Debug)]
 struct Scripts {
-    admit: Script,
-    adjust: Script,
+    cycle: Script,
     release: Script,
     renew: Script,
     sweep: Script,
@@ -207,12 +194,12 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
+        let script = |code: &str| Script::standalone(code.to_owned());
         Scripts {
-            admit: Script::standalone(include_str!("admit.lua").to_owned()),
-            adjust: Script::new(include_str!("adjust.lua")),
-            release: Script::new(include_str!("release.lua")),
-            renew: Script::new(include_str!("renew.lua")),
-            sweep: Script::new(include_str!("sweep.lua")),
+            cycle: script(include_str!("cycle.lua")),
+            release: script(include_str!("release.lua")),
+            renew: script(include_str!("renew.lua")),
+            sweep: script(include_str!("sweep.lua")),
         }
     }
 }
@@ -243,6 +230,13 @@ impl CallIds {
 
     fn next(&self) -> u128 {
         (u128::from(self.prefix) << 64) | u128::from(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A record version: never the same twice from one store, and unlike another store's
+    /// (its prefix is random).
+    fn version(&self) -> u64 {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        self.prefix ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 }
 
@@ -335,10 +329,10 @@ struct Shared {
     breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
+    /// Each tool's queue of decisions and corrections (see `batch`).
+    queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
 }
-
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// Keeps admission state in Redis (or Redis Cluster), shared by every replica. See the
 /// [module docs](self) for the script, the key layout and the failure modes. Cheap to clone:
@@ -392,6 +386,7 @@ impl RedisStore {
                 breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
+                queues: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
             }),
         }
@@ -452,46 +447,32 @@ impl RedisStore {
             ));
         }
         sh.health.saw_tool(sh, &keys.tool);
-        let call = sh.ids.next();
-        let levels = LevelKeys::new(sh.state_keys(keys));
-        let script_keys = levels.for_admission();
-        let args = vec![
-            wire::encode_plan(plan, sh.now_arg(plan.now), sh.permit_ttl_ms()),
-            call.to_le_bytes().to_vec(),
-        ];
-        let owned = sh.clone();
-        let mut pending = Pending {
-            fut: Some(Box::pin(async move {
-                owned.eval(&owned.scripts.admit, &script_keys, &args).await
-            })),
-            undo: Some(Undo {
-                shared: sh.clone(),
-                tool: keys.tool.clone(),
-                levels,
-                shape: Shape::of(plan),
-                call,
-            }),
-        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
         let sent = Instant::now();
+        batch::submit(
+            sh,
+            &keys.tool,
+            batch::Job::Decide {
+                plan: batch::OwnedPlan::of(plan),
+                keys: keys.clone(),
+                call: sh.ids.next(),
+                reply,
+            },
+        );
         let timeout = sh.config.timeout;
-        let Some(fut) = pending.fut.as_mut() else {
-            unreachable!("set above")
+        // Timed out or dropped here, the call is still decided; if it is admitted nobody
+        // takes the answer, and the worker gives it back.
+        let decided = match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+            Err(_) => Err(StoreError::Timeout(timeout)),
         };
-        let reply = match tokio::time::timeout(timeout, fut).await {
-            Ok(reply) => reply,
-            // Dropping `pending` finishes the decision in the background.
-            Err(_) => {
-                sh.unreachable(&keys.tool);
-                return Err(sh.failed("decide", &keys.tool, StoreError::Timeout(timeout)));
-            }
-        };
-        let undo = pending.disarm();
-        let reply = match reply {
-            Ok(r) => {
+        let decision = match decided {
+            Ok(d) => {
                 if sh.breaker.answered() {
                     tracing::info!(store = "redis", "Redis answers again");
                 }
-                r
+                d
             }
             Err(e) => {
                 if !matches!(e, StoreError::Protocol(_)) {
@@ -500,36 +481,26 @@ impl RedisStore {
                 return Err(sh.failed("decide", &keys.tool, e));
             }
         };
-        let reply = wire::parse_reply(reply).map_err(|e| {
-            sh.errors.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(store = "redis", tool = %keys.tool, error = %e, "unexpected answer from the admission script");
-            e
-        })?;
-        match reply {
-            Reply::Refused(n) => {
-                let sure_wait = n.sure_wait;
-                let refusal = wire::refusal(n, plan);
-                if let Some(cache) = &sh.cache {
-                    cache.remember(keys, plan, &refusal, sure_wait, sent, sh.config.time);
+        match &decision {
+            Decision::Refused(r) => {
+                if let (Some(cache), Some(wait)) = (&sh.cache, r.not_before) {
+                    cache.remember(keys, plan, r, wait, sent, sh.config.time);
                 }
-                Ok(Decision::Refused(Box::new(refusal)))
             }
-            Reply::Admitted(n) => {
-                let decision = wire::admission(&n, plan, keys, &undo.shape, call);
-                if undo.shape.holds_permits() {
-                    if let Decision::Admitted(a) = &decision {
-                        lock(&sh.held).insert(
-                            call,
-                            HeldPermits {
-                                tool: keys.tool.clone(),
-                                keys: undo.levels.permits(&a.charge),
-                            },
-                        );
-                    }
+            Decision::Admitted(a) => {
+                if a.charge.holds_permits() {
+                    let levels = LevelKeys::new(sh.state_keys(keys));
+                    lock(&sh.held).insert(
+                        a.call,
+                        HeldPermits {
+                            tool: keys.tool.clone(),
+                            keys: levels.permits(&a.charge),
+                        },
+                    );
                 }
-                Ok(decision)
             }
         }
+        Ok(decision)
     }
 
     /// Drops every state that is equivalent to fresh state at `now`, every tracker entry
@@ -590,84 +561,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// An admission script on its way. Dropped before its answer was taken (the caller went away,
-/// or the timeout fired), it is finished in the background and, if Redis admitted the call,
-/// everything is given back.
-struct Pending {
-    fut: Option<BoxFuture<Result<Value, StoreError>>>,
-    undo: Option<Undo>,
-}
-
-impl Pending {
-    /// The answer was taken: nothing to finish.
-    fn disarm(&mut self) -> Undo {
-        self.fut = None;
-        self.undo.take().expect("disarmed once")
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        let (Some(fut), Some(undo)) = (self.fut.take(), self.undo.take()) else {
-            return;
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move { undo.finish(fut.await).await });
-            }
-            Err(_) => tracing::warn!(
-                store = "redis",
-                tool = %undo.tool,
-                "a decision was dropped outside a tokio runtime: if Redis admitted it, its units stay charged and its permits lapse after the permit TTL"
-            ),
-        }
-    }
-}
-
-/// What giving back an admission nobody received needs.
-struct Undo {
-    shared: Arc<Shared>,
-    tool: Arc<str>,
-    levels: LevelKeys,
-    shape: Shape,
-    call: u128,
-}
-
-impl Undo {
-    async fn finish(self, reply: Result<Value, StoreError>) {
-        // An error: nothing was admitted, or the answer is lost with the connection (then the
-        // units stay charged and the permits lapse by themselves).
-        let Ok(reply) = reply else { return };
-        let Ok(Reply::Admitted(n)) = wire::parse_reply(reply) else {
-            return;
-        };
-        let sh = &self.shared;
-        let charge = self.shape.charge(&n);
-        let refunded = sh
-            .adjust_charge(
-                &self.tool,
-                &self.levels,
-                &charge,
-                -1.0,
-                sh.now_arg(Timestamp(n.now as u64)),
-            )
-            .await;
-        let released = sh
-            .release_call(&self.tool, &self.levels, &charge, self.call)
-            .await;
-        sh.abandoned.fetch_add(1, Ordering::Relaxed);
-        crate::telemetry::abandoned(&self.tool);
-        match (refunded, released) {
-            (Ok(()), Ok(())) => {
-                tracing::debug!(store = "redis", tool = %self.tool, "gave back a decision whose caller went away")
-            }
-            (r, p) => {
-                tracing::warn!(store = "redis", tool = %self.tool, refund = ?r.err(), release = ?p.err(), "could not give back all of a decision whose caller went away")
-            }
-        }
-    }
-}
-
 impl Shared {
     fn backend(&self) -> Result<&Backend, StoreError> {
         self.backend.get().ok_or_else(|| {
@@ -691,10 +584,6 @@ impl Shared {
             tracing::warn!(store = "redis", error = %e, "cannot reach Redis; every call follows its tool's on_store_error until it answers");
         }
         *last = Some(e.to_string());
-    }
-
-    fn permit_ttl_ms(&self) -> f64 {
-        self.config.permit_ttl.as_millis() as f64
     }
 
     fn state_keys(&self, keys: &CallKeys) -> [Option<String>; 3] {
@@ -765,54 +654,23 @@ impl Shared {
         }
     }
 
-    /// Adds `factor` × `charge` at every level it charged.
-    async fn adjust_charge(
-        &self,
-        tool: &str,
-        levels: &LevelKeys,
-        charge: &Charge,
-        factor: f64,
-        now: f64,
-    ) -> Result<(), StoreError> {
-        if factor < 0.0 {
-            if let Some(cache) = &self.cache {
-                cache.forget_tool(tool);
-            }
-        }
-        let Some((keys, blob)) =
-            wire::encode_adjustment(levels, charge, factor, now, self.permit_ttl_ms())
-        else {
-            return Ok(());
-        };
-        let _: i64 = self
-            .guarded(
-                "adjust",
-                tool,
-                self.eval(&self.scripts.adjust, &keys, std::slice::from_ref(&blob)),
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Gives back the permits `call` took (and stops renewing them).
-    async fn release_call(
-        &self,
-        tool: &str,
-        levels: &LevelKeys,
-        charge: &Charge,
-        call: u128,
-    ) -> Result<(), StoreError> {
-        lock(&self.held).remove(&call);
-        let keys = levels.for_release(charge);
+    /// Gives back the permits an admitted call took (and stops renewing them).
+    async fn release_call(&self, admission: &Admission) -> Result<(), StoreError> {
+        lock(&self.held).remove(&admission.call);
+        let levels = LevelKeys::new(self.state_keys(&admission.keys));
+        let keys = levels.for_release(&admission.charge);
         if keys.is_empty() {
             return Ok(());
         }
-        let id = call.to_le_bytes().to_vec();
+        let args = [
+            admission.call.to_le_bytes().to_vec(),
+            format!("{}", self.now_arg(admission.at)).into_bytes(),
+        ];
         let _: i64 = self
             .guarded(
                 "release",
-                tool,
-                self.eval(&self.scripts.release, &keys, std::slice::from_ref(&id)),
+                &admission.keys.tool,
+                self.eval(&self.scripts.release, &keys, &args),
             )
             .await?;
         Ok(())
@@ -829,12 +687,12 @@ impl Shared {
                     .extend_from_slice(&call.to_le_bytes());
             }
         }
-        let head = wire::pack(&[self.now_arg(now), self.permit_ttl_ms()]);
         let mut renewed = 0;
         for (tool, keys) in by_tool {
             let (names, ids): (Vec<String>, Vec<Vec<u8>>) = keys.into_iter().unzip();
-            let mut args = Vec::with_capacity(ids.len() + 1);
-            args.push(head.clone());
+            let mut args = Vec::with_capacity(ids.len() + 2);
+            args.push(format!("{}", self.now_arg(now)).into_bytes());
+            args.push(self.config.permit_ttl.as_millis().to_string().into_bytes());
             args.extend(ids);
             let n: u64 = self
                 .guarded(
@@ -875,27 +733,34 @@ impl Store for RedisStore {
         now: Timestamp,
     ) -> Result<(), StoreError> {
         let sh = &self.shared;
-        let levels = LevelKeys::new(sh.state_keys(&admission.keys));
-        sh.adjust_charge(
+        if factor < 0.0 {
+            if let Some(cache) = &sh.cache {
+                cache.forget_tool(&admission.keys.tool);
+            }
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        batch::submit(
+            sh,
             &admission.keys.tool,
-            &levels,
-            &admission.charge,
-            factor,
-            sh.now_arg(now),
-        )
-        .await
+            batch::Job::Adjust {
+                admission: Box::new(admission.clone()),
+                factor,
+                now,
+                reply: Some(reply),
+            },
+        );
+        let timeout = sh.config.timeout;
+        let done = match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+            // Still applied in the background.
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        done.map_err(|e| sh.failed("adjust", &admission.keys.tool, e))
     }
 
     async fn release<'a>(&'a self, admission: &'a Admission) -> Result<(), StoreError> {
-        let sh = &self.shared;
-        let levels = LevelKeys::new(sh.state_keys(&admission.keys));
-        sh.release_call(
-            &admission.keys.tool,
-            &levels,
-            &admission.charge,
-            admission.call,
-        )
-        .await
+        self.shared.release_call(admission).await
     }
 
     async fn inspect<'a>(
@@ -939,7 +804,7 @@ impl Store for RedisStore {
         let mut out: [Option<NodeState>; 3] = Default::default();
         for (((level, _), value), held) in present.iter().zip(values).zip(held) {
             let state = match value {
-                Some(bytes) => wire::decode_state(&bytes)?,
+                Some(bytes) => Some(record::Record::decode(&bytes)?.state),
                 None => None,
             };
             // Calls in flight are the permits held (lapsed or not: as the store holds them).

@@ -1,21 +1,29 @@
 -- tower-fairshare: give back the concurrency permits of one admitted call.
--- KEYS: per level that took a permit, its permits zset then its state key.
--- ARGV: 1 the call's id.
--- A permit given back twice, or one that already lapsed and was pruned, removes nothing. The
--- last permit back at a level brings its state's TTL down to the state's own (it may go now).
+-- KEYS: per level that took a permit, its permits zset then its record. ARGV: 1 the call's id,
+-- 2 now in µs, the decisions' clock ("-1": Redis TIME).
+-- A permit given back twice, or one that lapsed and was pruned, removes nothing. The last
+-- permit back at a level lets its record go when the record itself may (its expiry and its
+-- tracked time are in the record, at bytes 9 to 24), instead of the permit TTL it was kept for.
+local now = tonumber(ARGV[2])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local released = 0
 for i = 1, #KEYS, 2 do
   local permits, key = KEYS[i], KEYS[i + 1]
   if redis.call('ZREM', permits, ARGV[1]) == 1 then
     released = released + 1
     if redis.call('ZCARD', permits) == 0 then
-      local s = load_state(key)
-      if s.live and s.in_flight > 0 then
-        s.in_flight = 0
-        s.key_until = 0
-        redis.call('SET', key, encode_state(s), 'KEEPTTL')
-        if s.deadline > 0 then
-          redis.call('PEXPIREAT', key, math.max(s.deadline, 1))
+      local raw = redis.call('GET', key)
+      if raw and #raw >= 24 then
+        local expires, track_until = struct.unpack('<dd', raw, 9)
+        local keep = expires
+        if track_until > keep then keep = track_until end
+        local ms = math.ceil((keep - now) / 1000)
+        if ms < 1 then ms = 1 end
+        if ms < redis.call('PTTL', key) then
+          redis.call('PEXPIRE', key, ms)
         end
       end
     end

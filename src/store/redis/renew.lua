@@ -1,17 +1,20 @@
 -- tower-fairshare: renew the permits of calls still running on this replica, so a call that
 -- holds a permit longer than the permit TTL keeps it (a replica that died renews nothing, and
 -- its permits lapse by themselves).
--- KEYS: permits zsets. ARGV: 1 packed doubles: now (-1: Redis TIME), permit TTL (ms); then,
--- for each key, the ids of its calls to renew, 16 bytes each, concatenated.
+-- KEYS: permits zsets. ARGV: 1 now in µs ("-1": Redis TIME), 2 the permit TTL (ms); then, for
+-- each key, the ids of its calls to renew, 16 bytes each, concatenated.
 -- Only members still there are renewed (XX: a permit given back or pruned is not revived), and
 -- only forward (GT). Returns how many were renewed.
-local nxt = argv_reader()
-local now = now_from(nxt())
-local ttl = nxt()
+local now = tonumber(ARGV[1])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local ttl = tonumber(ARGV[2])
 local until_ = string.format('%.17g', now + ttl * 1000)
 local renewed = 0
 for i, key in ipairs(KEYS) do
-  local ids = ARGV[i + 1]
+  local ids = ARGV[i + 2]
   local args = { 'ZADD', key, 'XX', 'GT', 'CH' }
   for j = 1, #ids, 16 do
     args[#args + 1] = until_

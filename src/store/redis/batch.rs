@@ -1,0 +1,869 @@
+//! A tool's decisions, in batches, decided in Rust and written to Redis atomically.
+//!
+//! Every call of a tool on this store goes through the tool's queue. A worker takes what is
+//! queued (up to [`MAX_BATCH`] jobs), reads in one script everything they touch — the time,
+//! the records of every level, how many template callers each tracker and how many permits
+//! each capped level counts now — and decides the jobs one after the other on that snapshot
+//! with the same engine as the in-process store ([`engine::decide`], [`engine::adjust`]), each
+//! seeing the ones before it. Then one more script writes the new records, but only if none
+//! of the records it read has changed meanwhile (their 8-byte versions are compared); if one
+//! has (another replica wrote it), nothing is written and the batch is read and decided
+//! again. So the arithmetic exists once, in Rust, and Redis compares and copies.
+//!
+//! What the compare does not cover cannot make a decision wrong: permits given back or lapsed
+//! and template callers no longer tracked only lower what was counted, and every call that
+//! takes a permit or joins a tracker also writes the records of its levels, which are
+//! compared. A caller that went away before its answer (dropped, timed out) is answered
+//! nonetheless; when that answer cannot be delivered and it was an admission, the worker
+//! gives it back: its units by a refund through the queue, its permits released.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use redis::Value;
+use tokio::sync::{mpsc, oneshot};
+
+use super::builder::TimeSource;
+use super::record::Record;
+use super::wire::{permits_key, tracker_key};
+use super::{lock, Shared};
+use crate::admission::engine::{self, LevelRef, NodeState, Plan, Snapshot, Tracking, Verdict};
+use crate::clock::Timestamp;
+use crate::policy::{LevelPolicy, ToolPolicy};
+use crate::store::{Admission, CallKeys, Decision, StoreError};
+
+/// The most jobs one batch decides.
+const MAX_BATCH: usize = 64;
+/// How many times a batch is read and decided again when another replica wrote first.
+const MAX_ATTEMPTS: usize = 16;
+
+/// Which policy of a tool applies to a level: a listed one, by its position, or the template.
+#[derive(Copy, Clone, Debug)]
+enum Pick {
+    Listed(usize),
+    Template,
+}
+
+fn pick(p: &LevelPolicy) -> Pick {
+    if p.template {
+        Pick::Template
+    } else {
+        Pick::Listed(p.position)
+    }
+}
+
+/// A [`Plan`] that owns what it refers to, so the worker can decide it later.
+#[derive(Clone, Debug)]
+pub(super) struct OwnedPlan {
+    now: Timestamp,
+    cost: f64,
+    tool: Arc<ToolPolicy>,
+    tenant: Pick,
+    instance: Option<Pick>,
+    untenanted: bool,
+}
+
+impl OwnedPlan {
+    pub(super) fn of(plan: &Plan<'_>) -> OwnedPlan {
+        OwnedPlan {
+            now: plan.now,
+            cost: plan.cost,
+            tool: plan.tool.clone(),
+            tenant: pick(plan.tenant.policy),
+            instance: plan.instance.map(|i| pick(i.policy)),
+            untenanted: plan.untenanted,
+        }
+    }
+
+    /// The plan again, at `now`, naming the levels as `keys` does.
+    fn plan<'a>(&'a self, keys: &'a CallKeys, now: Timestamp) -> Plan<'a> {
+        let tool = &self.tool;
+        let tenant = match self.tenant {
+            Pick::Listed(i) => &tool.tenants[i],
+            Pick::Template => tool.default_tenant.as_ref().expect("a template tenant"),
+        };
+        let instance = self.instance.map(|p| LevelRef {
+            name: keys.instance.as_deref().expect("an instance key"),
+            policy: match p {
+                Pick::Listed(i) => &tenant.children[i],
+                Pick::Template => tenant.default_child.as_deref().expect("a template"),
+            },
+        });
+        Plan {
+            now,
+            cost: self.cost,
+            tool,
+            tenant: LevelRef {
+                name: &keys.tenant,
+                policy: tenant,
+            },
+            instance,
+            untenanted: self.untenanted,
+        }
+    }
+}
+
+/// Work for a tool's worker.
+pub(super) enum Job {
+    /// Decide a call (and commit it if admitted).
+    Decide {
+        plan: OwnedPlan,
+        keys: CallKeys,
+        call: u128,
+        reply: oneshot::Sender<Result<Decision, StoreError>>,
+    },
+    /// Add `factor` × an admitted call's charge at every level it charged.
+    Adjust {
+        admission: Box<Admission>,
+        factor: f64,
+        now: Timestamp,
+        reply: Option<oneshot::Sender<Result<(), StoreError>>>,
+    },
+}
+
+impl Job {
+    fn now(&self) -> Timestamp {
+        match self {
+            Job::Decide { plan, .. } => plan.now,
+            Job::Adjust { now, .. } => *now,
+        }
+    }
+
+    fn gone(&self) -> bool {
+        matches!(self, Job::Decide { reply, .. } if reply.is_closed())
+    }
+}
+
+/// Sends `job` to the worker of `tool`, starting it if it has none.
+pub(super) fn submit(shared: &Arc<Shared>, tool: &Arc<str>, job: Job) {
+    let mut queues = lock(&shared.queues);
+    if let Some(q) = queues.get(tool) {
+        match q.send(job) {
+            Ok(()) => return,
+            Err(mpsc::error::SendError(job)) => {
+                queues.remove(tool);
+                return drop_job(job, "the tool's worker stopped");
+            }
+        }
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return drop_job(job, "no tokio runtime to decide on");
+    };
+    let _ = tx.send(job);
+    queues.insert(tool.clone(), tx);
+    rt.spawn(work(Arc::downgrade(shared), rx));
+}
+
+fn drop_job(job: Job, why: &str) {
+    let e = || StoreError::Unavailable(why.to_owned());
+    match job {
+        Job::Decide { reply, .. } => {
+            let _ = reply.send(Err(e()));
+        }
+        Job::Adjust { reply, .. } => {
+            if let Some(r) = reply {
+                let _ = r.send(Err(e()));
+            }
+        }
+    }
+}
+
+/// A tool's worker, until the store is gone: one round trip per batch when nothing else
+/// writes the tool's records — the script that writes a batch also reads for the next.
+async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
+    let Some(namespace) = shared.upgrade().map(|s| s.config.namespace.clone()) else {
+        return;
+    };
+    let mut queue = Queue {
+        rx,
+        backlog: std::collections::VecDeque::new(),
+        namespace,
+    };
+    // A batch whose read came back with the last write.
+    let mut carried: Option<(Batch, Read)> = None;
+    loop {
+        let (mut batch, read) = match carried.take() {
+            Some(c) => c,
+            None => {
+                let Some(injected) = shared
+                    .upgrade()
+                    .map(|s| s.config.time == TimeSource::Injected)
+                else {
+                    return;
+                };
+                let Some(batch) = queue.next_batch(injected, true).await else {
+                    return;
+                };
+                let Some(sh) = shared.upgrade() else { return };
+                match cycle(&sh, None, Some(&batch)).await {
+                    Ok(c) => {
+                        let read = c.read.expect("a read was asked for");
+                        (batch, read)
+                    }
+                    Err(e) => {
+                        batch.fail(&e);
+                        continue;
+                    }
+                }
+            }
+        };
+        let Some(sh) = shared.upgrade() else { return };
+        // Callers that left while their batch was read: not decided.
+        batch.retain_waited_for();
+        let decided = decide(&sh, &batch, &read);
+        if decided.nothing_to_write() {
+            batch.answer(&sh, decided.outcomes);
+            continue;
+        }
+        // The next batch rides on this write: its read comes back with it.
+        let injected = sh.config.time == TimeSource::Injected;
+        let next = queue.next_batch(injected, false).await;
+        match cycle(&sh, Some((&batch, &decided)), next.as_ref()).await {
+            Ok(c) if c.written => {
+                batch.answer(&sh, decided.outcomes);
+                carried = next.zip(c.read);
+            }
+            Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
+                batch.fail(&StoreError::Unavailable(format!(
+                    "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
+                )));
+                queue.put_back(next);
+            }
+            // Another replica wrote first: decide again, with the next batch, on a fresh read.
+            Ok(_) => {
+                batch.attempts += 1;
+                let mut jobs = std::mem::take(&mut batch.jobs);
+                if let Some(n) = next {
+                    jobs.extend(n.jobs);
+                }
+                queue.put_front(Batch::new(&queue.namespace, jobs, batch.attempts));
+            }
+            Err(e) => {
+                batch.fail(&e);
+                queue.put_back(next);
+            }
+        }
+    }
+}
+
+/// A tool's queue, with what was taken from it and not yet decided.
+struct Queue {
+    rx: mpsc::UnboundedReceiver<Job>,
+    backlog: std::collections::VecDeque<Batch>,
+    /// The store's key prefix.
+    namespace: String,
+}
+
+impl Queue {
+    /// The next batch: waits for a job when `wait`, otherwise takes only what is there. With
+    /// an injected clock a batch shares one `now` (the counts it reads are at that time).
+    async fn next_batch(&mut self, injected: bool, wait: bool) -> Option<Batch> {
+        if let Some(b) = self.backlog.pop_front() {
+            return Some(b);
+        }
+        let first = if wait {
+            self.rx.recv().await?
+        } else {
+            self.rx.try_recv().ok()?
+        };
+        let mut jobs = vec![first];
+        let mut held = None;
+        while jobs.len() < MAX_BATCH {
+            match self.rx.try_recv() {
+                Ok(j) if injected && j.now() != jobs[0].now() => {
+                    held = Some(j);
+                    break;
+                }
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        jobs.retain(|j| !j.gone());
+        let batch = Batch::new(&self.namespace, jobs, 0);
+        if let Some(j) = held {
+            self.backlog
+                .push_back(Batch::new(&self.namespace, vec![j], 0));
+        }
+        if batch.jobs.is_empty() {
+            return if wait {
+                Box::pin(self.next_batch(injected, wait)).await
+            } else {
+                None
+            };
+        }
+        Some(batch)
+    }
+
+    fn put_front(&mut self, b: Batch) {
+        self.backlog.push_front(b);
+    }
+
+    fn put_back(&mut self, b: Option<Batch>) {
+        if let Some(b) = b {
+            self.backlog.push_front(b);
+        }
+    }
+}
+
+/// The keys one job touches: its records, and the zsets it counts.
+struct JobKeys {
+    /// Tool, tenant, instance record keys (index into the batch's record list).
+    records: [Option<usize>; 3],
+    /// The tool's tracker of template tenants, the tenant's of template instances.
+    trackers: [Option<usize>; 2],
+    /// The permits zset of each capped level.
+    permits: [Option<usize>; 3],
+}
+
+/// The batch's keys, each once: records, then zsets.
+#[derive(Default)]
+struct Keys {
+    records: Vec<String>,
+    zsets: Vec<String>,
+    index: HashMap<String, usize>,
+    zindex: HashMap<String, usize>,
+}
+
+impl Keys {
+    fn record(&mut self, k: &str) -> usize {
+        if let Some(&i) = self.index.get(k) {
+            return i;
+        }
+        self.records.push(k.to_owned());
+        self.index.insert(k.to_owned(), self.records.len() - 1);
+        self.records.len() - 1
+    }
+
+    fn zset(&mut self, k: String) -> usize {
+        if let Some(&i) = self.zindex.get(&k) {
+            return i;
+        }
+        self.zsets.push(k.clone());
+        self.zindex.insert(k, self.zsets.len() - 1);
+        self.zsets.len() - 1
+    }
+}
+
+/// Jobs decided together, with the keys they touch.
+struct Batch {
+    jobs: Vec<Job>,
+    keys: Keys,
+    job_keys: Vec<JobKeys>,
+    /// How many times the batch's write found a record changed.
+    attempts: usize,
+}
+
+impl Batch {
+    fn new(namespace: &str, jobs: Vec<Job>, attempts: usize) -> Batch {
+        let (keys, job_keys) = Batch::keys_of(namespace, &jobs);
+        Batch {
+            jobs,
+            keys,
+            job_keys,
+            attempts,
+        }
+    }
+
+    /// Drops the jobs whose callers left (their keys stay: reading them costs nothing).
+    fn retain_waited_for(&mut self) {
+        let mut i = 0;
+        while i < self.jobs.len() {
+            if self.jobs[i].gone() {
+                self.jobs.remove(i);
+                self.job_keys.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        self.jobs.first().map_or(Timestamp(0), Job::now)
+    }
+
+    /// The keys of `jobs`: each job's records, trackers and permits.
+    fn keys_of(namespace: &str, jobs: &[Job]) -> (Keys, Vec<JobKeys>) {
+        let mut keys = Keys::default();
+        let mut job_keys = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let (call_keys, plan) = match job {
+                Job::Decide { keys, plan, .. } => (keys, Some(plan)),
+                Job::Adjust { admission, .. } => (&admission.keys, None),
+            };
+            let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
+            let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
+            let instance = instance.filter(|_| plan.is_none_or(|p| p.instance.is_some()));
+            let mut jk = JobKeys {
+                records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
+                trackers: [None, None],
+                permits: [None, None, None],
+            };
+            if let Some(i) = &instance {
+                jk.records[2] = Some(keys.record(i));
+            }
+            if let Some(plan) = plan {
+                let p = plan.plan(call_keys, plan.now);
+                if p.tenant.policy.template {
+                    jk.trackers[0] = Some(keys.zset(tracker_key(&tool)));
+                }
+                if p.instance.is_some_and(|i| i.policy.template) {
+                    jk.trackers[1] = Some(keys.zset(tracker_key(&tenant)));
+                }
+                let caps = [
+                    p.tool.max_concurrency.is_some(),
+                    p.tenant.policy.max_concurrency.is_some(),
+                    p.instance
+                        .is_some_and(|i| i.policy.max_concurrency.is_some()),
+                ];
+                let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
+                for (l, (cap, k)) in caps.iter().zip(level_keys).enumerate() {
+                    if let (true, Some(k)) = (cap, k) {
+                        jk.permits[l] = Some(keys.zset(permits_key(k)));
+                    }
+                }
+            }
+            job_keys.push(jk);
+        }
+        (keys, job_keys)
+    }
+
+    /// Every job fails with `e`.
+    fn fail(self, e: &StoreError) {
+        for job in self.jobs {
+            match job {
+                Job::Decide { reply, .. } => {
+                    let _ = reply.send(Err(clone_error(e)));
+                }
+                Job::Adjust { reply, .. } => {
+                    if let Some(r) = reply {
+                        let _ = r.send(Err(clone_error(e)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Answers every job; an admission whose caller left is given back.
+    fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
+        for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
+            match (job, outcome) {
+                (Job::Decide { reply, .. }, Outcome::Decided(d)) => {
+                    if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
+                        give_back(sh, a);
+                    }
+                }
+                (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
+                    if let Some(r) = reply {
+                        let _ = r.send(Ok(()));
+                    }
+                }
+                _ => unreachable!("an outcome per job, of its kind"),
+            }
+        }
+    }
+}
+
+fn namespaced(ns: &str, mut keys: [Option<String>; 3]) -> [Option<String>; 3] {
+    if !ns.is_empty() {
+        for k in keys.iter_mut().flatten() {
+            k.insert_str(0, ns);
+        }
+    }
+    keys
+}
+
+/// What a job came to.
+enum Outcome {
+    Decided(Decision),
+    Adjusted,
+}
+
+fn ttl_ms(until: f64, now: f64) -> u64 {
+    (((until - now) / 1000.0).ceil() as i64).max(1) as u64
+}
+
+fn clone_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Timeout(d) => StoreError::Timeout(*d),
+        StoreError::Unavailable(s) => StoreError::Unavailable(s.clone()),
+        StoreError::Protocol(s) => StoreError::Protocol(s.clone()),
+    }
+}
+
+/// An admission whose caller went away: its units refunded at every level (through the
+/// queue, like any write) and its permits released.
+fn give_back(sh: &Arc<Shared>, admission: Box<Admission>) {
+    sh.abandoned
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    crate::telemetry::abandoned(&admission.keys.tool);
+    let tool = admission.keys.tool.clone();
+    if admission.charge.holds_permits() {
+        let (sh2, a) = (sh.clone(), admission.clone());
+        tokio::spawn(async move {
+            if let Err(e) = sh2.release_call(&a).await {
+                tracing::warn!(store = "redis", tool = %a.keys.tool, error = %e, "could not release the permits of a decision whose caller went away; they lapse after the permit TTL");
+            }
+        });
+    }
+    let now = admission.at;
+    submit(
+        sh,
+        &tool,
+        Job::Adjust {
+            admission,
+            factor: -1.0,
+            now,
+            reply: None,
+        },
+    );
+}
+
+/// What one batch's read found.
+struct Read {
+    now: u64,
+    records: Vec<Option<Record>>,
+    versions: Vec<Vec<u8>>,
+    counts: Vec<f64>,
+}
+
+/// A zset's changes from one batch.
+#[derive(Default)]
+struct ZChange {
+    /// Members whose score is at most this go (`None`: none).
+    prune: Option<f64>,
+    /// Members to add (or re-score).
+    adds: Vec<(f64, Vec<u8>)>,
+    /// Its TTL from now on.
+    ttl_ms: Option<u64>,
+}
+
+/// What a batch decided, and what to write for it.
+struct Decided {
+    outcomes: Vec<Outcome>,
+    /// The records' versions when read: what the write checks.
+    versions: Vec<Vec<u8>>,
+    records: Vec<Option<Record>>,
+    written: Vec<bool>,
+    /// Records decided on (their TTL is set); those only corrected keep theirs.
+    decided: Vec<bool>,
+    holds: Vec<bool>,
+    zsets: Vec<ZChange>,
+    now: f64,
+}
+
+impl Decided {
+    fn nothing_to_write(&self) -> bool {
+        !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
+    }
+}
+
+/// Decides every job of `batch`, one after the other, each on what the ones before it left.
+fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
+    let mut records = read.records.clone();
+    let mut counts = read.counts.clone();
+    let mut written = vec![false; records.len()];
+    let mut decided = vec![false; records.len()];
+    let mut zsets: Vec<ZChange> = (0..counts.len()).map(|_| ZChange::default()).collect();
+    let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+    let mut outcomes = Vec::with_capacity(batch.jobs.len());
+    let mut last_now = read.now as f64;
+    for (job, jk) in batch.jobs.iter().zip(&batch.job_keys) {
+        let now = match sh.config.time {
+            TimeSource::Redis => Timestamp(read.now),
+            TimeSource::Injected => job.now(),
+        };
+        let now_f = now.as_micros() as f64;
+        last_now = now_f;
+        match job {
+            Job::Decide {
+                plan,
+                keys: ck,
+                call,
+                ..
+            } => {
+                let p = plan.plan(ck, now);
+                let state = |l: usize| -> NodeState {
+                    let mut s = jk.records[l]
+                        .and_then(|i| records[i].as_ref())
+                        .map(|r| r.state.clone())
+                        .unwrap_or_default();
+                    s.in_flight = jk.permits[l].map_or(0.0, |z| counts[z]);
+                    s
+                };
+                let tracked = |l: usize| {
+                    jk.records[l]
+                        .and_then(|i| records[i].as_ref())
+                        .is_some_and(|r| r.track_until > now_f)
+                };
+                let tracking = |t: usize, l: usize| match jk.trackers[t] {
+                    Some(z) => Tracking {
+                        count: counts[z] as u64,
+                        tracked: tracked(l),
+                    },
+                    None => Tracking::default(),
+                };
+                let snapshot = Snapshot {
+                    tool: state(0),
+                    tenant: state(1),
+                    instance: if p.instance.is_some() {
+                        state(2)
+                    } else {
+                        NodeState::default()
+                    },
+                    tenant_tracking: tracking(0, 1),
+                    instance_tracking: tracking(1, 2),
+                };
+                match engine::decide(&p, &snapshot) {
+                    Verdict::Refuse(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
+                    Verdict::Admit(a) => {
+                        let a = *a;
+                        let new_states = [a.tool, a.tenant, a.instance];
+                        let track = [None, a.track_tenant_until, a.track_instance_until];
+                        for (l, new_state) in new_states.into_iter().enumerate() {
+                            let Some(i) = jk.records[l] else { continue };
+                            if l == 2 && p.instance.is_none() {
+                                continue;
+                            }
+                            let old_until = records[i].as_ref().map_or(0.0, |r| r.track_until);
+                            records[i] = Some(Record {
+                                version: sh.ids.version(),
+                                expires: a.expires[l],
+                                track_until: track[l].unwrap_or(old_until),
+                                state: new_state,
+                            });
+                            written[i] = true;
+                            decided[i] = true;
+                            // A tenant is tracked by the tool, an instance by its tenant.
+                            let tracker = match l {
+                                1 => jk.trackers[0],
+                                2 => jk.trackers[1],
+                                _ => None,
+                            };
+                            if let (Some(until), Some(z)) = (track[l], tracker) {
+                                if old_until <= now_f {
+                                    counts[z] += 1.0;
+                                }
+                                let zc = &mut zsets[z];
+                                zc.prune = Some(now_f);
+                                zc.adds
+                                    .push((until, batch.keys.records[i].clone().into_bytes()));
+                                zc.ttl_ms = Some(zc.ttl_ms.unwrap_or(0).max(ttl_ms(until, now_f)));
+                            }
+                            if a.charge.levels[l].permit {
+                                if let Some(z) = jk.permits[l] {
+                                    counts[z] += 1.0;
+                                    let zc = &mut zsets[z];
+                                    zc.prune = Some(now_f);
+                                    zc.adds
+                                        .push((now_f + permit_ttl_us, call.to_le_bytes().to_vec()));
+                                    zc.ttl_ms = Some(sh.config.permit_ttl.as_millis() as u64);
+                                }
+                            }
+                        }
+                        outcomes.push(Outcome::Decided(Decision::Admitted(Box::new(Admission {
+                            keys: ck.clone(),
+                            charge: a.charge,
+                            remaining: a.remaining,
+                            quota: a.quota,
+                            reset_in: a.reset_in,
+                            slack: a.slack,
+                            views: a.views,
+                            at: now,
+                            call: *call,
+                        }))));
+                    }
+                }
+            }
+            Job::Adjust {
+                admission, factor, ..
+            } => {
+                for l in 0..3 {
+                    let Some(i) = jk.records[l] else { continue };
+                    if !admission.charge.levels[l].present {
+                        continue;
+                    }
+                    if let Some(rec) = records[i].as_mut() {
+                        engine::adjust(&mut rec.state, &admission.charge, l, *factor, now);
+                        rec.version = sh.ids.version();
+                        written[i] = true;
+                    }
+                }
+                outcomes.push(Outcome::Adjusted);
+            }
+        }
+    }
+    // A record lives at least the permit TTL while calls hold permits at its level.
+    let mut holds = vec![false; records.len()];
+    for jk in &batch.job_keys {
+        for l in 0..3 {
+            if let (Some(i), Some(z)) = (jk.records[l], jk.permits[l]) {
+                holds[i] |= counts[z] > 0.0;
+            }
+        }
+    }
+    Decided {
+        outcomes,
+        versions: read.versions.clone(),
+        records,
+        written,
+        decided,
+        holds,
+        zsets,
+        now: last_now,
+    }
+}
+
+/// What a round trip came back with.
+struct Cycle {
+    written: bool,
+    read: Option<Read>,
+}
+
+/// One round trip: `write` (the last batch's records, if nothing it read has changed), then
+/// the read for `next`.
+async fn cycle(
+    sh: &Shared,
+    write: Option<(&Batch, &Decided)>,
+    next: Option<&Batch>,
+) -> Result<Cycle, StoreError> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut args: Vec<Vec<u8>> = Vec::new();
+    let mut write_keys = 0;
+    let mut checked = 0;
+    let mut write_args: Vec<Vec<u8>> = Vec::new();
+    if let Some((batch, d)) = write {
+        let n = batch.keys.records.len();
+        keys.extend(batch.keys.records.iter().cloned());
+        keys.extend(batch.keys.zsets.iter().cloned());
+        write_keys = keys.len();
+        checked = n;
+        write_args.extend(d.versions.iter().cloned());
+        let writes: Vec<usize> = (0..n).filter(|i| d.written[*i]).collect();
+        write_args.push(writes.len().to_string().into_bytes());
+        let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+        for &i in &writes {
+            let rec = d.records[i].as_ref().expect("a written record");
+            write_args.push((i + 1).to_string().into_bytes());
+            write_args.push(rec.encode());
+            write_args.push(if d.decided[i] {
+                let mut keep = rec.expires.max(rec.track_until);
+                if d.holds[i] {
+                    keep = keep.max(d.now + permit_ttl_us);
+                }
+                ttl_ms(keep, d.now).to_string().into_bytes()
+            } else {
+                Vec::new()
+            });
+        }
+        let changed: Vec<usize> = (0..d.zsets.len())
+            .filter(|z| !d.zsets[*z].adds.is_empty() || d.zsets[*z].prune.is_some())
+            .collect();
+        write_args.push(changed.len().to_string().into_bytes());
+        for z in changed {
+            let zc = &d.zsets[z];
+            write_args.push((n + z + 1).to_string().into_bytes());
+            write_args.push(zc.prune.map_or_else(Vec::new, |p| score(p).into_bytes()));
+            write_args.push(
+                zc.ttl_ms
+                    .map_or_else(Vec::new, |t| t.to_string().into_bytes()),
+            );
+            write_args.push(zc.adds.len().to_string().into_bytes());
+            for (s, m) in &zc.adds {
+                write_args.push(score(*s).into_bytes());
+                write_args.push(m.clone());
+            }
+        }
+    }
+    let (read_now, read_records) = match next {
+        Some(b) => {
+            let now = match sh.config.time {
+                TimeSource::Redis => "-1".to_owned(),
+                TimeSource::Injected => b.now().as_micros().to_string(),
+            };
+            keys.extend(b.keys.records.iter().cloned());
+            keys.extend(b.keys.zsets.iter().cloned());
+            (now, b.keys.records.len())
+        }
+        None => (String::new(), 0),
+    };
+    args.push(write_keys.to_string().into_bytes());
+    args.push(checked.to_string().into_bytes());
+    args.push(read_now.into_bytes());
+    args.push(read_records.to_string().into_bytes());
+    args.extend(write_args);
+    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
+    parse_cycle(reply, next.is_some())
+}
+
+fn score(x: f64) -> String {
+    // Whole microseconds: exact in a double, and in Redis's parser.
+    format!("{}", x as u64)
+}
+
+/// A worker's Redis call. It may take longer than the callers wait (they count their own
+/// timeouts as store errors): it is awaited to the end — callers that left by then get their
+/// admissions given back — within a bound.
+async fn within<T>(
+    sh: &Shared,
+    f: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let bound = (sh.config.timeout * 20).max(Duration::from_secs(5));
+    match tokio::time::timeout(bound, f).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::Timeout(bound)),
+    }
+}
+
+fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("the batch script answered {what}"));
+    let Value::Array(items) = reply else {
+        return Err(bad("something other than an array"));
+    };
+    let mut it = items.into_iter();
+    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next())
+    else {
+        return Err(bad("the wrong number of parts"));
+    };
+    let written = matches!(written, Value::Int(1));
+    if !read {
+        return Ok(Cycle {
+            written,
+            read: None,
+        });
+    }
+    let now: u64 = redis::from_redis_value::<String>(now)
+        .map_err(|_| bad("no time"))?
+        .parse::<f64>()
+        .map_err(|_| bad("a time that is not a number"))? as u64;
+    let raw: Vec<Option<Vec<u8>>> =
+        redis::from_redis_value(records).map_err(|_| bad("records that are not strings"))?;
+    let counts: Vec<u64> =
+        redis::from_redis_value(counts).map_err(|_| bad("counts that are not numbers"))?;
+    let mut records = Vec::with_capacity(raw.len());
+    let mut versions = Vec::with_capacity(raw.len());
+    for r in raw {
+        match r {
+            Some(bytes) => {
+                let rec = Record::decode(&bytes)?;
+                versions.push(rec.version.to_le_bytes().to_vec());
+                records.push(Some(rec));
+            }
+            None => {
+                versions.push(Vec::new());
+                records.push(None);
+            }
+        }
+    }
+    Ok(Cycle {
+        written,
+        read: Some(Read {
+            now,
+            records,
+            versions,
+            counts: counts.into_iter().map(|c| c as f64).collect(),
+        }),
+    })
+}

@@ -1,0 +1,75 @@
+-- tower-fairshare: one round trip of a tool's batches. First it writes what the last batch
+-- decided, but only if no record that batch read has changed since (compare-and-set on each
+-- record's 8-byte version); then it reads what the next batch needs: the time, the records of
+-- every level it touches, and how many members of each tracker and permits zset still count
+-- (a member's score is when it stops counting). The decisions are made in Rust: this script
+-- compares and copies, it does no arithmetic.
+--
+-- KEYS: the write's keys (the records it checks, in order, then the zsets it changes), then the
+-- read's record keys, then the read's zset keys.
+-- ARGV: 1 how many KEYS the write uses, 2 how many of those are checked records, 3 now for the
+--   read in µs ("-1": Redis TIME; "": no read), 4 how many read record keys; then the write:
+--   the checked records' versions when read ("": absent); the number of record writes and, for
+--   each, the index of its key, the record, its TTL in ms ("": keep the key's); the number of
+--   zsets changed and, for each, the index of its key, the score up to which members are
+--   dropped ("": none), its TTL in ms ("": keep), the number of members added and, for each,
+--   its score and name.
+-- Returns { 1 written or 0, the index of the record that had changed (0: none), now, the
+--   records read (nil where absent), the counts }.
+local a, n = tonumber(ARGV[1]), tonumber(ARGV[2])
+local written, changed = 1, 0
+for i = 1, n do
+  if redis.call('GETRANGE', KEYS[i], 0, 7) ~= ARGV[4 + i] then
+    written, changed = 0, i
+    break
+  end
+end
+if written == 1 and a > 0 then
+  local at = 5 + n
+  for _ = 1, tonumber(ARGV[at]) do
+    local key, ttl = KEYS[tonumber(ARGV[at + 1])], ARGV[at + 3]
+    if ttl == '' then
+      redis.call('SET', key, ARGV[at + 2], 'KEEPTTL')
+    else
+      redis.call('SET', key, ARGV[at + 2], 'PX', ttl)
+    end
+    at = at + 3
+  end
+  at = at + 1
+  for _ = 1, tonumber(ARGV[at]) do
+    local key, upto, ttl, m = KEYS[tonumber(ARGV[at + 1])], ARGV[at + 2], ARGV[at + 3], tonumber(ARGV[at + 4])
+    if upto ~= '' then
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', upto)
+    end
+    if m > 0 then
+      local add = { 'ZADD', key }
+      for j = 1, 2 * m do
+        add[#add + 1] = ARGV[at + 4 + j]
+      end
+      redis.call(unpack(add))
+    end
+    if ttl ~= '' then
+      redis.call('PEXPIRE', key, ttl)
+    end
+    at = at + 4 + 2 * m
+  end
+end
+if ARGV[3] == '' then
+  return { written, changed, '', {}, {} }
+end
+local now = tonumber(ARGV[3])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local r = tonumber(ARGV[4])
+local records = {}
+if r > 0 then
+  records = redis.call('MGET', unpack(KEYS, a + 1, a + r))
+end
+local after = '(' .. string.format('%.17g', now)
+local counts = {}
+for i = a + r + 1, #KEYS do
+  counts[#counts + 1] = redis.call('ZCOUNT', KEYS[i], after, '+inf')
+end
+return { written, changed, string.format('%.17g', now), records, counts }

@@ -1,0 +1,153 @@
+//! A level's record in Redis: its version, when it may go, until when it counts as a template
+//! caller, and its `NodeState`. Written and read by Rust only: the scripts compare the
+//! version's 8 bytes and copy whole records, they never look inside.
+//!
+//! Layout, little-endian: `u64` version (random per write: a record that expired and was
+//! made again never takes an old version back), then doubles: expires (µs, the decisions'
+//! clock: the state is equivalent to a fresh one from then on), track_until (µs; 0: not a
+//! tracked template caller), t, floor, share, ceiling, window, total, non_floor, floor_used,
+//! in_flight, the number of budget counters, and per counter its period code, start and used.
+
+use crate::admission::engine::{BudgetCounter, NodeState};
+use crate::policy::BudgetPeriod;
+use crate::store::StoreError;
+
+const FIXED: usize = 8 + 8 * 12;
+
+/// A level's record.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Record {
+    pub(super) version: u64,
+    pub(super) expires: f64,
+    pub(super) track_until: f64,
+    pub(super) state: NodeState,
+}
+
+pub(super) fn period_code(p: BudgetPeriod) -> f64 {
+    match p {
+        BudgetPeriod::Hour => 1.0,
+        BudgetPeriod::Day => 2.0,
+        BudgetPeriod::Month => 3.0,
+    }
+}
+
+fn period_of(code: f64) -> Option<BudgetPeriod> {
+    match code as i64 {
+        1 => Some(BudgetPeriod::Hour),
+        2 => Some(BudgetPeriod::Day),
+        3 => Some(BudgetPeriod::Month),
+        _ => None,
+    }
+}
+
+impl Record {
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let s = &self.state;
+        let mut out = Vec::with_capacity(FIXED + 24 * s.budgets.len());
+        out.extend_from_slice(&self.version.to_le_bytes());
+        for x in [
+            self.expires,
+            self.track_until,
+            s.t,
+            s.floor,
+            s.share,
+            s.ceiling,
+            s.window,
+            s.total,
+            s.non_floor,
+            s.floor_used,
+            s.in_flight,
+            s.budgets.len() as f64,
+        ] {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        for b in &s.budgets {
+            for x in [period_code(b.period), b.start, b.used] {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// `None` for a missing key; an error for bytes that are not a record.
+    pub(super) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
+        let bad = |what: &str| StoreError::Protocol(format!("a stored state is {what}"));
+        if bytes.len() < FIXED || (bytes.len() - FIXED) % 24 != 0 {
+            return Err(bad("not a record of this layout"));
+        }
+        let f = |i: usize| {
+            let at = 8 + 8 * i;
+            f64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+        };
+        let nb = f(11);
+        if nb < 0.0 || (bytes.len() - FIXED) / 24 != nb as usize {
+            return Err(bad("cut short"));
+        }
+        let mut budgets = Vec::with_capacity(nb as usize);
+        for k in 0..nb as usize {
+            let g = |j: usize| f(12 + 3 * k + j);
+            budgets.push(BudgetCounter {
+                period: period_of(g(0)).ok_or_else(|| bad("of an unknown budget period"))?,
+                start: g(1),
+                used: g(2),
+            });
+        }
+        Ok(Record {
+            version: u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
+            expires: f(0),
+            track_until: f(1),
+            state: NodeState {
+                live: true,
+                t: f(2),
+                floor: f(3),
+                share: f(4),
+                ceiling: f(5),
+                window: f(6),
+                total: f(7),
+                non_floor: f(8),
+                floor_used: f(9),
+                in_flight: f(10),
+                budgets,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn a_record_round_trips_bit_for_bit(
+            version in any::<u64>(),
+            xs in prop::collection::vec(any::<f64>(), 11),
+            budgets in prop::collection::vec((0usize..3, any::<f64>(), any::<f64>()), 0..4),
+        ) {
+            let periods = [BudgetPeriod::Hour, BudgetPeriod::Day, BudgetPeriod::Month];
+            let r = Record {
+                version,
+                expires: xs[0],
+                track_until: xs[1],
+                state: NodeState {
+                    live: true,
+                    t: xs[2], floor: xs[3], share: xs[4], ceiling: xs[5], window: xs[6],
+                    total: xs[7], non_floor: xs[8], floor_used: xs[9], in_flight: xs[10],
+                    budgets: budgets
+                        .iter()
+                        .map(|&(p, start, used)| BudgetCounter { period: periods[p], start, used })
+                        .collect(),
+                },
+            };
+            let back = Record::decode(&r.encode()).unwrap();
+            prop_assert_eq!(back.encode(), r.encode());
+        }
+
+        #[test]
+        fn anything_else_is_an_error_not_a_panic(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+            let _ = Record::decode(&bytes);
+        }
+    }
+}
