@@ -1,6 +1,10 @@
 //! ns per admission decision in memory: tool + tenant + instance + one budget.
 //!
 //! `cargo bench --bench admission`
+//!
+//! With `FS_DECISIONS=N` it makes N decisions of one caller and exits, for instruction counts:
+//! `valgrind --tool=callgrind` at N and 2N, the difference divided by N is one decision's
+//! marginal cost (`scripts/callgrind-decision` does this).
 
 use std::future::Future;
 use std::pin::pin;
@@ -99,4 +103,23 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+
+fn main() {
+    if let Some(n) = std::env::var("FS_DECISIONS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        let l = limiter();
+        let one = callers("tenant", 1);
+        let mut admitted = 0u64;
+        for _ in 0..n {
+            admitted += u64::from(now(l.admit(&one[0], "search", Cost(1.0))).is_ok());
+        }
+        assert_eq!(admitted, n);
+        return;
+    }
+    benches();
+    Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}
