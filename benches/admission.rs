@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use tower_fairshare::{Caller, Cost, Limiter, MemoryStore, Policy, SystemClock};
 
 const POLICY: &str = r#"

@@ -201,7 +201,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let policy = self.inner.policy.load();
         let outcome = self.decide(&policy, caller, tool, cost).await;
         self.record(&policy, caller, tool, cost, &outcome);
-        outcome
+        // Boxed until here: a refusal is large, and moves on the way cost more than one box.
+        outcome.map_err(|r| *r)
     }
 
     /// Decides one call like [`admit`](Self::admit), without waiting: `Some` when the store
@@ -242,7 +243,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
         };
         self.record(&policy, caller, tool, cost, &outcome);
-        Some(outcome)
+        Some(outcome.map_err(|r| *r))
     }
 
     async fn decide(
@@ -251,7 +252,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &Caller,
         tool: &str,
         cost: Cost,
-    ) -> Result<Ticket, Refusal> {
+    ) -> Outcome {
         let p = self.prepare(policy, caller, tool, cost)?;
         let store = &self.inner.store;
         let started = telemetry::Started::now();
@@ -270,7 +271,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &'p Caller,
         tool: &str,
         cost: Cost,
-    ) -> Result<Prepared<'p>, Refusal> {
+    ) -> Result<Prepared<'p>, Box<Refusal>> {
         let (tp, tenant, instance, keys) = resolve(policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
@@ -299,7 +300,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &Caller,
         tool: &str,
         decided: Result<Decision, crate::store::StoreError>,
-    ) -> Result<Ticket, Refusal> {
+    ) -> Outcome {
         let tp = p.plan.tool;
         let window_secs = tp.period().as_secs_ceil();
         let store = &self.inner.store;
@@ -315,7 +316,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     r.instance = caller.instance().map(str::to_owned);
                 }
                 if tp.enforce() {
-                    Err(*r)
+                    Err(r)
                 } else {
                     Ok(Ticket {
                         admission: None,
@@ -396,7 +397,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &Caller,
         tool: &str,
         cost: Cost,
-        outcome: &Result<Ticket, Refusal>,
+        outcome: &Outcome,
     ) {
         #[cfg(feature = "metrics")]
         self.count(policy, caller, tool, outcome);
@@ -433,7 +434,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         policy: &Policy,
         caller: &Caller,
         tool: &str,
-        outcome: &Result<Ticket, Refusal>,
+        outcome: &Outcome,
     ) {
         let labels = self.labels(policy, caller, tool);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
@@ -458,7 +459,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// alone earns (unknown tool, tier, missing tenant).
     pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
         let policy = self.policy();
-        resolve(&policy, caller, tool).map(|(_, _, _, k)| k)
+        resolve(&policy, caller, tool)
+            .map(|(_, _, _, k)| k)
+            .map_err(|r| *r)
     }
 
     /// Corrects an admitted call's charge to its actual cost.
@@ -526,13 +529,16 @@ fn fill_caller(r: &mut Refusal, caller: &Caller) {
     r.instance = caller.instance().map(str::to_owned);
 }
 
-fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Refusal {
+fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Box<Refusal> {
     let mut r = Refusal::new(reason, tool);
     fill_caller(&mut r, caller);
     r.scope = Some(Scope::Tool);
     r.detail = Some(what);
-    r
+    Box::new(r)
 }
+
+/// A decision as it travels inside the limiter: the refusal boxed.
+type Outcome = Result<Ticket, Box<Refusal>>;
 
 /// A call resolved and timed, ready for the store.
 struct Prepared<'p> {
@@ -579,12 +585,12 @@ fn resolve<'p>(
     policy: &'p Policy,
     caller: &'p Caller,
     tool: &str,
-) -> Result<Resolved<'p>, Refusal> {
+) -> Result<Resolved<'p>, Box<Refusal>> {
     let Some(tp) = policy.tool(tool) else {
         let mut r = Refusal::new(Reason::PermissionDenied, tool);
         r.detail = Some("unknown_tool");
         fill_caller(&mut r, caller);
-        return Err(r);
+        return Err(Box::new(r));
     };
     // Identity before permission: a caller without one is 401 whatever the tool's tier.
     if caller.tenant().is_none() && tp.require_tenant() {

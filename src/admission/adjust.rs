@@ -35,14 +35,14 @@ pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now
         };
         s.floor_used = (s.floor_used + floor_delta).max(0.0);
     }
-    for (period, start) in &lc.budgets {
-        if period.window(now).0.as_micros() as f64 != *start {
+    for (period, start) in lc.budgets.iter() {
+        if period.window(now).0.as_micros() as f64 != start {
             continue;
         }
         if let Some(b) = s
             .budgets
             .iter_mut()
-            .find(|b| b.period == *period && b.start == *start)
+            .find(|b| b.period == period && b.start == start)
         {
             b.used = (b.used + charge.cost * factor).max(0.0);
         }
@@ -96,7 +96,7 @@ mod tests {
                 ceiling: k,
                 ceiling_depth: depth,
                 permit: false,
-                budgets: vec![(BudgetPeriod::Day, day)],
+                budgets: [(BudgetPeriod::Day, day)].into_iter().collect(),
             };
             // What the decision wrote: the takes out, the call counted.
             let mut after = before.clone();

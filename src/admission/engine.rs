@@ -14,7 +14,9 @@
 
 pub use super::adjust::{adjust, release};
 pub use super::decide::{decide, Admitted, LevelRef, Plan, Snapshot, Verdict};
-pub use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Tracking};
+pub use super::state::{
+    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Tracking,
+};
 
 pub(crate) use super::bucket::EPS;
 pub(crate) use super::phases::{above, below, commit_below, Below};

@@ -8,7 +8,9 @@ use std::time::Duration;
 use super::bucket::{bucket, expiry, refill, roll_window, EPS};
 use super::decide::{Outcome, Plan};
 use super::refusal::{Reason, Refusal, Scope};
-use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Scalars, Tracking};
+use super::state::{
+    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars, Tracking,
+};
 use super::walk::{room, Fail, Label, Level, PathCtx, Walk};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
@@ -497,14 +499,11 @@ fn commit_level(
         s.in_flight += 1.0;
     }
     let list = budget_list(plan, idx);
-    let mut charged = Vec::new();
-    if !list.is_empty() {
-        charged.reserve_exact(list.len());
-        if target.budgets.capacity() < list.len() {
-            target
-                .budgets
-                .reserve_exact(list.len() - target.budgets.len());
-        }
+    let mut charged = ChargedBudgets::default();
+    if target.budgets.capacity() < list.len() {
+        target
+            .budgets
+            .reserve_exact(list.len() - target.budgets.len());
     }
     for bud in list {
         let start = bud.period.window(plan.now).0.as_micros() as f64;
@@ -520,7 +519,7 @@ fn commit_level(
                 used: c,
             }),
         }
-        charged.push((bud.period, start));
+        charged.push(bud.period, start);
     }
     let charge = LevelCharge {
         present: true,

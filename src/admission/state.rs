@@ -70,7 +70,50 @@ pub struct LevelCharge {
     /// Whether a concurrency permit was taken here.
     pub permit: bool,
     /// Budget windows charged: (period, window start).
-    pub budgets: Vec<(BudgetPeriod, f64)>,
+    pub budgets: ChargedBudgets,
+}
+
+/// The budget windows a call was charged at one level, as (period, window start µs): at most
+/// one per period, held inline (a decision allocates nothing for them).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct ChargedBudgets {
+    len: u8,
+    items: [Option<(BudgetPeriod, f64)>; 3],
+}
+
+impl ChargedBudgets {
+    /// Adds a window. A level has at most one budget per period, so at most three.
+    pub fn push(&mut self, period: BudgetPeriod, start: f64) {
+        let at = usize::from(self.len);
+        assert!(at < 3, "a level has at most one budget per period");
+        self.items[at] = Some((period, start));
+        self.len += 1;
+    }
+
+    /// The windows, in the order they were charged.
+    pub fn iter(&self) -> impl Iterator<Item = (BudgetPeriod, f64)> + '_ {
+        self.items[..usize::from(self.len)].iter().flatten().copied()
+    }
+
+    /// How many windows.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Whether none was charged.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl FromIterator<(BudgetPeriod, f64)> for ChargedBudgets {
+    fn from_iter<I: IntoIterator<Item = (BudgetPeriod, f64)>>(iter: I) -> Self {
+        let mut out = ChargedBudgets::default();
+        for (p, s) in iter {
+            out.push(p, s);
+        }
+        out
+    }
 }
 
 /// What an admitted call charged: the input to correction, refund and permit release.
