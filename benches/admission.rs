@@ -119,7 +119,5 @@ fn main() {
         return;
     }
     benches();
-    Criterion::default()
-        .configure_from_args()
-        .final_summary();
+    Criterion::default().configure_from_args().final_summary();
 }

@@ -134,6 +134,25 @@ ceiling = 1
 burst = 1
 "#;
 
+/// 120 tenants with floors, weights and ceilings; a daily budget on the tool; template
+/// instances: the shape of a real, busy multi-tenant tool.
+fn saturated_policy() -> String {
+    let mut p = String::from(
+        "[[tool]]\nname = \"saturated\"\nunit = \"calls\"\nrate = { limit = 6000, per = \"1m\" }\n\
+         budgets = [{ period = \"day\", max = 5000000 }]\n",
+    );
+    for t in 0..120 {
+        p.push_str(&format!(
+            "[tool.tenants.team-{t}]\nweight = {}\nfloor = {}\nceiling = {}\n\
+             [tool.tenants.team-{t}.default_instance]\nmax_instances = 10\n",
+            1 + t % 5,
+            5 + t % 10,
+            60 + 4 * (t % 10),
+        ));
+    }
+    p
+}
+
 fn limiter() -> Limiter<MemoryStore, SystemClock> {
     Limiter::new(Policy::from_toml_str(POLICY).expect("the bench policy is valid"))
 }
@@ -236,6 +255,30 @@ fn decisions(c: &mut Criterion) {
             now(l.admit(black_box(&many[i]), "search", Cost(1.0))).is_ok()
         })
     });
+
+    // A saturated, realistic policy: 120 tenants with floors, weights and ceilings on a tool
+    // with a daily budget, each tenant's instances limited by a template; the callers cycle
+    // over the tenants far faster than the capacity refills, so most calls are refused.
+    let l = Limiter::new(Policy::from_toml_str(&saturated_policy()).expect("valid"));
+    let crowd: Vec<Caller> = (0..120)
+        .map(|t| Caller::new(format!("team-{t}")).with_instance(format!("agent-{}", t % 7)))
+        .collect();
+    let mut refused = 0u64;
+    let mut calls = 0u64;
+    let mut i = 0;
+    g.bench_function("fairshare saturated", |b| {
+        b.iter(|| {
+            i = (i + 1) % crowd.len();
+            let ok = now(l.admit(black_box(&crowd[i]), "saturated", Cost(1.0))).is_ok();
+            calls += 1;
+            refused += u64::from(!ok);
+            ok
+        })
+    });
+    assert!(
+        refused * 2 > calls,
+        "the saturated case must refuse most calls: {refused} of {calls}"
+    );
 
     // Threaded: each thread cycles over 64 callers, of its own tenants or of one shared tenant.
     for (name, threads, shared) in [

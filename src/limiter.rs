@@ -246,13 +246,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Some(outcome.map_err(|r| *r))
     }
 
-    async fn decide(
-        &self,
-        policy: &Policy,
-        caller: &Caller,
-        tool: &str,
-        cost: Cost,
-    ) -> Outcome {
+    async fn decide(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
         let p = self.prepare(policy, caller, tool, cost)?;
         let store = &self.inner.store;
         let started = telemetry::Started::now();
@@ -391,14 +385,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Metrics and the decision event.
-    fn record(
-        &self,
-        policy: &Policy,
-        caller: &Caller,
-        tool: &str,
-        cost: Cost,
-        outcome: &Outcome,
-    ) {
+    fn record(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost, outcome: &Outcome) {
         #[cfg(feature = "metrics")]
         self.count(policy, caller, tool, outcome);
         #[cfg(not(feature = "metrics"))]
@@ -429,13 +416,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The decision's metrics.
     #[cfg(feature = "metrics")]
-    fn count(
-        &self,
-        policy: &Policy,
-        caller: &Caller,
-        tool: &str,
-        outcome: &Outcome,
-    ) {
+    fn count(&self, policy: &Policy, caller: &Caller, tool: &str, outcome: &Outcome) {
         let labels = self.labels(policy, caller, tool);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
         match outcome {

@@ -18,5 +18,6 @@ pub use super::state::{
     BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Tracking,
 };
 
+#[cfg(feature = "redis")]
 pub(crate) use super::bucket::EPS;
 pub(crate) use super::phases::{above, below, commit_below, Below};

@@ -92,7 +92,10 @@ impl ChargedBudgets {
 
     /// The windows, in the order they were charged.
     pub fn iter(&self) -> impl Iterator<Item = (BudgetPeriod, f64)> + '_ {
-        self.items[..usize::from(self.len)].iter().flatten().copied()
+        self.items[..usize::from(self.len)]
+            .iter()
+            .flatten()
+            .copied()
     }
 
     /// How many windows.
