@@ -13,6 +13,7 @@ pub(super) struct Bucket {
     pub(super) depth: f64,
 }
 
+#[inline]
 pub(super) fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
     if !s.live {
         s.live = true;
@@ -31,6 +32,7 @@ pub(super) fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f
     }
 }
 
+#[inline]
 pub(super) fn roll_window(s: &mut Scalars, window: f64) {
     if s.window != window {
         s.window = window;
@@ -40,6 +42,7 @@ pub(super) fn roll_window(s: &mut Scalars, window: f64) {
     }
 }
 
+#[inline]
 pub(super) fn bucket(rate: f64, depth: f64) -> Bucket {
     let rate = rate.max(0.0);
     Bucket {
@@ -49,6 +52,7 @@ pub(super) fn bucket(rate: f64, depth: f64) -> Bucket {
 }
 
 /// Time (µs) until bucket `x` holds `need`, or infinity when it never can.
+#[inline]
 pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
     if x + EPS >= need {
         0.0
@@ -62,6 +66,7 @@ pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
 /// budget counters over. (Permits held keep a state alive regardless: the store checks.)
 #[allow(clippy::too_many_arguments)]
+#[inline]
 pub(super) fn expiry(
     s: &Scalars,
     budgets: &[BudgetCounter],

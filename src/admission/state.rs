@@ -168,6 +168,7 @@ pub(super) struct Scalars {
 }
 
 impl Scalars {
+    #[inline]
     pub(super) fn of(s: &NodeState) -> Self {
         Scalars {
             live: s.live,
@@ -183,6 +184,7 @@ impl Scalars {
         }
     }
 
+    #[inline]
     pub(super) fn write(&self, s: &mut NodeState) {
         s.live = self.live;
         s.t = self.t;

@@ -63,6 +63,7 @@ pub(super) struct Walk {
 impl PathCtx<'_, '_> {
     /// The walk from the caller up to (not including) the tool: share first (or floor first),
     /// or why the call cannot pass below the tool. Needs no tool state.
+    #[inline]
     pub(super) fn below(&self, share_first: bool) -> Result<Walk, Fail> {
         let mut w = Walk {
             takes: [[0.0f64; 3]; 3],
@@ -80,6 +81,7 @@ impl PathCtx<'_, '_> {
     }
 
     /// The tool's part of a walk: units per level (floor, share, ceiling), or why not.
+    #[inline]
     pub(super) fn at_tool(&self, mut w: Walk, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
         if w.rem > EPS {
             self.step(0, share_first, &mut w)?;
@@ -88,6 +90,7 @@ impl PathCtx<'_, '_> {
     }
 
     /// One level of the walk.
+    #[inline]
     fn step(&self, idx: usize, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
         let leaf = self.levels.len() - 1;
         let l = &self.levels[idx];
@@ -256,6 +259,7 @@ impl PathCtx<'_, '_> {
 }
 
 /// Non-floor units a level could still pass now.
+#[inline]
 pub(super) fn room(l: &Level<'_>) -> f64 {
     l.state
         .ceiling
