@@ -1,5 +1,5 @@
 //! Throughput and latency of `RedisStore` against a trivial EVALSHA, measured in the same run
-//! on a redis-server this test starts (PERFORMANCE.md, Redis section). Ignored by default:
+//! on a redis-server this test starts (the Redis targets in docs/performance.md). Ignored by default:
 //!
 //! ```text
 //! cargo test --release --all-features --test redis_bench -- --ignored --nocapture
