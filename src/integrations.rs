@@ -7,7 +7,7 @@
 //!
 //! * feature `tonic`: `From<Refusal> for tonic::Status` — RESOURCE_EXHAUSTED /
 //!   PERMISSION_DENIED / UNAUTHENTICATED / UNAVAILABLE, the JSON refusal as the message and
-//!   `retry-after` metadata when a retry can succeed (SPEC §4);
+//!   `retry-after` metadata when a retry can succeed;
 //! * feature `axum`: `IntoResponse for Refusal` — the layer's HTTP refusal: 429 / 403 / 401 /
 //!   503, the JSON body, `Retry-After`, and `RateLimit-Policy` / `RateLimit` for a refused rate
 //!   or budget.

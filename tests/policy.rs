@@ -5,7 +5,7 @@ use tower_fairshare::{
     BudgetPeriod, InstanceBuilder, Policy, PolicyError, TenantBuilder, ToolBuilder, Unit,
 };
 
-const SPEC_EXAMPLE: &str = r#"
+const FULL_EXAMPLE: &str = r#"
 [[tool]]
 name = "web_search"
 unit = "calls"
@@ -54,7 +54,7 @@ fn one_tool(body: &str) -> String {
 
 #[test]
 fn the_spec_example_loads() {
-    let p = Policy::from_toml_str(SPEC_EXAMPLE).unwrap();
+    let p = Policy::from_toml_str(FULL_EXAMPLE).unwrap();
     let t = p.tool("web_search").unwrap();
     assert_eq!(t.capacity(), 600.0);
     assert_eq!(t.period().as_micros(), 60_000_000);
@@ -126,7 +126,7 @@ fn the_builder_agrees_with_the_file() {
         )
         .build()
         .unwrap();
-    let loaded = Policy::from_toml_str(SPEC_EXAMPLE).unwrap();
+    let loaded = Policy::from_toml_str(FULL_EXAMPLE).unwrap();
     assert_eq!(
         serde_json::to_value(built.allocation()).unwrap(),
         serde_json::to_value(loaded.allocation()).unwrap()

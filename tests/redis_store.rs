@@ -70,7 +70,7 @@ weight = 1
 max_tenants = 50
 "#;
 
-/// SPEC §3.2 across replicas: 4 stores ("replicas") on one Redis, 64 tasks each, flooding;
+/// The capacity bound across replicas: 4 stores ("replicas") on one Redis, 64 tasks each, flooding;
 /// the admitted calls (timed by Redis) never exceed C τ/P + burst + Σ floors over any
 /// interval, and the quiet tenant, offering half its floor, gets every call.
 #[test]

@@ -125,7 +125,7 @@ impl Refusal {
         }
     }
 
-    /// The JSON body of an HTTP or gRPC refusal (SPEC §4).
+    /// The JSON body of an HTTP or gRPC refusal (its fields are listed in the README).
     pub fn to_json(&self) -> String {
         let mut o = String::with_capacity(256);
         // Writing to a `String` cannot fail.

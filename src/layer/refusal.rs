@@ -1,4 +1,4 @@
-//! Refusals as HTTP and gRPC responses (SPEC §4).
+//! Refusals as HTTP and gRPC responses.
 
 use std::fmt::{self, Write};
 

@@ -1,4 +1,5 @@
-//! The store conformance suite: every property of SPEC §3 this crate promises, proven by
+//! The store conformance suite: every semantic property this crate promises (the README's
+//! "Semantics" list), proven by
 //! property tests over a virtual clock. A store runs the whole suite with one line:
 //!
 //! ```ignore
@@ -272,7 +273,7 @@ fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), TestCaseError> 
     }
 }
 
-/// SPEC §3.1: a caller offering at most its floor in every interval of length P gets every
+/// Floor guarantee: a caller offering at most its floor in every interval of length P gets every
 /// call admitted, whatever the others do (parasites at 10× and 100× their ceiling).
 pub fn floor_guarantee<F: Factory>(f: &F) {
     let rt = runtime();
@@ -320,7 +321,7 @@ pub fn floor_guarantee<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.1, second half: a caller offering more than its floor still gets at least its
+/// Floor guarantee, second half: a caller offering more than its floor still gets at least its
 /// floor in every period.
 pub fn floor_when_offering_more<F: Factory>(f: &F) {
     let rt = runtime();
@@ -363,7 +364,7 @@ pub fn floor_when_offering_more<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.2: over any interval τ the tool admits at most C τ/P + burst + Σ floors, and at
+/// Capacity: over any interval τ the tool admits at most C τ/P + burst + Σ floors, and at
 /// most C in every aligned period.
 pub fn capacity_bound<F: Factory>(f: &F) {
     let rt = runtime();
@@ -407,7 +408,7 @@ pub fn capacity_bound<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.3: over any interval τ a caller gets at most ceiling τ/P + burst + floor.
+/// Ceiling: over any interval τ a caller gets at most ceiling τ/P + burst + floor.
 pub fn ceiling_bound<F: Factory>(f: &F) {
     let rt = runtime();
     runner(f.cases())
@@ -451,7 +452,7 @@ pub fn ceiling_bound<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.4: when every caller demands more than its ceiling, each gets floor + share
+/// Weighted share: when every caller demands more than its ceiling, each gets floor + share
 /// within ±5 % over 10 periods — or within 1.5 calls a period, whichever is larger: calls are
 /// whole, and when the tool's per-period cap closes a period a caller can lose what it had
 /// accrued but not yet spent. (With 30 units a period or more, 1.5 calls is within 5 %.)
@@ -493,7 +494,7 @@ pub fn weighted_share<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.5: an idle tenant's share (never its floor) is lent to busy tenants, highest
+/// Borrowing: an idle tenant's share (never its floor) is lent to busy tenants, highest
 /// weight first, each up to its own ceiling.
 pub fn borrowing<F: Factory>(f: &F) {
     let rt = runtime();
@@ -554,7 +555,7 @@ pub fn borrowing<F: Factory>(f: &F) {
     );
 }
 
-/// SPEC §3.6: a refusal at any level consumes nothing anywhere.
+/// Nesting, all-or-nothing: a refusal at any level consumes nothing anywhere.
 pub fn all_or_nothing<F: Factory>(f: &F) {
     let rt = runtime();
     let policy = Policy::from_toml_str(
@@ -645,7 +646,7 @@ pub fn all_or_nothing<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.6: a runaway instance cannot take its siblings' instance floors.
+/// Nesting: a runaway instance cannot take its siblings' instance floors.
 pub fn runaway_instance<F: Factory>(f: &F) {
     let rt = runtime();
     runner(f.cases().min(16))
@@ -722,7 +723,7 @@ pub fn runaway_instance<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.7: two tenants presenting the same instance id, whatever bytes the names hold,
+/// Tenant-qualified identity: two tenants presenting the same instance id, whatever bytes the names hold,
 /// get independent state.
 pub fn tenant_qualified_identity<F: Factory>(f: &F) {
     let rt = runtime();
@@ -779,7 +780,7 @@ pub fn tenant_qualified_identity<F: Factory>(f: &F) {
         .unwrap();
 }
 
-/// SPEC §3.12: a flood of new identities is bounded by `max_tenants`, and idle state
+/// Bounded state: a flood of new identities is bounded by `max_tenants`, and idle state
 /// expires, so memory stays bounded.
 pub fn bounded_state<F: Factory>(f: &F) {
     let rt = runtime();
@@ -834,7 +835,7 @@ pub fn bounded_state<F: Factory>(f: &F) {
     });
 }
 
-/// SPEC §3.8: calendar budgets AND across levels; a refusal names window, limit, used and
+/// Budgets: calendar budgets AND across levels; a refusal names window, limit, used and
 /// reset time.
 pub fn budgets<F: Factory>(f: &F) {
     let rt = runtime();
@@ -903,7 +904,7 @@ pub fn budgets<F: Factory>(f: &F) {
     });
 }
 
-/// SPEC §3.9: the actual cost corrects the charge; a refund gives it all back.
+/// Cost: the actual cost corrects the charge; a refund gives it all back.
 pub fn cost_and_refund<F: Factory>(f: &F) {
     let rt = runtime();
     let policy = Policy::from_toml_str(
@@ -946,7 +947,7 @@ pub fn cost_and_refund<F: Factory>(f: &F) {
     });
 }
 
-/// SPEC §3.10: max_concurrency caps calls in flight; releasing gives the permit back.
+/// Concurrency: max_concurrency caps calls in flight; releasing gives the permit back.
 pub fn concurrency<F: Factory>(f: &F) {
     let rt = runtime();
     let policy = Policy::from_toml_str(
