@@ -275,8 +275,9 @@ fn decisions(c: &mut Criterion) {
             ok
         })
     });
+    // (Not run at all when a filter leaves it out.)
     assert!(
-        refused * 2 > calls,
+        calls == 0 || refused * 2 > calls,
         "the saturated case must refuse most calls: {refused} of {calls}"
     );
 

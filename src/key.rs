@@ -1,6 +1,6 @@
 //! Store keys, built in one place.
 //!
-//! Every key is `fs4{<tool>}<kind><parts>` where each part is length-prefixed
+//! Every key is `fs5{<tool>}<kind><parts>` where each part is length-prefixed
 //! (`<byte length>:<bytes>`). Length prefixes make the encoding uniquely decodable, so no two
 //! distinct (tool, tenant, instance) triples share a key whatever bytes they contain (`:`,
 //! `|`, `{`, `}`, unicode). The kind byte keeps tool, tenant, instance and untenanted keys
@@ -10,7 +10,7 @@
 /// What a key names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum KeyKind {
-    /// The tool's own state (shared pool, window, tenant tracker).
+    /// The tool's own state (shared pool, window, template tenants counted).
     Tool,
     /// A tenant of a tool.
     Tenant,
@@ -32,7 +32,7 @@ impl KeyKind {
 }
 
 /// The version prefix: bump it when the state layout changes so old keys are never misread.
-pub const KEY_PREFIX: &str = "fs4";
+pub const KEY_PREFIX: &str = "fs5";
 
 fn push_part(out: &mut String, part: &str) {
     out.push_str(itoa::Buffer::new().format(part.len()));

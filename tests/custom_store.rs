@@ -7,17 +7,15 @@ mod conformance;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot, Tracking, Verdict};
+use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot, Verdict};
 use tower_fairshare::store::{Admission, CallKeys, Decision};
 use tower_fairshare::{Store, StoreError, Timestamp};
 
-/// Every level's state by its store key, and the template callers each parent tracks.
+/// Every level's state by its store key: all a store keeps.
 #[derive(Default)]
 struct Inner {
     /// State and when it may be forgotten (µs).
     states: HashMap<String, (NodeState, f64)>,
-    /// Parent key → template child key → tracked until (µs).
-    tracked: HashMap<String, HashMap<String, f64>>,
 }
 
 #[derive(Default)]
@@ -30,59 +28,26 @@ impl Inner {
             .map(|(s, _)| s.clone())
             .unwrap_or_default()
     }
-
-    fn tracking(&self, parent: &str, child: &str, now: f64) -> Tracking {
-        let children = self.tracked.get(parent);
-        Tracking {
-            count: children.map_or(0, |c| c.values().filter(|u| **u > now).count() as u64),
-            tracked: children
-                .and_then(|c| c.get(child))
-                .is_some_and(|u| *u > now),
-        }
-    }
 }
 
 impl Store for MapStore {
     async fn decide(&self, plan: &Plan<'_>, keys: &CallKeys) -> Result<Decision, StoreError> {
         let [tool, tenant, instance] = keys.encoded();
         let (tool_key, tenant_key) = (tool.clone().unwrap(), tenant.clone().unwrap());
-        let now = plan.now.as_micros() as f64;
         let mut inner = self.0.lock().unwrap();
         let snapshot = Snapshot {
             tool: inner.state(&tool),
             tenant: inner.state(&tenant),
             instance: inner.state(&instance),
-            tenant_tracking: inner.tracking(&tool_key, &tenant_key, now),
-            instance_tracking: instance
-                .as_ref()
-                .map_or_else(Tracking::default, |i| inner.tracking(&tenant_key, i, now)),
         };
         match engine::decide(plan, &snapshot) {
             Verdict::Refuse(r) => Ok(Decision::Refused(r)),
             Verdict::Admit(a) => {
                 let a = *a;
-                inner
-                    .states
-                    .insert(tool_key.clone(), (a.tool, a.expires[0]));
-                inner
-                    .states
-                    .insert(tenant_key.clone(), (a.tenant, a.expires[1]));
+                inner.states.insert(tool_key, (a.tool, a.expires[0]));
+                inner.states.insert(tenant_key, (a.tenant, a.expires[1]));
                 if let (Some(i), true) = (&instance, plan.instance.is_some()) {
                     inner.states.insert(i.clone(), (a.instance, a.expires[2]));
-                }
-                if let Some(until) = a.track_tenant_until {
-                    inner
-                        .tracked
-                        .entry(tool_key)
-                        .or_default()
-                        .insert(tenant_key.clone(), until);
-                }
-                if let (Some(until), Some(i)) = (a.track_instance_until, &instance) {
-                    inner
-                        .tracked
-                        .entry(tenant_key)
-                        .or_default()
-                        .insert(i.clone(), until);
                 }
                 Ok(Decision::Admitted(Box::new(Admission {
                     keys: keys.clone(),
@@ -151,9 +116,6 @@ impl conformance::Factory for Custom {
         inner
             .states
             .retain(|_, (s, expires)| *expires > now || s.in_flight > 0.0);
-        for children in inner.tracked.values_mut() {
-            children.retain(|_, until| *until > now);
-        }
     }
 }
 

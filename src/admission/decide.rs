@@ -4,7 +4,8 @@
 
 use super::phases::{above, below, commit_below, Below};
 use super::refusal::Refusal;
-use super::state::{Charge, LevelView, NodeState, Tracking};
+use super::state::{Charge, LevelView, NodeState};
+use super::template;
 use std::sync::Arc;
 
 use crate::clock::Timestamp;
@@ -45,10 +46,6 @@ pub struct Snapshot {
     pub tenant: NodeState,
     /// The instance's state (ignored without an instance).
     pub instance: NodeState,
-    /// The tenant among the tool's template tenants.
-    pub tenant_tracking: Tracking,
-    /// The instance among the tenant's template instances.
-    pub instance_tracking: Tracking,
 }
 
 /// The outcome of an admitted call.
@@ -63,10 +60,6 @@ pub struct Admitted {
     /// When each level's state may be forgotten without changing any future decision (µs):
     /// tool, tenant, instance, provided it holds no permits.
     pub expires: [f64; 3],
-    /// Track the tenant (a template tenant) until this time (µs), if it is one.
-    pub track_tenant_until: Option<f64>,
-    /// Track the instance (a template instance) until this time (µs), if it is one.
-    pub track_instance_until: Option<f64>,
     /// What was charged where.
     pub charge: Charge,
     /// Units the caller could still take now (for the `RateLimit` header).
@@ -99,17 +92,14 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     } else {
         NodeState::default()
     };
-    let tracking = [snap.tenant_tracking, snap.instance_tracking];
     let inst = plan.instance.is_some().then_some(&mut instance);
-    match decide_in_place(plan, &mut tool, &mut tenant, inst, tracking) {
+    match decide_in_place(plan, &mut tool, &mut tenant, inst) {
         Err(r) => Verdict::Refuse(r),
         Ok(o) => Verdict::Admit(Box::new(Admitted {
             tool,
             tenant,
             instance,
             expires: o.expires,
-            track_tenant_until: o.track_tenant_until,
-            track_instance_until: o.track_instance_until,
             charge: o.charge,
             remaining: o.remaining,
             quota: o.quota,
@@ -124,8 +114,6 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
 #[derive(Clone, Debug)]
 pub(crate) struct Outcome {
     pub(crate) expires: [f64; 3],
-    pub(crate) track_tenant_until: Option<f64>,
-    pub(crate) track_instance_until: Option<f64>,
     pub(crate) charge: Charge,
     pub(crate) remaining: f64,
     pub(crate) quota: f64,
@@ -136,13 +124,12 @@ pub(crate) struct Outcome {
 
 /// [`decide`] over the stored states themselves: they are read, and written only when the call
 /// is admitted (a refusal leaves them untouched). `instance` is `Some` exactly when the plan
-/// has an instance; `tracking` is the tenant's and the instance's template tracking.
+/// has an instance.
 pub(crate) fn decide_in_place(
     plan: &Plan<'_>,
     tool_state: &mut NodeState,
     tenant_state: &mut NodeState,
     instance_state: Option<&mut NodeState>,
-    tracking: [Tracking; 2],
 ) -> Result<Outcome, Box<Refusal>> {
     let mut b = Below::new();
     below(
@@ -150,7 +137,7 @@ pub(crate) fn decide_in_place(
         plan,
         tenant_state,
         instance_state.as_deref(),
-        tracking,
+        tenants_counted(plan, tool_state),
     );
     let mut top = above(plan, &mut b, tool_state)?;
     Ok(commit_below(
@@ -160,4 +147,12 @@ pub(crate) fn decide_in_place(
         tenant_state,
         instance_state,
     ))
+}
+
+/// The template tenants counted at the tool now, from the tool's stored state: what [`below`]
+/// takes.
+#[inline]
+fn tenants_counted(plan: &Plan<'_>, tool_state: &NodeState) -> u64 {
+    let window = (plan.now.as_micros() as f64 / plan.tool.period.as_micros() as f64).floor();
+    template::counted_at(tool_state, window)
 }

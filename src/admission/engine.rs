@@ -1,22 +1,21 @@
 //! Everything a [`Store`](crate::store::Store) implementer needs, in one place.
 //!
-//! A store keeps a [`NodeState`] per level (tool, tenant, instance) and, for template callers,
-//! which are tracked until when. To decide a call it reads the states of the levels in the
-//! [`Plan`] into a [`Snapshot`] (with the template [`Tracking`]), runs [`decide`] — pure: the
+//! A store keeps a [`NodeState`] per level (tool, tenant, instance); nothing else (which
+//! template callers count, and how many, is in the parents' states). To decide a call it reads
+//! the states of the levels in the [`Plan`] into a [`Snapshot`], runs [`decide`] — pure: the
 //! same plan and snapshot always give the same [`Verdict`] — and, only if it admits, writes
 //! the new states back, all atomically (no other decision of the same tool in between). A
-//! refusal writes nothing. Afterwards [`adjust`] corrects a charge (actual cost, refund) and
-//! [`release`] gives a concurrency permit back, level by level.
+//! refusal writes nothing. A state may be forgotten after the time [`Admitted::expires`] gives
+//! for it, unless it holds permits. Afterwards [`adjust`] corrects a charge (actual cost,
+//! refund) and [`release`] gives a concurrency permit back, level by level.
 //!
 //! `MemoryStore` runs the same decision split at the tool, so that it holds the tool's lock
-//! for the tool's part only; the Redis store runs it as a Lua script that repeats it operation
-//! for operation.
+//! for the tool's part only; the Redis store reads the states of a batch of calls, decides them
+//! one after the other with [`decide`] and writes them back only if no record changed since.
 
 pub use super::adjust::{adjust, release};
 pub use super::decide::{decide, Admitted, LevelRef, Plan, Snapshot, Verdict};
-pub use super::state::{
-    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Tracking,
-};
+pub use super::state::{BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
 
 #[cfg(feature = "redis")]
 pub(crate) use super::bucket::EPS;

@@ -36,8 +36,13 @@
 //! (calendar windows) and concurrency caps are counters checked alongside. Nothing is written
 //! unless every check passes.
 //!
-//! Every number is an `f64` and every step is written so the Redis script can repeat it
-//! operation for operation.
+//! Template callers (`default_tenant`, `default_instance`) share by how many of them are
+//! active: one counts at its parent from its first admitted call in an aligned window to the
+//! end of the next window, and the parent keeps the counts in its own state (`template`), so
+//! a store keeps nothing but the levels' states.
+//!
+//! Every number is an `f64`, and this is the only place the arithmetic is written: every
+//! store runs it.
 
 mod adjust;
 mod bucket;
@@ -46,6 +51,7 @@ pub mod engine;
 mod phases;
 mod refusal;
 mod state;
+mod template;
 mod walk;
 
 pub use refusal::{Reason, Refusal, Scope};

@@ -9,15 +9,17 @@ use super::bucket::{bucket, expiry, refill, roll_window, EPS};
 use super::decide::{Outcome, Plan};
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
-    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars, Tracking,
+    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars,
 };
+use super::template::{self, Standing};
 use super::walk::{room, Fail, Label, Level, PathCtx, Walk};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
 
 /// A decision's first half: everything below the tool (the caller's tenant and instance),
-/// worked out from their states and the template tracking assumed. Reads no tool state, so a
-/// store can compute it before it locks the tool; [`above`] finishes the decision.
+/// worked out from their states and the number of template tenants counted at the tool (which
+/// the store passes in). Reads no tool state, so a store can compute it before it locks the
+/// tool; [`above`] finishes the decision.
 pub(crate) struct Below<'a> {
     levels: [Level<'a>; 3],
     n: usize,
@@ -26,6 +28,11 @@ pub(crate) struct Below<'a> {
     period: f64,
     window: f64,
     next_window: f64,
+    /// How the tenant and the instance stood among their parent's template children before
+    /// this call (for template callers only).
+    standing: [Standing; 2],
+    /// The template tenants counted at the tool, as assumed.
+    tenants_counted: u64,
     /// A refusal for too many template callers (decided before anything else).
     callers: Option<Fail>,
     /// The first of the tenant's and the instance's concurrency caps that is full.
@@ -74,6 +81,8 @@ impl Below<'_> {
             period: 1.0,
             window: 0.0,
             next_window: 0.0,
+            standing: [Standing::NotCounted; 2],
+            tenants_counted: 0,
             callers: None,
             concurrency: None,
             budgets: None,
@@ -88,7 +97,7 @@ pub(crate) fn below<'a>(
     plan: &Plan<'a>,
     tenant_state: &NodeState,
     instance_state: Option<&NodeState>,
-    tracking: [Tracking; 2],
+    tenants_counted: u64,
 ) {
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
@@ -105,44 +114,43 @@ pub(crate) fn below<'a>(
     b.concurrency = None;
     b.budgets = None;
 
-    // 1. Tracked template callers: a flood of new identities stops here.
+    // 1. Template callers counted: a flood of new identities stops here.
+    b.standing = [Standing::NotCounted; 2];
+    b.tenants_counted = tenants_counted;
     let t_pol = plan.tenant.policy;
-    let mut n_tenants = tracking[0].count;
-    if t_pol.template && !tracking[0].tracked {
-        if n_tenants >= t_pol.max_tracked {
-            b.callers = Some(Fail {
-                reason: Reason::CapExceeded,
-                scope: Scope::Tenant,
-                wait: period,
-                window: Label::Word("callers"),
-                window_secs: None,
-                limit: t_pol.max_tracked as f64,
-                used: n_tenants as f64,
-                reset_at: None,
-                sure_wait: 0.0,
-            });
-            return;
-        }
-        n_tenants += 1;
-    }
-    let mut n_instances = tracking[1].count;
-    if let Some(i) = plan.instance {
-        if i.policy.template && !tracking[1].tracked {
-            if n_instances >= i.policy.max_tracked {
-                b.callers = Some(Fail {
-                    reason: Reason::CapExceeded,
-                    scope: Scope::Instance,
-                    wait: period,
-                    window: Label::Word("callers"),
-                    window_secs: None,
-                    limit: i.policy.max_tracked as f64,
-                    used: n_instances as f64,
-                    reset_at: None,
-                    sure_wait: 0.0,
-                });
+    let mut n_tenants = tenants_counted;
+    if t_pol.template {
+        b.standing[0] = template::standing(tenant_state, window);
+        if !b.standing[0].counted() {
+            if n_tenants >= t_pol.max_tracked {
+                b.callers = Some(too_many(
+                    Scope::Tenant,
+                    t_pol.max_tracked,
+                    n_tenants,
+                    next_window - now,
+                ));
                 return;
             }
-            n_instances += 1;
+            n_tenants += 1;
+        }
+    }
+    let mut n_instances = template::counted_at(tenant_state, window);
+    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
+        if i.policy.template {
+            b.standing[1] = template::standing(s, window);
+            if !b.standing[1].counted() {
+                if n_instances >= i.policy.max_tracked {
+                    let wait = template::until_one_leaves(tenant_state, window, period) - now;
+                    b.callers = Some(too_many(
+                        Scope::Instance,
+                        i.policy.max_tracked,
+                        n_instances,
+                        wait,
+                    ));
+                    return;
+                }
+                n_instances += 1;
+            }
         }
     }
 
@@ -247,6 +255,22 @@ pub(crate) fn below<'a>(
     b.walk = ctx.below(true);
 }
 
+/// The refusal for a template caller over `max_tracked`; `wait` is until a counted one stops
+/// counting.
+fn too_many(scope: Scope, max_tracked: u64, counted: u64, wait: f64) -> Fail {
+    Fail {
+        reason: Reason::CapExceeded,
+        scope,
+        wait,
+        window: Label::Word("callers"),
+        window_secs: None,
+        limit: max_tracked as f64,
+        used: counted as f64,
+        reset_at: None,
+        sure_wait: 0.0,
+    }
+}
+
 fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
     match idx {
         0 => &plan.tool.budgets[..],
@@ -348,7 +372,11 @@ pub(crate) fn above(
     tool_state: &mut NodeState,
 ) -> Result<Top, Box<Refusal>> {
     let (now, period) = (b.now, b.period);
-    if let Some(f) = b.callers {
+    if let Some(mut f) = b.callers {
+        if f.scope == Scope::Tenant {
+            // Exact now that the tool's counts are at hand.
+            f.wait = template::until_one_leaves(tool_state, b.window, period) - now;
+        }
         return Err(refuse(plan, now, f));
     }
     let tool = plan.tool;
@@ -436,7 +464,7 @@ pub(crate) fn above(
     }
 
     // 6. Commit the tool.
-    let (charge, expires) = commit_level(plan, b, 0, takes[0], tool_state);
+    let (charge, mut expires) = commit_level(plan, b, 0, takes[0], tool_state);
     // The tool counts every floor unit drawn below it, for the window report.
     let mut floor_units = 0.0;
     for take in &takes[..b.n] {
@@ -444,6 +472,10 @@ pub(crate) fn above(
     }
     let s = &mut b.levels[0].state;
     s.floor_used += floor_units - takes[0][0];
+    if plan.tenant.policy.template {
+        template::count_child(s, b.standing[0], b.window);
+        expires = expires.max(template::counts_until(s, period));
+    }
     s.write(tool_state);
     let l = &b.levels[0];
     Ok(Top {
@@ -463,9 +495,15 @@ impl Top {
 }
 
 impl Below<'_> {
-    /// Until when an admitted template caller counts as tracked (µs).
-    pub(crate) fn track_until(&self) -> f64 {
-        self.now + self.period
+    /// The template tenants counted at the tool this half was worked out for.
+    pub(crate) fn tenants_counted(&self) -> u64 {
+        self.tenants_counted
+    }
+
+    /// The template tenants counted in `tool_state` in this half's window.
+    #[inline]
+    pub(crate) fn tenants_counted_in(&self, tool_state: &NodeState) -> u64 {
+        template::counted_at(tool_state, self.window)
     }
 }
 
@@ -563,13 +601,25 @@ pub(crate) fn commit_below(
     let mut expires = [b.now; 3];
     charge.levels[0] = std::mem::take(&mut top.charge);
     expires[0] = top.expires;
-    let (c1, e1) = commit_level(plan, b, 1, top.takes[1], tenant_state);
+    let (c1, mut e1) = commit_level(plan, b, 1, top.takes[1], tenant_state);
     charge.levels[1] = c1;
+    let instance_template = n == 3 && plan.instance.is_some_and(|i| i.policy.template);
+    if instance_template {
+        let s = &mut b.levels[1].state;
+        template::count_child(s, b.standing[1], b.window);
+        e1 = e1.max(template::counts_until(s, b.period));
+    }
+    if plan.tenant.policy.template {
+        e1 = e1.max(template::counted_until(b.window, b.period));
+    }
     expires[1] = e1;
     b.levels[1].state.write(tenant_state);
     if let (3, Some(s)) = (n, instance_state) {
-        let (c2, e2) = commit_level(plan, b, 2, top.takes[2], s);
+        let (c2, mut e2) = commit_level(plan, b, 2, top.takes[2], s);
         charge.levels[2] = c2;
+        if instance_template {
+            e2 = e2.max(template::counted_until(b.window, b.period));
+        }
         expires[2] = e2;
         b.levels[2].state.write(s);
     }
@@ -599,13 +649,8 @@ pub(crate) fn commit_below(
             LevelView::default()
         },
     ];
-    let track_until = b.now + b.period;
     Outcome {
         expires,
-        track_tenant_until: plan.tenant.policy.template.then_some(track_until),
-        track_instance_until: plan
-            .instance
-            .and_then(|i| i.policy.template.then_some(track_until)),
         charge,
         remaining,
         quota: b.levels[leaf].numbers.ceiling,

@@ -10,7 +10,7 @@ use crate::clock::{civil_from_days, Timestamp};
 pub enum Reason {
     /// A rate (floor, share, ceiling, tool capacity) has no room now.
     RateLimited,
-    /// A calendar budget, or the number of tracked callers, is used up.
+    /// A calendar budget, or the number of template callers counted, is used up.
     CapExceeded,
     /// Too many calls in flight.
     ConcurrencyExceeded,
@@ -72,7 +72,7 @@ pub struct Refusal {
     /// The level that refused.
     pub scope: Option<Scope>,
     /// The window that is full: a budget period (`hour`), the rate period (`1m`),
-    /// `in_flight`, or `callers` for too many tracked callers.
+    /// `in_flight`, or `callers` for too many template callers.
     pub window: Option<String>,
     /// The limit of that window.
     pub limit: Option<f64>,
@@ -93,7 +93,7 @@ pub struct Refusal {
     pub detail: Option<&'static str>,
     /// A wait the same call surely cannot pass before (`retry_after` is the engine's estimate
     /// and may be later): what a store may remember the refusal for. Absent when any moment
-    /// may change the answer (concurrency, tracked callers).
+    /// may change the answer (concurrency, template callers counted).
     pub(crate) not_before: Option<Duration>,
 }
 

@@ -37,17 +37,15 @@ pub struct NodeState {
     pub floor_used: f64,
     /// Calls in flight holding a permit at this level.
     pub in_flight: f64,
+    /// For a level whose children include template callers: the aligned window the two counts
+    /// below belong to.
+    pub template_window: f64,
+    /// Template children admitted in that window.
+    pub template_in_window: f64,
+    /// Template children admitted in that window or the one before: the ones counted.
+    pub template_counted: f64,
     /// Calendar budget counters.
     pub budgets: Vec<BudgetCounter>,
-}
-
-/// Whether a template caller is already tracked, and how many are.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct Tracking {
-    /// Template callers tracked now (expired ones excluded).
-    pub count: u64,
-    /// Whether this caller is one of them.
-    pub tracked: bool,
 }
 
 /// What one level charged, so the charge can be corrected or refunded later.
@@ -144,7 +142,7 @@ pub struct LevelView {
     pub weight: f64,
     /// Floor per period.
     pub floor: f64,
-    /// Nominal share per period (with the template callers tracked now).
+    /// Nominal share per period (with the template callers counted now).
     pub share: f64,
     /// Ceiling per period.
     pub ceiling: f64,
@@ -165,6 +163,9 @@ pub(super) struct Scalars {
     pub(super) non_floor: f64,
     pub(super) floor_used: f64,
     pub(super) in_flight: f64,
+    pub(super) template_window: f64,
+    pub(super) template_in_window: f64,
+    pub(super) template_counted: f64,
 }
 
 impl Scalars {
@@ -181,6 +182,9 @@ impl Scalars {
             non_floor: s.non_floor,
             floor_used: s.floor_used,
             in_flight: s.in_flight,
+            template_window: s.template_window,
+            template_in_window: s.template_in_window,
+            template_counted: s.template_counted,
         }
     }
 
@@ -196,5 +200,8 @@ impl Scalars {
         s.non_floor = self.non_floor;
         s.floor_used = self.floor_used;
         s.in_flight = self.in_flight;
+        s.template_window = self.template_window;
+        s.template_in_window = self.template_in_window;
+        s.template_counted = self.template_counted;
     }
 }

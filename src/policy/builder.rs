@@ -161,7 +161,8 @@ impl TenantBuilder {
         Self::default()
     }
     level_setters!();
-    /// For the template only: distinct unlisted tenants tracked at once.
+    /// For the template only: distinct unlisted tenants counted at once (each from its first
+    /// call in a period to the end of the next).
     pub fn max_tenants(mut self, n: u64) -> Self {
         self.raw.max_tenants = Some(n as f64);
         self
@@ -190,7 +191,8 @@ impl InstanceBuilder {
         Self::default()
     }
     level_setters!();
-    /// For the template only: distinct unlisted instances tracked at once.
+    /// For the template only: distinct unlisted instances counted at once (each from its
+    /// first call in a period to the end of the next).
     pub fn max_instances(mut self, n: u64) -> Self {
         self.raw.max_instances = Some(n as f64);
         self

@@ -160,7 +160,7 @@ pub struct LevelPolicy {
     pub(crate) borrow_threshold: f64,
     pub(crate) max_concurrency: Option<u32>,
     pub(crate) budgets: Vec<Budget>,
-    /// For a template: how many distinct callers may be tracked at once.
+    /// For a template: how many distinct callers may count at once.
     pub(crate) max_tracked: u64,
     pub(crate) children: Vec<LevelPolicy>,
     pub(crate) child_index: NameIndex,
@@ -349,7 +349,7 @@ impl LevelPolicy {
     pub fn budgets(&self) -> &[Budget] {
         &self.budgets
     }
-    /// For a template: distinct callers tracked at once.
+    /// For a template: distinct callers counted at once (`max_tenants` / `max_instances`).
     pub fn max_tracked(&self) -> u64 {
         self.max_tracked
     }

@@ -8,7 +8,7 @@ use super::{
     Warning,
 };
 
-/// Tracked template callers when the policy does not say: enough for real fleets, small
+/// Template callers counted at once when the policy does not say: enough for real fleets, small
 /// enough that an identity flood cannot grow memory without bound.
 pub(crate) const DEFAULT_MAX_TENANTS: u64 = 10_000;
 /// See [`DEFAULT_MAX_TENANTS`].

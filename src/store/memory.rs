@@ -1,7 +1,5 @@
 //! The in-process store: state in a sharded map, one short lock per shard a decision touches.
 
-use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
 use std::future::{ready, Future};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -12,7 +10,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
 use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{self, NodeState, Plan, Tracking};
+use crate::admission::engine::{self, NodeState, Plan};
 use crate::clock::Timestamp;
 
 /// Keeps admission state in this process.
@@ -22,7 +20,7 @@ use crate::clock::Timestamp;
 /// decision locks its tenant's shard, then its tool: one hash lookup, two short locks, no
 /// global lock and no lock-order cycle. Idle state is swept out once it is equivalent to fresh
 /// state (buckets full, windows closed, no permits held, no longer counted as a template
-/// caller), and template callers are bounded by `max_tenants` / `max_instances`, so an
+/// caller: the counts live in the parents' states), and template callers are bounded by `max_tenants` / `max_instances`, so an
 /// identity flood cannot grow memory without limit.
 ///
 /// ```
@@ -68,11 +66,11 @@ struct Shard {
     ops: u64,
 }
 
-/// One tool's state, and the template tenants it counts.
+/// One tool's state.
 struct ToolCell {
     name: Arc<str>,
-    /// The count of template tenants, published after each decision under the lock, read
-    /// without it as a first guess. On its own line: the lock's line moves between threads on
+    /// The count of template tenants (kept in the tool's state), published after each
+    /// decision under the lock, read without it as a first guess. On its own line: the lock's line moves between threads on
     /// every decision, this one only when the count changes.
     published: Line<AtomicU64>,
     inner: Line<Mutex<ToolEntry>>,
@@ -82,7 +80,6 @@ struct ToolCell {
 struct ToolEntry {
     state: NodeState,
     expires: u64,
-    tenants: Tracker,
 }
 
 /// A tenant (or an untenanted caller) of one tool, with its instances.
@@ -92,19 +89,14 @@ struct TenantEntry {
     untenanted: bool,
     state: NodeState,
     expires: u64,
-    /// Until when this tenant counts as one of its tool's template tenants (µs; 0: not).
-    tracked: Option<Arc<AtomicU64>>,
     /// Sorted by name.
     instances: Vec<InstanceEntry>,
-    /// Template instances counted.
-    tracker: Tracker,
 }
 
 struct InstanceEntry {
     name: Arc<str>,
     state: NodeState,
     expires: u64,
-    tracked: Option<Arc<AtomicU64>>,
 }
 
 impl TenantEntry {
@@ -114,10 +106,8 @@ impl TenantEntry {
 
     /// Drops idle instances; whether the tenant itself can go.
     fn sweep(&mut self, now: u64) -> bool {
-        self.instances
-            .retain(|i| alive(&i.state, i.expires, i.tracked.as_deref(), now));
-        self.tracker.prune(now);
-        !alive(&self.state, self.expires, self.tracked.as_deref(), now) && self.instances.is_empty()
+        self.instances.retain(|i| alive(&i.state, i.expires, now));
+        !alive(&self.state, self.expires, now) && self.instances.is_empty()
     }
 }
 
@@ -139,88 +129,10 @@ fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: Instanc
     instances.insert(at, entry);
 }
 
-fn alive(state: &NodeState, expires: u64, tracked: Option<&AtomicU64>, now: u64) -> bool {
-    expires > now || state.in_flight > 0.0 || tracked.is_some_and(|t| t.load(Relaxed) > now)
-}
-
-/// Template children counted now, exactly: each one's own `tracked` cell says until when it
-/// counts; a min-heap of those times finds the ones that stop counting without scanning.
-/// Every access happens under the lock of the level that owns the tracker.
-#[derive(Default)]
-struct Tracker {
-    count: u64,
-    heap: BinaryHeap<Reverse<Slot>>,
-}
-
-struct Slot {
-    until: u64,
-    cell: Arc<AtomicU64>,
-}
-
-impl PartialEq for Slot {
-    fn eq(&self, other: &Self) -> bool {
-        self.until == other.until
-    }
-}
-impl Eq for Slot {}
-impl PartialOrd for Slot {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Slot {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.until.cmp(&other.until)
-    }
-}
-
-impl Tracker {
-    /// Stops counting every child whose time is up. A child whose time was extended since it
-    /// was queued goes back in the queue at its new time.
-    fn prune(&mut self, now: u64) {
-        while let Some(Reverse(top)) = self.heap.peek() {
-            if top.until > now {
-                break;
-            }
-            let Some(Reverse(slot)) = self.heap.pop() else {
-                break;
-            };
-            let until = slot.cell.load(Relaxed);
-            if until > now {
-                self.heap.push(Reverse(Slot {
-                    until,
-                    cell: slot.cell,
-                }));
-            } else {
-                slot.cell.store(0, Relaxed);
-                self.count -= 1;
-            }
-        }
-    }
-
-    fn tracking(&mut self, cell: Option<&AtomicU64>, now: u64) -> Tracking {
-        self.prune(now);
-        Tracking {
-            count: self.count,
-            tracked: cell.is_some_and(|c| c.load(Relaxed) > now),
-        }
-    }
-
-    /// Counts the child of `cell` until `until`. Runs after `tracking` at the same `now`, so a
-    /// child not counted now has no slot queued.
-    fn touch(&mut self, cell: &Arc<AtomicU64>, until: u64, now: u64) {
-        if cell.swap(until, Relaxed) <= now {
-            self.count += 1;
-            if self.heap.len() == self.heap.capacity() {
-                // Most trackers count a few children: grow by half, not double.
-                self.heap.reserve_exact((self.heap.len() / 2).max(1));
-            }
-            self.heap.push(Reverse(Slot {
-                until,
-                cell: cell.clone(),
-            }));
-        }
-    }
+/// Whether a state still differs from a fresh one: `expires` (from the engine) covers the
+/// buckets, the windows, the budgets and the template counts; permits held are counted apart.
+fn alive(state: &NodeState, expires: u64, now: u64) -> bool {
+    expires > now || state.in_flight > 0.0
 }
 
 const SWEEP_EVERY: u64 = 4096;
@@ -300,9 +212,7 @@ impl MemoryStore {
         }
         for t in self.tools.load().iter() {
             let mut t = lock(&t.inner);
-            t.tenants.prune(now);
-            if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 && t.tenants.count == 0
-            {
+            if t.state.live && !alive(&t.state, t.expires, now) {
                 t.state = NodeState::default();
             }
         }
@@ -370,14 +280,12 @@ fn micros_ceil(x: f64) -> u64 {
 
 /// Decides a call of a tenant whose entry is `entry` (in the table, or fresh and not yet in
 /// it). Locks the tool. Whether it was admitted is in the decision.
-fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64) -> Decision {
+fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
     let TenantEntry {
         tool: cell,
         state: tenant_state,
         expires: tenant_expires,
-        tracked: tenant_cell,
         instances,
-        tracker,
         ..
     } = entry;
     // The instance: stored, or fresh (inserted only if the call is admitted).
@@ -390,73 +298,48 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
                     name: name.clone(),
                     state: NodeState::default(),
                     expires: 0,
-                    tracked: None,
                 });
                 Some(Err(at))
             }
         },
         _ => None,
     };
-    let instance_template = plan.instance.is_some_and(|i| i.policy.template);
     let inst: Option<&mut InstanceEntry> = match slot {
         Some(Ok(at)) => Some(&mut instances[at]),
         Some(Err(_)) => fresh.as_mut(),
         None => None,
     };
-    let instance_tracking = match (&inst, instance_template) {
-        (Some(i), true) => tracker.tracking(i.tracked.as_deref(), now),
-        _ => Tracking::default(),
-    };
-    let (inst_state, inst) = match inst {
-        Some(i) => {
-            let InstanceEntry {
-                state,
-                expires,
-                tracked,
-                ..
-            } = i;
-            (Some(state), Some((expires, tracked)))
-        }
+    let (inst_state, inst_expires) = match inst {
+        Some(i) => (Some(&mut i.state), Some(&mut i.expires)),
         None => (None, None),
     };
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
     // tool's own part.
-    let tenant_template = plan.tenant.policy.template;
-    let guess = if tenant_template {
-        Tracking {
-            count: cell.published.load(Relaxed),
-            tracked: tenant_cell
-                .as_deref()
-                .is_some_and(|c| c.load(Relaxed) > now),
-        }
+    // Every tenant's share depends on how many template tenants count (listed ones too).
+    let templates = plan.tool.default_tenant.is_some();
+    let guess = if templates {
+        cell.published.load(Relaxed)
     } else {
-        Tracking::default()
+        0
     };
     let mut below = engine::Below::new();
-    engine::below(
-        &mut below,
-        plan,
-        tenant_state,
-        inst_state.as_deref(),
-        [guess, instance_tracking],
-    );
+    engine::below(&mut below, plan, tenant_state, inst_state.as_deref(), guess);
     let mut tool = lock(&cell.inner);
     let ToolEntry {
         state: tool_state,
         expires: tool_expires,
-        tenants,
     } = &mut *tool;
-    if tenant_template {
-        let actual = tenants.tracking(tenant_cell.as_deref(), now);
+    if templates {
+        let actual = below.tenants_counted_in(tool_state);
         if actual != guess {
             engine::below(
                 &mut below,
                 plan,
                 tenant_state,
                 inst_state.as_deref(),
-                [actual, instance_tracking],
+                actual,
             );
         }
     }
@@ -464,25 +347,21 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys, now: u64
     let mut top = match top {
         Ok(t) => t,
         Err(r) => {
-            publish(cell, tenants.count);
+            if templates {
+                publish(cell, below.tenants_counted());
+            }
             return Decision::Refused(r);
         }
     };
     *tool_expires = micros_ceil(top.expires());
-    if tenant_template {
-        let c = tenant_cell.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
-        tenants.touch(c, micros_ceil(below.track_until()), now);
-        publish(cell, tenants.count);
+    if templates {
+        publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
     let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
     *tenant_expires = micros_ceil(o.expires[1]);
-    if let Some((expires, tracked)) = inst {
+    if let Some(expires) = inst_expires {
         *expires = micros_ceil(o.expires[2]);
-        if let Some(until) = o.track_instance_until {
-            let c = tracked.get_or_insert_with(|| Arc::new(AtomicU64::new(0)));
-            tracker.touch(c, micros_ceil(until), now);
-        }
     }
     if let (Some(Err(at)), Some(i)) = (slot, fresh) {
         insert_instance(instances, at, i);
@@ -515,7 +394,7 @@ impl MemoryStore {
             .tenants
             .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
         if let Some(entry) = found {
-            return decide_on(entry, plan, keys, now);
+            return decide_on(entry, plan, keys);
         }
         let mut entry = Box::new(TenantEntry {
             tool: self.tool_cell(&keys.tool),
@@ -523,11 +402,9 @@ impl MemoryStore {
             untenanted: keys.untenanted,
             state: NodeState::default(),
             expires: 0,
-            tracked: None,
             instances: Vec::new(),
-            tracker: Tracker::default(),
         });
-        let decision = decide_on(&mut entry, plan, keys, now);
+        let decision = decide_on(&mut entry, plan, keys);
         if matches!(decision, Decision::Admitted(_)) {
             let hasher = &self.hasher;
             shard.tenants.insert_unique(hash, entry, |e| {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tower_fairshare::simulate::EPOCH;
-use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Reason, Store, Ticket};
+use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Reason, Scope, Store, Ticket};
 
 /// Hands out fresh stores to the suite.
 pub trait Factory: Sync {
@@ -84,6 +84,14 @@ macro_rules! suite {
         #[test]
         fn an_identity_flood_is_bounded() {
             conformance::bounded_state(&$factory)
+        }
+        #[test]
+        fn template_callers_count_from_their_call_to_the_end_of_the_next_window() {
+            conformance::template_counting(&$factory)
+        }
+        #[test]
+        fn active_template_callers_share_with_listed_callers() {
+            conformance::templates_share_with_listed(&$factory)
         }
         #[test]
         fn budgets_refuse_with_window_limit_used_and_reset() {
@@ -832,6 +840,163 @@ pub fn bounded_state<F: Factory>(f: &F) {
             "idle state not expired: {}",
             f.count_states(limiter.store())
         );
+    });
+}
+
+/// Template callers: a template tenant (or instance) counts at its parent from its first
+/// admitted call in an aligned window of the tool's period to the end of the next window, at
+/// most `max_tenants` (`max_instances`) count at once, and a refusal for one too many names how
+/// many count and waits until the first of them stops counting. Checked against a model of
+/// that rule over random calls and gaps.
+pub fn template_counting<F: Factory>(f: &F) {
+    use std::collections::HashMap;
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 1000000, per = "1s" }
+        [tool.default_tenant]
+        max_tenants = 2
+        [tool.default_tenant.default_instance]
+        max_instances = 2
+        "#,
+    )
+    .unwrap();
+    const P: u64 = 1_000_000;
+    let names = ["a", "b", "c"];
+    runner(f.cases())
+        .run(
+            &prop::collection::vec((0usize..3, 0usize..3, 0u64..1_400_000), 1..50),
+            |ops| {
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
+                rt.block_on(async {
+                    // The model: each caller's last window with an admitted call.
+                    let mut tenants: HashMap<usize, u64> = HashMap::new();
+                    let mut instances: HashMap<(usize, usize), u64> = HashMap::new();
+                    // (counted now, counted and admitted in this window, when the first leaves)
+                    let count = |lasts: &mut dyn Iterator<Item = u64>, k: u64| {
+                        let (mut counted, mut this) = (0u64, 0u64);
+                        for w in lasts {
+                            if w == k || w + 1 == k {
+                                counted += 1;
+                                this += u64::from(w == k);
+                            }
+                        }
+                        let leaves = if counted > this { k + 1 } else { k + 2 };
+                        (counted, leaves * P)
+                    };
+                    let mut now = EPOCH.as_micros();
+                    for (t, i, dt) in ops {
+                        now += dt;
+                        clock.set(tower_fairshare::Timestamp(now));
+                        let k = now / P;
+                        let counts = |w: Option<&u64>| w.is_some_and(|w| *w == k || *w + 1 == k);
+                        let (n_t, t_leaves) = count(&mut tenants.values().copied(), k);
+                        let (n_i, i_leaves) = count(
+                            &mut instances
+                                .iter()
+                                .filter(|((tt, _), _)| *tt == t)
+                                .map(|(_, w)| *w),
+                            k,
+                        );
+                        let expect = if !counts(tenants.get(&t)) && n_t >= 2 {
+                            Some((Scope::Tenant, n_t, t_leaves))
+                        } else if !counts(instances.get(&(t, i))) && n_i >= 2 {
+                            Some((Scope::Instance, n_i, i_leaves))
+                        } else {
+                            None
+                        };
+                        let caller = Caller::new(names[t]).with_instance(names[i]);
+                        let got = limiter.admit(&caller, "t", Cost(1.0)).await;
+                        match (expect, got) {
+                            (None, Ok(_)) => {
+                                tenants.insert(t, k);
+                                instances.insert((t, i), k);
+                            }
+                            (Some((scope, n, leaves)), Err(r)) => {
+                                prop_assert_eq!(r.reason, Reason::CapExceeded);
+                                prop_assert_eq!(r.scope, Some(scope));
+                                prop_assert_eq!(r.window.as_deref(), Some("callers"));
+                                prop_assert_eq!(r.used, Some(n as f64));
+                                prop_assert_eq!(r.limit, Some(2.0));
+                                prop_assert_eq!(
+                                    r.retry_after,
+                                    Some(Duration::from_micros(leaves - now))
+                                );
+                            }
+                            (expect, got) => {
+                                return Err(TestCaseError::fail(format!(
+                                    "{}/{} at {} µs into window {k}: expected {expect:?}, got \
+                                     {:?}",
+                                    names[t],
+                                    names[i],
+                                    now % P,
+                                    got.map(|_| "admitted").map_err(|r| r.to_string())
+                                )))
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+}
+
+/// A listed caller's nominal share counts the template callers active beside it, once each
+/// (`share = S × w / Σw` over the configured callers and the active template ones), at the tool
+/// and inside a tenant.
+pub fn templates_share_with_listed<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 120, per = "1s" }
+        [tool.tenants.A]
+        weight = 2
+        [tool.tenants.A.instances.x]
+        weight = 1
+        [tool.tenants.A.default_instance]
+        weight = 1
+        max_instances = 5
+        [tool.default_tenant]
+        weight = 1
+        max_tenants = 5
+        "#,
+    )
+    .unwrap();
+    let (limiter, clock) = harness(&policy, f.store_in(&rt));
+    rt.block_on(async {
+        // A call every 100 ms (a burst of several at one instant would be refused).
+        let quota = |c: Caller| {
+            let (limiter, clock) = (&limiter, &clock);
+            async move {
+                clock.advance(Duration::from_millis(100));
+                let t = limiter.admit(&c, "t", Cost(1.0)).await.expect("admitted");
+                let q = t.admission.as_ref().expect("an admission").quota;
+                limiter.release(&t).await;
+                q
+            }
+        };
+        let ax = || Caller::new("A").with_instance("x");
+        // A alone: all of S, and x alone inside it.
+        assert_eq!(quota(ax()).await, 120.0);
+        // One guest: A has 2 of 3 weights, the guest 1.
+        assert_eq!(quota(Caller::new("guest-1")).await, 40.0);
+        assert_eq!(quota(ax()).await, 80.0);
+        // Two guests: 2 of 4.
+        assert_eq!(quota(Caller::new("guest-2")).await, 30.0);
+        assert_eq!(quota(ax()).await, 60.0);
+        // A template instance of A beside x: x has 1 of 2 of A's 60.
+        assert_eq!(quota(Caller::new("A").with_instance("y")).await, 30.0);
+        assert_eq!(quota(ax()).await, 30.0);
+        // Two windows later nobody else counts.
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(quota(ax()).await, 120.0);
     });
 }
 

@@ -2,8 +2,7 @@
 //!
 //! Every call of a tool on this store goes through the tool's queue. A worker takes what is
 //! queued (up to [`MAX_BATCH`] jobs), reads in one script everything they touch — the time,
-//! the records of every level, how many template callers each tracker and how many permits
-//! each capped level counts now — and decides the jobs one after the other on that snapshot
+//! the records of every level and how many permits each capped level holds now — and decides the jobs one after the other on that snapshot
 //! with the same engine as the in-process store ([`engine::decide`], [`engine::adjust`]), each
 //! seeing the ones before it. Then one more script writes the new records, but only if none
 //! of the records it read has changed meanwhile (their 8-byte versions are compared); if one
@@ -11,9 +10,8 @@
 //! again. So the arithmetic exists once, in Rust, and Redis compares and copies.
 //!
 //! What the compare does not cover cannot make a decision wrong: permits given back or lapsed
-//! and template callers no longer tracked only lower what was counted, and every call that
-//! takes a permit or joins a tracker also writes the records of its levels, which are
-//! compared. A caller that went away before its answer (dropped, timed out) is answered
+//! only lower what was counted, and every call that takes a permit also writes the records of
+//! its levels, which are compared. (Template callers are counted in their parents' records.) A caller that went away before its answer (dropped, timed out) is answered
 //! nonetheless; when that answer cannot be delivered and it was an admission, the worker
 //! gives it back: its units by a refund through the queue, its permits released.
 
@@ -26,9 +24,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::builder::TimeSource;
 use super::record::Record;
-use super::wire::{permits_key, tracker_key};
+use super::wire::permits_key;
 use super::{lock, Shared};
-use crate::admission::engine::{self, LevelRef, NodeState, Plan, Snapshot, Tracking, Verdict};
+use crate::admission::engine::{self, LevelRef, NodeState, Plan, Snapshot, Verdict};
 use crate::clock::Timestamp;
 use crate::policy::{LevelPolicy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, StoreError};
@@ -307,12 +305,10 @@ impl Queue {
     }
 }
 
-/// The keys one job touches: its records, and the zsets it counts.
+/// The keys one job touches: its records, and the permits it counts.
 struct JobKeys {
     /// Tool, tenant, instance record keys (index into the batch's record list).
     records: [Option<usize>; 3],
-    /// The tool's tracker of template tenants, the tenant's of template instances.
-    trackers: [Option<usize>; 2],
     /// The permits zset of each capped level.
     permits: [Option<usize>; 3],
 }
@@ -383,7 +379,7 @@ impl Batch {
         self.jobs.first().map_or(Timestamp(0), Job::now)
     }
 
-    /// The keys of `jobs`: each job's records, trackers and permits.
+    /// The keys of `jobs`: each job's records and permits.
     fn keys_of(namespace: &str, jobs: &[Job]) -> (Keys, Vec<JobKeys>) {
         let mut keys = Keys::default();
         let mut job_keys = Vec::with_capacity(jobs.len());
@@ -397,7 +393,6 @@ impl Batch {
             let instance = instance.filter(|_| plan.is_none_or(|p| p.instance.is_some()));
             let mut jk = JobKeys {
                 records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
-                trackers: [None, None],
                 permits: [None, None, None],
             };
             if let Some(i) = &instance {
@@ -405,12 +400,6 @@ impl Batch {
             }
             if let Some(plan) = plan {
                 let p = plan.plan(call_keys, plan.now);
-                if p.tenant.policy.template {
-                    jk.trackers[0] = Some(keys.zset(tracker_key(&tool)));
-                }
-                if p.instance.is_some_and(|i| i.policy.template) {
-                    jk.trackers[1] = Some(keys.zset(tracker_key(&tenant)));
-                }
                 let caps = [
                     p.tool.max_concurrency.is_some(),
                     p.tenant.policy.max_concurrency.is_some(),
@@ -592,18 +581,6 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                     s.in_flight = jk.permits[l].map_or(0.0, |z| counts[z]);
                     s
                 };
-                let tracked = |l: usize| {
-                    jk.records[l]
-                        .and_then(|i| records[i].as_ref())
-                        .is_some_and(|r| r.track_until > now_f)
-                };
-                let tracking = |t: usize, l: usize| match jk.trackers[t] {
-                    Some(z) => Tracking {
-                        count: counts[z] as u64,
-                        tracked: tracked(l),
-                    },
-                    None => Tracking::default(),
-                };
                 let snapshot = Snapshot {
                     tool: state(0),
                     tenant: state(1),
@@ -612,45 +589,24 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                     } else {
                         NodeState::default()
                     },
-                    tenant_tracking: tracking(0, 1),
-                    instance_tracking: tracking(1, 2),
                 };
                 match engine::decide(&p, &snapshot) {
                     Verdict::Refuse(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
                     Verdict::Admit(a) => {
                         let a = *a;
                         let new_states = [a.tool, a.tenant, a.instance];
-                        let track = [None, a.track_tenant_until, a.track_instance_until];
                         for (l, new_state) in new_states.into_iter().enumerate() {
                             let Some(i) = jk.records[l] else { continue };
                             if l == 2 && p.instance.is_none() {
                                 continue;
                             }
-                            let old_until = records[i].as_ref().map_or(0.0, |r| r.track_until);
                             records[i] = Some(Record {
                                 version: sh.ids.version(),
                                 expires: a.expires[l],
-                                track_until: track[l].unwrap_or(old_until),
                                 state: new_state,
                             });
                             written[i] = true;
                             decided[i] = true;
-                            // A tenant is tracked by the tool, an instance by its tenant.
-                            let tracker = match l {
-                                1 => jk.trackers[0],
-                                2 => jk.trackers[1],
-                                _ => None,
-                            };
-                            if let (Some(until), Some(z)) = (track[l], tracker) {
-                                if old_until <= now_f {
-                                    counts[z] += 1.0;
-                                }
-                                let zc = &mut zsets[z];
-                                zc.prune = Some(now_f);
-                                zc.adds
-                                    .push((until, batch.keys.records[i].clone().into_bytes()));
-                                zc.ttl_ms = Some(zc.ttl_ms.unwrap_or(0).max(ttl_ms(until, now_f)));
-                            }
                             if a.charge.levels[l].permit {
                                 if let Some(z) = jk.permits[l] {
                                     counts[z] += 1.0;
@@ -748,7 +704,7 @@ async fn cycle(
             write_args.push((i + 1).to_string().into_bytes());
             write_args.push(rec.encode());
             write_args.push(if d.decided[i] {
-                let mut keep = rec.expires.max(rec.track_until);
+                let mut keep = rec.expires;
                 if d.holds[i] {
                     keep = keep.max(d.now + permit_ttl_us);
                 }

@@ -54,7 +54,7 @@ impl RefusalCache {
         sent: Instant,
         time: TimeSource,
     ) {
-        // Only waits the script can bound: a concurrency slot or a tracked-caller slot can free
+        // Only waits the script can bound: a concurrency slot or a template-caller slot can free
         // up at any moment.
         let cacheable = match r.reason {
             Reason::RateLimited => true,

@@ -1,8 +1,8 @@
 -- tower-fairshare: one round trip of a tool's batches. First it writes what the last batch
 -- decided, but only if no record that batch read has changed since (compare-and-set on each
 -- record's 8-byte version); then it reads what the next batch needs: the time, the records of
--- every level it touches, and how many members of each tracker and permits zset still count
--- (a member's score is when it stops counting). The decisions are made in Rust: this script
+-- every level it touches, and how many members of each permits zset still count (a member's
+-- score is when its permit lapses). The decisions are made in Rust: this script
 -- compares and copies, it does no arithmetic.
 --
 -- KEYS: the write's keys (the records it checks, in order, then the zsets it changes), then the

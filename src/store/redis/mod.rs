@@ -2,8 +2,8 @@
 //!
 //! **Rust decides, Redis compares and copies.** Every call of a tool on this store goes
 //! through the tool's queue. A worker takes what is queued and reads, in one script, everything
-//! those calls touch: the time, the record of every level (tool, tenant, instance), how many
-//! template callers each tracker counts and how many permits each capped level holds now. It
+//! those calls touch: the time, the record of every level (tool, tenant, instance) and how
+//! many permits each capped level holds now. It
 //! decides the calls one after the other on that snapshot with the same engine as the
 //! in-process store ([`engine::decide`](crate::admission::engine::decide)), each seeing the
 //! ones before it, and sends the new records in one more script, which writes them only if
@@ -16,10 +16,10 @@
 //! number of replicas share one exact budget: a write lands only on the state it was decided
 //! from, so the capacity bound holds with no overshoot from races.
 //!
-//! What the versions do not cover cannot make a decision wrong: permits given back or lapsed,
-//! and template callers no longer tracked, only lower what was counted; and every call that
-//! takes a permit or joins a tracker also writes the records of its levels, whose versions are
-//! compared.
+//! What the versions do not cover cannot make a decision wrong: permits given back or lapsed
+//! only lower what was counted, and every call that takes a permit also writes the records of
+//! its levels, whose versions are compared. Template callers are counted in their parents'
+//! records, so counting them is covered by the versions like everything else.
 //!
 //! # Time
 //!
@@ -37,29 +37,28 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `fs4{<tool>}T` | string | the tool's record: shared pool, window counters, budgets |
-//! | `fs4{<tool>}T#` | zset | template tenants tracked now (member: tenant key, score: until when it counts, µs) |
-//! | `fs4{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
-//! | `fs4{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
-//! | `fs4{<tool>}t<tenant>` / `u<client>` | string | a tenant's / an untenanted caller's record |
-//! | `fs4{<tool>}t<tenant>#` / `!` | zset | the tenant's template instances tracked now / its permits |
-//! | `fs4{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
+//! | `fs5{<tool>}T` | string | the tool's record: shared pool, window counters, budgets |
+//! | `fs5{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
+//! | `fs5{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
+//! | `fs5{<tool>}t<tenant>` / `u<client>` | string | a tenant's / an untenanted caller's record |
+//! | `fs5{<tool>}t<tenant>!` | zset | the tenant's permits |
+//! | `fs5{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
 //!
 //! A record is its version (8 bytes) and little-endian doubles: when the state is equivalent to
-//! a fresh one, until when it counts as a template caller, the engine's `NodeState` and its
-//! budget counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
-//! state is equivalent to a fresh one and, for a template caller, until it stops counting, and
-//! at least the permit TTL while calls hold permits at its level; a tracker until its latest
-//! member stops counting; permits until the latest lapses. With an injected clock, TTLs assume
+//! a fresh one, then the engine's `NodeState` (template counts included) and its budget
+//! counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
+//! state is equivalent to a fresh one (for a template caller, until it stops counting; for its
+//! parent, until its counts are back to zero), and at least the permit TTL while calls hold
+//! permits at its level; permits until the latest lapses. With an injected clock, TTLs assume
 //! the virtual time runs at least as fast as real time (tests and simulations do).
 //!
-//! ## Template trackers
+//! ## Template callers
 //!
-//! A template caller counts as tracked until `now + period` after each admitted call, and a
-//! level counts the template children whose time has not passed (the engine's rule, which the
-//! memory store keeps exactly). Here each tracker is a zset scored with exactly that time, and
-//! the read counts the members scored after now; a batch prunes the members whose time has
-//! passed.
+//! A template caller counts at its parent from its first admitted call in an aligned window of
+//! the tool's period to the end of the next window. The parent's record holds its counts for
+//! the current window and the one before, and each child's record says in which window it was
+//! last admitted: the engine counts exactly, with nothing but the levels' records, the same way
+//! on every store.
 //!
 //! ## Concurrency permits
 //!
@@ -121,7 +120,7 @@
 //! After a refusal that names a retry time *t* (a rate or a budget), the same caller's calls
 //! (same [`CallKeys`], same cost) on this replica are refused locally until *t*,
 //! without a Redis command: a parasite's flood costs no round trips. Refusals whose retry time
-//! is a guess (concurrency, too many tracked callers) are not cached, nor are any refusals of
+//! is a guess (concurrency, too many template callers) are not cached, nor are any refusals of
 //! a call that passes a concurrency cap (a slot taken meanwhile would make the true answer
 //! `concurrency_exceeded`, which is checked first); a local refund or a downward correction
 //! at a tool forgets that tool's cached refusals.
@@ -129,8 +128,8 @@
 //! # Performance
 //!
 //! A busy tool costs one round trip and two scripts' worth of Redis work per batch, not per
-//! call: a batch's record writes, one `ZADD` per changed zset, and the next batch's `MGET` and
-//! counts. The worker keeps one round trip in flight per tool, so under load calls queue for
+//! call: a batch's record writes, one `ZADD` per changed permits zset, and the next batch's
+//! `MGET` and permit counts. The worker keeps one round trip in flight per tool, so under load calls queue for
 //! one cycle and are decided in the next; `scripts/bench-compare` measures it against a one-key
 //! GCRA script. The multiplexed connection is the default: a bb8 pool of 16 was no faster and,
 //! at 64 tasks in flight, left one task with a single call in 3 s (starved), while every
@@ -503,8 +502,8 @@ impl RedisStore {
         Ok(decision)
     }
 
-    /// Drops every state that is equivalent to fresh state at `now`, every tracker entry
-    /// whose time is over and every permit that has lapsed: Redis's own TTLs do that in real
+    /// Drops every state that is equivalent to fresh state at `now` (template counts
+    /// included) and every permit that has lapsed: Redis's own TTLs do that in real
     /// time; this does it at a virtual `now` (an injected clock). Scans the keys of this
     /// store's namespace on one server: on a cluster, sweep each master through a store
     /// connected to it alone. Returns how many keys were deleted.

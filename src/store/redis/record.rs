@@ -1,25 +1,24 @@
-//! A level's record in Redis: its version, when it may go, until when it counts as a template
-//! caller, and its `NodeState`. Written and read by Rust only: the scripts compare the
+//! A level's record in Redis: its version, when it may go, and its `NodeState`. Written and read by Rust only: the scripts compare the
 //! version's 8 bytes and copy whole records, they never look inside.
 //!
 //! Layout, little-endian: `u64` version (random per write: a record that expired and was
 //! made again never takes an old version back), then doubles: expires (µs, the decisions'
-//! clock: the state is equivalent to a fresh one from then on), track_until (µs; 0: not a
-//! tracked template caller), t, floor, share, ceiling, window, total, non_floor, floor_used,
-//! in_flight, the number of budget counters, and per counter its period code, start and used.
+//! clock: the state is equivalent to a fresh one from then on, template counts included), t,
+//! floor, share, ceiling, window, total, non_floor, floor_used, in_flight, template_window,
+//! template_in_window, template_counted, the number of budget counters, and per counter its
+//! period code, start and used.
 
 use crate::admission::engine::{BudgetCounter, NodeState};
 use crate::policy::BudgetPeriod;
 use crate::store::StoreError;
 
-const FIXED: usize = 8 + 8 * 12;
+const FIXED: usize = 8 + 8 * 14;
 
 /// A level's record.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(super) struct Record {
     pub(super) version: u64,
     pub(super) expires: f64,
-    pub(super) track_until: f64,
     pub(super) state: NodeState,
 }
 
@@ -47,7 +46,6 @@ impl Record {
         out.extend_from_slice(&self.version.to_le_bytes());
         for x in [
             self.expires,
-            self.track_until,
             s.t,
             s.floor,
             s.share,
@@ -57,6 +55,9 @@ impl Record {
             s.non_floor,
             s.floor_used,
             s.in_flight,
+            s.template_window,
+            s.template_in_window,
+            s.template_counted,
             s.budgets.len() as f64,
         ] {
             out.extend_from_slice(&x.to_le_bytes());
@@ -79,13 +80,13 @@ impl Record {
             let at = 8 + 8 * i;
             f64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
         };
-        let nb = f(11);
+        let nb = f(13);
         if nb < 0.0 || (bytes.len() - FIXED) / 24 != nb as usize {
             return Err(bad("cut short"));
         }
         let mut budgets = Vec::with_capacity(nb as usize);
         for k in 0..nb as usize {
-            let g = |j: usize| f(12 + 3 * k + j);
+            let g = |j: usize| f(14 + 3 * k + j);
             budgets.push(BudgetCounter {
                 period: period_of(g(0)).ok_or_else(|| bad("of an unknown budget period"))?,
                 start: g(1),
@@ -95,18 +96,20 @@ impl Record {
         Ok(Record {
             version: u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
             expires: f(0),
-            track_until: f(1),
             state: NodeState {
                 live: true,
-                t: f(2),
-                floor: f(3),
-                share: f(4),
-                ceiling: f(5),
-                window: f(6),
-                total: f(7),
-                non_floor: f(8),
-                floor_used: f(9),
-                in_flight: f(10),
+                t: f(1),
+                floor: f(2),
+                share: f(3),
+                ceiling: f(4),
+                window: f(5),
+                total: f(6),
+                non_floor: f(7),
+                floor_used: f(8),
+                in_flight: f(9),
+                template_window: f(10),
+                template_in_window: f(11),
+                template_counted: f(12),
                 budgets,
             },
         })
@@ -123,18 +126,19 @@ mod tests {
         #[test]
         fn a_record_round_trips_bit_for_bit(
             version in any::<u64>(),
-            xs in prop::collection::vec(any::<f64>(), 11),
+            xs in prop::collection::vec(any::<f64>(), 13),
             budgets in prop::collection::vec((0usize..3, any::<f64>(), any::<f64>()), 0..4),
         ) {
             let periods = [BudgetPeriod::Hour, BudgetPeriod::Day, BudgetPeriod::Month];
             let r = Record {
                 version,
                 expires: xs[0],
-                track_until: xs[1],
                 state: NodeState {
                     live: true,
-                    t: xs[2], floor: xs[3], share: xs[4], ceiling: xs[5], window: xs[6],
-                    total: xs[7], non_floor: xs[8], floor_used: xs[9], in_flight: xs[10],
+                    t: xs[1], floor: xs[2], share: xs[3], ceiling: xs[4], window: xs[5],
+                    total: xs[6], non_floor: xs[7], floor_used: xs[8], in_flight: xs[9],
+                    template_window: xs[10], template_in_window: xs[11],
+                    template_counted: xs[12],
                     budgets: budgets
                         .iter()
                         .map(|&(p, start, used)| BudgetCounter { period: periods[p], start, used })

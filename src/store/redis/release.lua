@@ -2,8 +2,8 @@
 -- KEYS: per level that took a permit, its permits zset then its record. ARGV: 1 the call's id,
 -- 2 now in µs, the decisions' clock ("-1": Redis TIME).
 -- A permit given back twice, or one that lapsed and was pruned, removes nothing. The last
--- permit back at a level lets its record go when the record itself may (its expiry and its
--- tracked time are in the record, at bytes 9 to 24), instead of the permit TTL it was kept for.
+-- permit back at a level lets its record go when the record itself may (its expiry: its
+-- template counts are covered by its expiry, in the record at bytes 9 to 16), instead of the permit TTL it was kept for.
 local now = tonumber(ARGV[2])
 if now < 0 then
   local t = redis.call('TIME')
@@ -16,11 +16,9 @@ for i = 1, #KEYS, 2 do
     released = released + 1
     if redis.call('ZCARD', permits) == 0 then
       local raw = redis.call('GET', key)
-      if raw and #raw >= 24 then
-        local expires, track_until = struct.unpack('<dd', raw, 9)
-        local keep = expires
-        if track_until > keep then keep = track_until end
-        local ms = math.ceil((keep - now) / 1000)
+      if raw and #raw >= 16 then
+        local expires = struct.unpack('<d', raw, 9)
+        local ms = math.ceil((expires - now) / 1000)
         if ms < 1 then ms = 1 end
         if ms < redis.call('PTTL', key) then
           redis.call('PEXPIRE', key, ms)

@@ -1,21 +1,16 @@
-//! The keys one call touches beyond its levels' records (built in `crate::key`): trackers of
-//! template children, permits, epoch markers.
+//! The keys one call touches beyond its levels' records (built in `crate::key`): permits and
+//! epoch markers.
 
 use crate::admission::engine::Charge;
 
-/// The key of the tracker of a level's template children: its state key and `#`. Never a key
+/// The key of a level's concurrency permits: its state key and `!`. Never a key
 /// [`crate::key`] builds (a complete key followed by a byte that cannot start a part), so the
 /// spaces never meet, and it keeps the tool's hash tag.
-pub(super) fn tracker_key(state_key: &str) -> String {
-    suffixed(state_key, '#')
-}
-
-/// The key of a level's concurrency permits: its state key and `!` (see [`tracker_key`]).
 pub(super) fn permits_key(state_key: &str) -> String {
     suffixed(state_key, '!')
 }
 
-/// The key of a tool's epoch marker: its state key and `@` (see [`tracker_key`]).
+/// The key of a tool's epoch marker: its state key and `@` (see [`permits_key`]).
 pub(super) fn epoch_key(tool_key: &str) -> String {
     suffixed(tool_key, '@')
 }
@@ -71,12 +66,7 @@ mod tests {
     fn suffixed_keys_stay_in_the_tools_slot_and_never_meet() {
         let tool = crate::key::tool_key("t");
         let tag = crate::key::hash_tag(&tool).to_owned();
-        let keys = [
-            tracker_key(&tool),
-            permits_key(&tool),
-            epoch_key(&tool),
-            tool.clone(),
-        ];
+        let keys = [permits_key(&tool), epoch_key(&tool), tool.clone()];
         for k in &keys {
             assert_eq!(crate::key::hash_tag(k), tag, "{k}");
             assert!(crate::key::decode(k).is_none() || *k == tool, "{k}");
