@@ -25,7 +25,7 @@ impl Inner {
     fn state(&self, key: &Option<String>) -> NodeState {
         key.as_ref()
             .and_then(|k| self.states.get(k))
-            .map(|(s, _)| s.clone())
+            .map(|(s, _)| *s)
             .unwrap_or_default()
     }
 }
@@ -96,7 +96,7 @@ impl Store for MapStore {
         let inner = self.0.lock().unwrap();
         Ok(keys
             .encoded()
-            .map(|k| k.and_then(|k| inner.states.get(&k).map(|(s, _)| s.clone()))))
+            .map(|k| k.and_then(|k| inner.states.get(&k).map(|(s, _)| *s))))
     }
 }
 

@@ -83,7 +83,7 @@ mod tests {
                 total: used,
                 non_floor: used,
                 floor_used: used,
-                budgets: vec![BudgetCounter { period: BudgetPeriod::Day, start: day, used }],
+                budgets: [BudgetCounter { period: BudgetPeriod::Day, start: day, used }].into_iter().collect(),
                 ..NodeState::default()
             };
             let mut charge = Charge { cost, window: 7.0, levels: Default::default() };
@@ -99,14 +99,14 @@ mod tests {
                 budgets: [(BudgetPeriod::Day, day)].into_iter().collect(),
             };
             // What the decision wrote: the takes out, the call counted.
-            let mut after = before.clone();
+            let mut after = before;
             after.share -= k;
             after.ceiling -= k;
             after.total += cost;
             after.non_floor += k;
             after.floor_used += if level == 0 { cost - k } else { 0.0 };
             after.budgets[0].used += cost;
-            let mut refunded = after.clone();
+            let mut refunded = after;
             adjust(&mut refunded, &charge, level, -1.0, now);
             let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()));
             for (a, b) in [
@@ -117,12 +117,12 @@ mod tests {
             ] {
                 prop_assert!(close(a, b), "{a} vs {b}");
             }
-            let mut again = after.clone();
+            let mut again = after;
             adjust(&mut again, &charge, level, factor, now);
             prop_assert!(close(again.total, after.total + cost * factor));
             prop_assert!(close(again.ceiling, after.ceiling - k * factor));
             // A closed window is never touched.
-            let mut closed = after.clone();
+            let mut closed = after;
             closed.window = 8.0;
             adjust(&mut closed, &charge, level, -1.0, now);
             prop_assert_eq!(closed.total, after.total);

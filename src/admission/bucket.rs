@@ -32,6 +32,9 @@ pub(super) fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f
     }
 }
 
+/// Brings a level's window counters to `window` (cleared when it moved on), and its template
+/// counts to the same window: equal counts are stored alike on every store (the window they
+/// are kept for is `window` when they are not zero, else 0).
 #[inline]
 pub(super) fn roll_window(s: &mut Scalars, window: f64) {
     if s.window != window {
@@ -39,6 +42,21 @@ pub(super) fn roll_window(s: &mut Scalars, window: f64) {
         s.total = 0.0;
         s.non_floor = 0.0;
         s.floor_used = 0.0;
+    }
+    if s.template_window != window && (s.template_counted != 0.0 || s.template_in_window != 0.0) {
+        let (in_window, counted) = super::template::counts(
+            s.template_window,
+            s.template_in_window,
+            s.template_counted,
+            window,
+        );
+        s.template_in_window = in_window;
+        s.template_counted = counted;
+        s.template_window = if counted != 0.0 || in_window != 0.0 {
+            window
+        } else {
+            0.0
+        };
     }
 }
 

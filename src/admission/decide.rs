@@ -85,10 +85,10 @@ pub enum Verdict {
 
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.
 pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
-    let mut tool = snap.tool.clone();
-    let mut tenant = snap.tenant.clone();
+    let mut tool = snap.tool;
+    let mut tenant = snap.tenant;
     let mut instance = if plan.instance.is_some() {
-        snap.instance.clone()
+        snap.instance
     } else {
         NodeState::default()
     };

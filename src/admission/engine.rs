@@ -15,8 +15,11 @@
 
 pub use super::adjust::{adjust, release};
 pub use super::decide::{decide, Admitted, LevelRef, Plan, Snapshot, Verdict};
-pub use super::state::{BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
+pub use super::state::{
+    BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+};
 
 #[cfg(feature = "redis")]
 pub(crate) use super::bucket::EPS;
 pub(crate) use super::phases::{above, below, commit_below, Below};
+pub(crate) use super::template::counts as template_counts;

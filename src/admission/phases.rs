@@ -538,11 +538,6 @@ fn commit_level(
     }
     let list = budget_list(plan, idx);
     let mut charged = ChargedBudgets::default();
-    if target.budgets.capacity() < list.len() {
-        target
-            .budgets
-            .reserve_exact(list.len() - target.budgets.len());
-    }
     for bud in list {
         let start = bud.period.window(plan.now).0.as_micros() as f64;
         match target.budgets.iter_mut().find(|x| x.period == bud.period) {
@@ -551,7 +546,7 @@ fn commit_level(
                 x.start = start;
                 x.used = c;
             }
-            None => target.budgets.push(BudgetCounter {
+            None => target.budgets.set(BudgetCounter {
                 period: bud.period,
                 start,
                 used: c,

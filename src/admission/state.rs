@@ -4,7 +4,7 @@
 use crate::policy::BudgetPeriod;
 
 /// A budget counter: units used in the window that starts at `start` (µs).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Copy, Clone, Debug, PartialEq)]
 pub struct BudgetCounter {
     /// Which calendar window.
     pub period: BudgetPeriod,
@@ -15,7 +15,7 @@ pub struct BudgetCounter {
 }
 
 /// The stored state of one level (tool, tenant or instance). A handful of numbers.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct NodeState {
     /// False for a level never seen (or expired): its buckets are full.
     pub live: bool,
@@ -45,7 +45,87 @@ pub struct NodeState {
     /// Template children admitted in that window or the one before: the ones counted.
     pub template_counted: f64,
     /// Calendar budget counters.
-    pub budgets: Vec<BudgetCounter>,
+    pub budgets: Budgets,
+}
+
+/// A level's calendar budget counters, held inline: at most one per period (hour, day,
+/// month), so a state is a fixed-size value and reading or copying one allocates nothing.
+/// Derefs to a slice of the counters held.
+#[derive(Copy, Clone, PartialEq)]
+pub struct Budgets {
+    len: u8,
+    items: [BudgetCounter; 3],
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        let unused = BudgetCounter {
+            period: BudgetPeriod::Hour,
+            start: 0.0,
+            used: 0.0,
+        };
+        Budgets {
+            len: 0,
+            items: [unused; 3],
+        }
+    }
+}
+
+impl std::fmt::Debug for Budgets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl Budgets {
+    /// Sets the counter of `c.period`: replaces the one held for that period, or adds it.
+    pub fn set(&mut self, c: BudgetCounter) {
+        if let Some(x) = self.iter_mut().find(|x| x.period == c.period) {
+            *x = c;
+            return;
+        }
+        let at = usize::from(self.len);
+        assert!(at < 3, "at most one budget counter per period");
+        self.items[at] = c;
+        self.len += 1;
+    }
+
+    /// Drops every counter.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+impl std::ops::Deref for Budgets {
+    type Target = [BudgetCounter];
+    fn deref(&self) -> &[BudgetCounter] {
+        &self.items[..usize::from(self.len)]
+    }
+}
+
+impl std::ops::DerefMut for Budgets {
+    fn deref_mut(&mut self) -> &mut [BudgetCounter] {
+        &mut self.items[..usize::from(self.len)]
+    }
+}
+
+impl FromIterator<BudgetCounter> for Budgets {
+    /// Panics past one counter per period.
+    fn from_iter<I: IntoIterator<Item = BudgetCounter>>(iter: I) -> Self {
+        let mut out = Budgets::default();
+        for c in iter {
+            out.set(c);
+        }
+        out
+    }
+}
+
+impl<'a> IntoIterator for &'a Budgets {
+    type Item = &'a BudgetCounter;
+    type IntoIter = std::slice::Iter<'a, BudgetCounter>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
 }
 
 /// What one level charged, so the charge can be corrected or refunded later.

@@ -42,7 +42,7 @@ pub(super) fn standing(s: &NodeState, k: f64) -> Standing {
 
 /// A parent's counts at window `k`: (admitted in `k`, counted).
 #[inline]
-pub(super) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64, f64) {
+pub(crate) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64, f64) {
     if window == k {
         (in_window, counted)
     } else if window == k - 1.0 {

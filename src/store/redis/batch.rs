@@ -576,7 +576,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                 let state = |l: usize| -> NodeState {
                     let mut s = jk.records[l]
                         .and_then(|i| records[i].as_ref())
-                        .map(|r| r.state.clone())
+                        .map(|r| r.state)
                         .unwrap_or_default();
                     s.in_flight = jk.permits[l].map_or(0.0, |z| counts[z]);
                     s

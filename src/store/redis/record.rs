@@ -8,7 +8,7 @@
 //! template_in_window, template_counted, the number of budget counters, and per counter its
 //! period code, start and used.
 
-use crate::admission::engine::{BudgetCounter, NodeState};
+use crate::admission::engine::{BudgetCounter, Budgets, NodeState};
 use crate::policy::BudgetPeriod;
 use crate::store::StoreError;
 
@@ -84,10 +84,13 @@ impl Record {
         if nb < 0.0 || (bytes.len() - FIXED) / 24 != nb as usize {
             return Err(bad("cut short"));
         }
-        let mut budgets = Vec::with_capacity(nb as usize);
+        if nb > 3.0 {
+            return Err(bad("holding more than one budget counter per period"));
+        }
+        let mut budgets = Budgets::default();
         for k in 0..nb as usize {
             let g = |j: usize| f(14 + 3 * k + j);
-            budgets.push(BudgetCounter {
+            budgets.set(BudgetCounter {
                 period: period_of(g(0)).ok_or_else(|| bad("of an unknown budget period"))?,
                 start: g(1),
                 used: g(2),

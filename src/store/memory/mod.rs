@@ -11,7 +11,11 @@ use hashbrown::HashTable;
 
 use super::{Admission, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{self, NodeState, Plan};
+use crate::admission::Refusal;
 use crate::clock::Timestamp;
+
+mod packed;
+use packed::Packed;
 
 /// Keeps admission state in this process.
 ///
@@ -70,9 +74,12 @@ struct Shard {
 struct ToolCell {
     name: Arc<str>,
     /// The count of template tenants (kept in the tool's state), published after each
-    /// decision under the lock, read without it as a first guess. On its own line: the lock's line moves between threads on
-    /// every decision, this one only when the count changes.
+    /// decision under the lock, read without it as a first guess. On its own line: the lock's
+    /// line moves between threads on every decision, this one only when the count changes.
     published: Line<AtomicU64>,
+    /// The tool's period (µs, as `f64` bits) as of the last decision: a packed state's window
+    /// is worked out with it when it is read outside a decision.
+    period: AtomicU64,
     inner: Line<Mutex<ToolEntry>>,
 }
 
@@ -82,38 +89,32 @@ struct ToolEntry {
     expires: u64,
 }
 
-/// A tenant (or an untenanted caller) of one tool, with its instances.
+/// A tenant (or an untenanted caller) of one tool, with its instances: packed states, each
+/// holding its name.
 struct TenantEntry {
     tool: Arc<ToolCell>,
-    tenant: Arc<str>,
-    untenanted: bool,
-    state: NodeState,
-    expires: u64,
+    state: Packed,
     /// Sorted by name.
-    instances: Vec<InstanceEntry>,
-}
-
-struct InstanceEntry {
-    name: Arc<str>,
-    state: NodeState,
-    expires: u64,
+    instances: Vec<Packed>,
 }
 
 impl TenantEntry {
     fn is(&self, tool: &str, tenant: &str, untenanted: bool) -> bool {
-        self.untenanted == untenanted && *self.tenant == *tenant && *self.tool.name == *tool
+        self.state.untenanted() == untenanted
+            && self.state.name() == tenant.as_bytes()
+            && *self.tool.name == *tool
     }
 
     /// Drops idle instances; whether the tenant itself can go.
     fn sweep(&mut self, now: u64) -> bool {
-        self.instances.retain(|i| alive(&i.state, i.expires, now));
-        !alive(&self.state, self.expires, now) && self.instances.is_empty()
+        self.instances.retain(|i| alive(i, now));
+        !alive(&self.state, now) && self.instances.is_empty()
     }
 }
 
 /// Where the instance `name` is in a tenant's sorted list, or where it would go.
-fn find_instance(instances: &[InstanceEntry], name: &str) -> Result<usize, usize> {
-    instances.binary_search_by(|i| (*i.name).cmp(name))
+fn find_instance(instances: &[Packed], name: &str) -> Result<usize, usize> {
+    instances.binary_search_by(|i| i.name().cmp(name.as_bytes()))
 }
 
 /// The cell of the tool `name`, if it has one.
@@ -121,7 +122,7 @@ fn find_tool<'t>(tools: &'t [Arc<ToolCell>], name: &str) -> Option<&'t Arc<ToolC
     tools.iter().find(|c| *c.name == *name)
 }
 
-fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: InstanceEntry) {
+fn insert_instance(instances: &mut Vec<Packed>, at: usize, entry: Packed) {
     if instances.len() == instances.capacity() {
         // Grow by a quarter, not double: memory per instance matters more than the rare copy.
         instances.reserve_exact((instances.len() / 4).max(1));
@@ -129,10 +130,11 @@ fn insert_instance(instances: &mut Vec<InstanceEntry>, at: usize, entry: Instanc
     instances.insert(at, entry);
 }
 
-/// Whether a state still differs from a fresh one: `expires` (from the engine) covers the
-/// buckets, the windows, the budgets and the template counts; permits held are counted apart.
-fn alive(state: &NodeState, expires: u64, now: u64) -> bool {
-    expires > now || state.in_flight > 0.0
+/// Whether a stored state still differs from a fresh one: its expiry (from the engine) covers
+/// the buckets, the windows, the budgets and the template counts; permits held are counted
+/// apart.
+fn alive(p: &Packed, now: u64) -> bool {
+    p.expires() > now || p.in_flight() > 0.0
 }
 
 const SWEEP_EVERY: u64 = 4096;
@@ -212,7 +214,7 @@ impl MemoryStore {
         }
         for t in self.tools.load().iter() {
             let mut t = lock(&t.inner);
-            if t.state.live && !alive(&t.state, t.expires, now) {
+            if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 {
                 t.state = NodeState::default();
             }
         }
@@ -236,6 +238,7 @@ impl MemoryStore {
         let cell = Arc::new(ToolCell {
             name: tool.clone(),
             published: Line(AtomicU64::new(0)),
+            period: AtomicU64::new(1f64.to_bits()),
             inner: Line(Mutex::new(ToolEntry::default())),
         });
         let mut next = Vec::with_capacity(tools.len() + 1);
@@ -278,41 +281,21 @@ fn micros_ceil(x: f64) -> u64 {
     }
 }
 
-/// Decides a call of a tenant whose entry is `entry` (in the table, or fresh and not yet in
-/// it). Locks the tool. Whether it was admitted is in the decision.
-fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
-    let TenantEntry {
-        tool: cell,
-        state: tenant_state,
-        expires: tenant_expires,
-        instances,
-        ..
-    } = entry;
-    // The instance: stored, or fresh (inserted only if the call is admitted).
-    let mut fresh = None;
-    let slot = match (plan.instance.is_some(), keys.instance.as_ref()) {
-        (true, Some(name)) => match find_instance(instances, name) {
-            Ok(at) => Some(Ok(at)),
-            Err(at) => {
-                fresh = Some(InstanceEntry {
-                    name: name.clone(),
-                    state: NodeState::default(),
-                    expires: 0,
-                });
-                Some(Err(at))
-            }
-        },
-        _ => None,
-    };
-    let inst: Option<&mut InstanceEntry> = match slot {
-        Some(Ok(at)) => Some(&mut instances[at]),
-        Some(Err(_)) => fresh.as_mut(),
-        None => None,
-    };
-    let (inst_state, inst_expires) = match inst {
-        Some(i) => (Some(&mut i.state), Some(&mut i.expires)),
-        None => (None, None),
-    };
+/// The tool's period in µs, as the engine counts it.
+fn period_of(plan: &Plan<'_>) -> f64 {
+    plan.tool.period.as_micros() as f64
+}
+
+/// Decides a call with the tenant's and the instance's states unpacked (fresh when not
+/// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
+/// tenant's and the instance's expiries come back with the admission.
+fn decide_on(
+    cell: &ToolCell,
+    tenant_state: &mut NodeState,
+    inst_state: Option<&mut NodeState>,
+    plan: &Plan<'_>,
+    keys: &CallKeys,
+) -> Result<(Box<Admission>, [u64; 2]), Box<Refusal>> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
@@ -350,7 +333,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys) -> Decis
             if templates {
                 publish(cell, below.tenants_counted());
             }
-            return Decision::Refused(r);
+            return Err(r);
         }
     };
     *tool_expires = micros_ceil(top.expires());
@@ -359,14 +342,7 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys) -> Decis
     }
     drop(tool);
     let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
-    *tenant_expires = micros_ceil(o.expires[1]);
-    if let Some(expires) = inst_expires {
-        *expires = micros_ceil(o.expires[2]);
-    }
-    if let (Some(Err(at)), Some(i)) = (slot, fresh) {
-        insert_instance(instances, at, i);
-    }
-    Decision::Admitted(Box::new(Admission {
+    let admission = Box::new(Admission {
         keys: keys.clone(),
         charge: o.charge,
         remaining: o.remaining,
@@ -376,7 +352,70 @@ fn decide_on(entry: &mut TenantEntry, plan: &Plan<'_>, keys: &CallKeys) -> Decis
         views: o.views,
         at: plan.now,
         call: 0,
-    }))
+    });
+    Ok((
+        admission,
+        [micros_ceil(o.expires[1]), micros_ceil(o.expires[2])],
+    ))
+}
+
+/// Decides a call of a tenant whose packed state is `tenant` (`None`: not stored) with its
+/// `instances`, and writes the states back if it is admitted. A fresh tenant's packed state
+/// comes back to be stored.
+fn decide_packed(
+    cell: &ToolCell,
+    tenant: Option<&mut Packed>,
+    instances: &mut Vec<Packed>,
+    plan: &Plan<'_>,
+    keys: &CallKeys,
+) -> (Decision, Option<Packed>) {
+    let period = period_of(plan);
+    let mut states = [NodeState::default(), NodeState::default()];
+    let [tenant_state, inst_state] = &mut states;
+    if let Some(p) = tenant.as_deref() {
+        p.read(tenant_state, period);
+    }
+    let name = match (plan.instance.is_some(), keys.instance.as_deref()) {
+        (true, Some(name)) => Some(name),
+        _ => None,
+    };
+    let slot = name.map(|n| find_instance(instances, n));
+    if let Some(Ok(at)) = slot {
+        instances[at].read(inst_state, period);
+    }
+    let (admission, expires) = match decide_on(
+        cell,
+        tenant_state,
+        slot.is_some().then_some(&mut *inst_state),
+        plan,
+        keys,
+    ) {
+        Ok(a) => a,
+        Err(r) => return (Decision::Refused(r), None),
+    };
+    let fresh = match tenant {
+        Some(p) => {
+            p.store(tenant_state, expires[0], period);
+            None
+        }
+        None => Some(Packed::new(
+            &keys.tenant,
+            keys.untenanted,
+            tenant_state,
+            expires[0],
+            period,
+        )),
+    };
+    match (slot, name) {
+        (Some(Ok(at)), _) => instances[at].store(inst_state, expires[1], period),
+        (Some(Err(at)), Some(name)) => insert_instance(
+            instances,
+            at,
+            Packed::new(name, false, inst_state, expires[1], period),
+        ),
+        _ => {}
+    }
+    (Decision::Admitted(admission), fresh)
 }
 
 impl MemoryStore {
@@ -394,27 +433,34 @@ impl MemoryStore {
             .tenants
             .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
         if let Some(entry) = found {
-            return decide_on(entry, plan, keys);
+            let TenantEntry {
+                tool,
+                state,
+                instances,
+            } = &mut **entry;
+            note_period(tool, plan);
+            return decide_packed(tool, Some(state), instances, plan, keys).0;
         }
-        let mut entry = Box::new(TenantEntry {
-            tool: self.tool_cell(&keys.tool),
-            tenant: keys.tenant.clone(),
-            untenanted: keys.untenanted,
-            state: NodeState::default(),
-            expires: 0,
-            instances: Vec::new(),
-        });
-        let decision = decide_on(&mut entry, plan, keys);
-        if matches!(decision, Decision::Admitted(_)) {
+        let tool = self.tool_cell(&keys.tool);
+        note_period(&tool, plan);
+        let mut instances = Vec::new();
+        let (decision, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
+        if let Some(state) = fresh {
             let hasher = &self.hasher;
+            let entry = Box::new(TenantEntry {
+                tool,
+                state,
+                instances,
+            });
             shard.tenants.insert_unique(hash, entry, |e| {
-                hash_tenant(hasher, &e.tool.name, &e.tenant, e.untenanted)
+                hash_tenant(hasher, &e.tool.name, tenant_name(e), e.state.untenanted())
             });
         }
         decision
     }
 
-    /// Runs `f` on each stored level of `keys` (0 tool, 1 tenant, 2 instance).
+    /// Runs `f` on each stored level of `keys` (0 tool, 1 tenant, 2 instance), writing back
+    /// what it changed.
     fn update(&self, keys: &CallKeys, mut f: impl FnMut(usize, &mut NodeState)) {
         let hash = hash_tenant(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
         let mut shard = lock(self.shard(hash));
@@ -425,7 +471,10 @@ impl MemoryStore {
             Some(e) => Some(e.tool.clone()),
             None => find_tool(&self.tools.load(), &keys.tool).cloned(),
         };
-        if let Some(cell) = cell {
+        let Some(cell) = cell else {
+            return;
+        };
+        {
             let mut tool = lock(&cell.inner);
             if tool.state.live {
                 f(0, &mut tool.state);
@@ -434,12 +483,35 @@ impl MemoryStore {
         let Some(entry) = entry else {
             return;
         };
-        f(1, &mut entry.state);
+        let period = f64::from_bits(cell.period.load(Relaxed));
+        let mut each = |level: usize, p: &mut Packed| {
+            let mut s = NodeState::default();
+            p.read(&mut s, period);
+            let before = s;
+            f(level, &mut s);
+            if s != before {
+                p.store(&s, p.expires(), period);
+            }
+        };
+        each(1, &mut entry.state);
         if let Some(name) = keys.instance.as_deref() {
             if let Ok(at) = find_instance(&entry.instances, name) {
-                f(2, &mut entry.instances[at].state);
+                each(2, &mut entry.instances[at]);
             }
         }
+    }
+}
+
+/// A stored tenant's name (written from a `&str`, so valid UTF-8).
+fn tenant_name(e: &TenantEntry) -> &str {
+    std::str::from_utf8(e.state.name()).unwrap_or_default()
+}
+
+/// Remembers the tool's period for reading packed states outside a decision.
+fn note_period(cell: &ToolCell, plan: &Plan<'_>) {
+    let bits = period_of(plan).to_bits();
+    if cell.period.load(Relaxed) != bits {
+        cell.period.store(bits, Relaxed);
     }
 }
 
@@ -489,7 +561,7 @@ impl Store for MemoryStore {
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
         let mut out: [Option<NodeState>; 3] = Default::default();
-        self.update(keys, |level, s| out[level] = Some(s.clone()));
+        self.update(keys, |level, s| out[level] = Some(*s));
         ready(Ok(out))
     }
 }
