@@ -9,6 +9,13 @@
 //! has (another replica wrote it), nothing is written and the batch is read and decided
 //! again. So the arithmetic exists once, in Rust, and Redis compares and copies.
 //!
+//! The worker remembers the records it last read and wrote ([`Cache`]): a batch whose records
+//! are all remembered and that counts no permits is decided without a read, at Redis's clock
+//! as of the last round trip plus the time since (never ahead of it), and its write checks the
+//! remembered versions like any other. So a tool whose state only this replica writes costs
+//! one round trip per batch; when another replica writes, the check fails, the batch is read
+//! and decided again, and the next batches are read from Redis for a while.
+//!
 //! What the compare does not cover cannot make a decision wrong: permits given back or lapsed
 //! only lower what was counted, and every call that takes a permit also writes the records of
 //! its levels, which are compared. (Template callers are counted in their parents' records.) A caller that went away before its answer (dropped, timed out) is answered
@@ -169,7 +176,8 @@ fn drop_job(job: Job, why: &str) {
 }
 
 /// A tool's worker, until the store is gone: one round trip per batch when nothing else
-/// writes the tool's records — the script that writes a batch also reads for the next.
+/// writes the tool's records — the script that writes a batch also reads for the next, or the
+/// next is decided on the records remembered.
 async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
     let Some(namespace) = shared.upgrade().map(|s| s.config.namespace.clone()) else {
         return;
@@ -179,30 +187,35 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
         backlog: std::collections::VecDeque::new(),
         namespace,
     };
-    // A batch whose read came back with the last write.
+    // A batch whose read came back with the last write (or comes from the cache).
     let mut carried: Option<(Batch, Read)> = None;
+    let mut cache = Cache::default();
     loop {
         let (mut batch, read) = match carried.take() {
             Some(c) => c,
             None => {
-                let Some(injected) = shared
-                    .upgrade()
-                    .map(|s| s.config.time == TimeSource::Injected)
-                else {
+                let Some(time) = shared.upgrade().map(|s| s.config.time) else {
                     return;
                 };
-                let Some(batch) = queue.next_batch(injected, true).await else {
+                let Some(batch) = queue.next_batch(time == TimeSource::Injected, true).await else {
                     return;
                 };
-                let Some(sh) = shared.upgrade() else { return };
-                match cycle(&sh, None, Some(&batch)).await {
-                    Ok(c) => {
-                        let read = c.read.expect("a read was asked for");
-                        (batch, read)
-                    }
-                    Err(e) => {
-                        batch.fail(&e);
-                        continue;
+                if let Some(read) = cache.read(&batch, time) {
+                    (batch, read)
+                } else {
+                    let Some(sh) = shared.upgrade() else { return };
+                    match cycle(&sh, None, Some(&batch)).await {
+                        Ok(c) => {
+                            let read = c.read.expect("a read was asked for");
+                            cache.clock(c.now);
+                            cache.read_from_redis(&batch, &read);
+                            (batch, read)
+                        }
+                        Err(e) => {
+                            cache.conflict();
+                            batch.fail(&e);
+                            continue;
+                        }
                     }
                 }
             }
@@ -215,15 +228,33 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
             batch.answer(&sh, decided.outcomes);
             continue;
         }
-        // The next batch rides on this write: its read comes back with it.
+        // The next batch rides on this write: its read comes back with it, unless the cache
+        // will hold every record it needs once this batch is written.
         let injected = sh.config.time == TimeSource::Injected;
         let next = queue.next_batch(injected, false).await;
-        match cycle(&sh, Some((&batch, &decided)), next.as_ref()).await {
+        let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
+        match cycle(&sh, Some((&batch, &decided)), read_next).await {
             Ok(c) if c.written => {
+                cache.clock(c.now);
+                cache.wrote(&batch, &decided);
                 batch.answer(&sh, decided.outcomes);
-                carried = next.zip(c.read);
+                carried = match (next, c.read) {
+                    (Some(n), Some(r)) => {
+                        cache.read_from_redis(&n, &r);
+                        Some((n, r))
+                    }
+                    (Some(n), None) => match cache.read(&n, sh.config.time) {
+                        Some(r) => Some((n, r)),
+                        None => {
+                            queue.put_front(n);
+                            None
+                        }
+                    },
+                    (None, _) => None,
+                };
             }
             Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
+                cache.conflict();
                 batch.fail(&StoreError::Unavailable(format!(
                     "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
                 )));
@@ -231,6 +262,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
             }
             // Another replica wrote first: decide again, with the next batch, on a fresh read.
             Ok(_) => {
+                cache.conflict();
                 batch.attempts += 1;
                 let mut jobs = std::mem::take(&mut batch.jobs);
                 if let Some(n) = next {
@@ -239,9 +271,122 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
                 queue.put_front(Batch::new(&queue.namespace, jobs, batch.attempts));
             }
             Err(e) => {
+                cache.conflict();
                 batch.fail(&e);
                 queue.put_back(next);
             }
+        }
+    }
+}
+
+/// The records this worker last read or wrote, as Redis holds them unless another replica
+/// wrote since. A batch whose records are all here (and that counts no permits: permit counts
+/// change without a version) is decided without a read, at Redis's clock as of the last round
+/// trip plus the time since its answer came back (never ahead of Redis's clock). Its write
+/// checks the versions like any other, so a stale entry costs a retry, never a wrong decision.
+#[derive(Default)]
+struct Cache {
+    /// Record key → the record (`None`: absent) and its version as the write checks it.
+    records: HashMap<String, (Option<Record>, Vec<u8>)>,
+    /// Redis's clock at the last round trip (µs), and when its answer came back.
+    clock: Option<(u64, std::time::Instant)>,
+    /// Batches still to read from Redis after a conflict (another replica writes this tool).
+    cool: u32,
+}
+
+/// The most records a worker remembers (it forgets them all past this).
+const CACHE_MAX: usize = 16 * MAX_BATCH;
+/// How many batches read from Redis after a write found a record changed.
+const CACHE_COOL: u32 = 16;
+
+impl Cache {
+    fn clock(&mut self, now: u64) {
+        self.clock = Some((now, std::time::Instant::now()));
+    }
+
+    /// Forgets every record, and reads the next batches from Redis.
+    fn conflict(&mut self) {
+        self.records.clear();
+        self.cool = CACHE_COOL;
+    }
+
+    /// Whether `b` can be decided on the cache once `wrote` (a batch about to be written)
+    /// is in it.
+    fn covers(&self, b: &Batch, wrote: &Batch) -> bool {
+        self.cool == 0
+            && b.keys.zsets.is_empty()
+            && b.keys
+                .records
+                .iter()
+                .all(|k| wrote.keys.index.contains_key(k) || self.records.contains_key(k))
+    }
+
+    /// The read of `b` from the cache, if it holds every record `b` needs.
+    fn read(&mut self, b: &Batch, time: TimeSource) -> Option<Read> {
+        if self.cool > 0 {
+            self.cool -= 1;
+            return None;
+        }
+        if !b.keys.zsets.is_empty() {
+            return None;
+        }
+        let now = match time {
+            TimeSource::Redis => {
+                let (clock, at) = self.clock?;
+                clock + at.elapsed().as_micros() as u64
+            }
+            TimeSource::Injected => b.now().as_micros(),
+        };
+        let mut records = Vec::with_capacity(b.keys.records.len());
+        let mut versions = Vec::with_capacity(b.keys.records.len());
+        for k in &b.keys.records {
+            let (r, v) = self.records.get(k)?;
+            let mut v = v.clone();
+            // A record past its expiry is the same as a fresh one, and Redis may have dropped
+            // it: the write accepts it there or gone (a correction of a record that is gone
+            // writes nothing). (`now` is never ahead of Redis's clock.)
+            if r.as_ref().is_some_and(|r| r.expires <= now as f64) && v.len() == 8 {
+                v.push(b'*');
+            }
+            records.push(r.clone());
+            versions.push(v);
+        }
+        Some(Read {
+            now,
+            records,
+            versions,
+            counts: Vec::new(),
+        })
+    }
+
+    /// Remembers what `b` read (the records as Redis held them).
+    fn read_from_redis(&mut self, b: &Batch, read: &Read) {
+        self.make_room(b.keys.records.len());
+        for (i, k) in b.keys.records.iter().enumerate() {
+            self.records.insert(
+                k.clone(),
+                (read.records[i].clone(), read.versions[i].clone()),
+            );
+        }
+    }
+
+    /// Remembers what `b` wrote (and what it read and left as it was).
+    fn wrote(&mut self, b: &Batch, d: &Decided) {
+        self.make_room(b.keys.records.len());
+        for (i, k) in b.keys.records.iter().enumerate() {
+            let version = match (&d.records[i], d.written[i]) {
+                (Some(r), true) => r.version.to_le_bytes().to_vec(),
+                // Unwritten: as read (without a "there or gone" mark: it is set per read).
+                _ => d.versions[i][..d.versions[i].len().min(8)].to_vec(),
+            };
+            self.records
+                .insert(k.clone(), (d.records[i].clone(), version));
+        }
+    }
+
+    fn make_room(&mut self, more: usize) {
+        if self.records.len() + more > CACHE_MAX {
+            self.records.clear();
         }
     }
 }
@@ -674,6 +819,8 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
 /// What a round trip came back with.
 struct Cycle {
     written: bool,
+    /// Redis's clock when the script ran (µs; the read's `now` when it read).
+    now: u64,
     read: Option<Read>,
 }
 
@@ -784,16 +931,17 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
         return Err(bad("the wrong number of parts"));
     };
     let written = matches!(written, Value::Int(1));
-    if !read {
-        return Ok(Cycle {
-            written,
-            read: None,
-        });
-    }
     let now: u64 = redis::from_redis_value::<String>(now)
         .map_err(|_| bad("no time"))?
         .parse::<f64>()
         .map_err(|_| bad("a time that is not a number"))? as u64;
+    if !read {
+        return Ok(Cycle {
+            written,
+            now,
+            read: None,
+        });
+    }
     let raw: Vec<Option<Vec<u8>>> =
         redis::from_redis_value(records).map_err(|_| bad("records that are not strings"))?;
     let counts: Vec<u64> =
@@ -815,6 +963,7 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
     }
     Ok(Cycle {
         written,
+        now,
         read: Some(Read {
             now,
             records,

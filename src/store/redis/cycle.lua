@@ -9,17 +9,20 @@
 -- read's record keys, then the read's zset keys.
 -- ARGV: 1 how many KEYS the write uses, 2 how many of those are checked records, 3 now for the
 --   read in µs ("-1": Redis TIME; "": no read), 4 how many read record keys; then the write:
---   the checked records' versions when read ("": absent); the number of record writes and, for
+--   the checked records' versions when read ("": absent; a version then '*': that record or,
+--   since it has expired, none); the number of record writes and, for
 --   each, the index of its key, the record, its TTL in ms ("": keep the key's); the number of
 --   zsets changed and, for each, the index of its key, the score up to which members are
 --   dropped ("": none), its TTL in ms ("": keep), the number of members added and, for each,
 --   its score and name.
--- Returns { 1 written or 0, the index of the record that had changed (0: none), now, the
---   records read (nil where absent), the counts }.
+-- Returns { 1 written or 0, the index of the record that had changed (0: none), now (the
+--   read's; without a read, Redis TIME), the records read (nil where absent), the counts }.
 local a, n = tonumber(ARGV[1]), tonumber(ARGV[2])
 local written, changed = 1, 0
 for i = 1, n do
-  if redis.call('GETRANGE', KEYS[i], 0, 7) ~= ARGV[4 + i] then
+  local want, have = ARGV[4 + i], redis.call('GETRANGE', KEYS[i], 0, 7)
+  -- A version followed by '*': that record, or none (it expired: the same as a fresh one).
+  if have ~= want and not (#want == 9 and (have == '' or have == string.sub(want, 1, 8))) then
     written, changed = 0, i
     break
   end
@@ -29,7 +32,10 @@ if written == 1 and a > 0 then
   for _ = 1, tonumber(ARGV[at]) do
     local key, ttl = KEYS[tonumber(ARGV[at + 1])], ARGV[at + 3]
     if ttl == '' then
-      redis.call('SET', key, ARGV[at + 2], 'KEEPTTL')
+      -- A correction: of a record that is still there (one that expired is a fresh one).
+      if redis.call('EXISTS', key) == 1 then
+        redis.call('SET', key, ARGV[at + 2], 'KEEPTTL')
+      end
     else
       redis.call('SET', key, ARGV[at + 2], 'PX', ttl)
     end
@@ -54,13 +60,14 @@ if written == 1 and a > 0 then
     at = at + 4 + 2 * m
   end
 end
+local t = redis.call('TIME')
+local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if ARGV[3] == '' then
-  return { written, changed, '', {}, {} }
+  return { written, changed, string.format('%.17g', clock), {}, {} }
 end
 local now = tonumber(ARGV[3])
 if now < 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  now = clock
 end
 local r = tonumber(ARGV[4])
 local records = {}
