@@ -10,8 +10,11 @@
 //! none of the records it read has changed since: each record carries a random 8-byte
 //! version, and the script compares versions before it copies anything. If one changed
 //! (another replica wrote first), nothing is written and the calls are read and decided
-//! again. The script that writes a batch also reads for the next one, so a busy tool costs one
-//! round trip per batch. The arithmetic therefore exists once, in Rust: the Lua scripts
+//! again. The script that writes a batch also reads for the next one, and a tool's worker
+//! remembers the records it last read and wrote: a batch whose records it remembers (and that
+//! counts no permits) is decided on them, at Redis's clock as of the last round trip plus the
+//! time since, without a read, and its write checks their versions like any other. So a busy
+//! tool costs one round trip per batch, and a caller alone one per call. The arithmetic therefore exists once, in Rust: the Lua scripts
 //! (`cycle.lua`, `release.lua`, `renew.lua`, `sweep.lua`) do no fair-share arithmetic. Any
 //! number of replicas share one exact budget: a write lands only on the state it was decided
 //! from, so the capacity bound holds with no overshoot from races.
@@ -129,8 +132,8 @@
 //!
 //! A busy tool costs one round trip and two scripts' worth of Redis work per batch, not per
 //! call: a batch's record writes, one `ZADD` per changed permits zset, and the next batch's
-//! `MGET` and permit counts. The worker keeps one round trip in flight per tool, so under load calls queue for
-//! one cycle and are decided in the next; `scripts/bench-compare` measures it against a one-key
+//! `MGET` and permit counts (none when the next batch's records are remembered). The worker keeps
+//! one round trip in flight per tool, so under load calls queue for the cycle in progress; `scripts/bench-compare` measures it against a one-key
 //! GCRA script. The multiplexed connection is the default: a bb8 pool of 16 was no faster and,
 //! at 64 tasks in flight, left one task with a single call in 3 s (starved), while every
 //! multiplexed task progressed.
