@@ -72,7 +72,7 @@ impl Period {
             (1_000_000, "s"),
             (1_000, "ms"),
         ] {
-            if m % scale == 0 {
+            if m.is_multiple_of(scale) {
                 return (m / scale, unit);
             }
         }

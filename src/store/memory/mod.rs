@@ -426,7 +426,7 @@ impl MemoryStore {
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
         shard.ops += 1;
-        if shard.ops % SWEEP_EVERY == 0 {
+        if shard.ops.is_multiple_of(SWEEP_EVERY) {
             sweep_shard(shard, now);
         }
         let found = shard

@@ -73,7 +73,7 @@ impl Record {
     /// `None` for a missing key; an error for bytes that are not a record.
     pub(super) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
         let bad = |what: &str| StoreError::Protocol(format!("a stored state is {what}"));
-        if bytes.len() < FIXED || (bytes.len() - FIXED) % 24 != 0 {
+        if bytes.len() < FIXED || !(bytes.len() - FIXED).is_multiple_of(24) {
             return Err(bad("not a record of this layout"));
         }
         let f = |i: usize| {
