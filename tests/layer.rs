@@ -121,6 +121,8 @@ async fn refusals_never_reach_the_inner_service() {
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    // HTTP requires a challenge on a 401.
+    assert_eq!(res.headers()["www-authenticate"], "Bearer");
     assert_eq!(json(res).await["error"], "unidentified_caller");
     // Wrong tier: 403.
     let outsider = Caller::new("acme").with_instance("a").with_tier("public");
@@ -158,6 +160,29 @@ async fn refusals_never_reach_the_inner_service() {
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_401_carries_the_challenge_the_app_sets() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter)
+        .challenge(http::HeaderValue::from_static(
+            "ApiKey header=\"x-api-key\"",
+        ))
+        .layer(inner);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/tools/generate_report", None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        res.headers()["www-authenticate"],
+        "ApiKey header=\"x-api-key\""
+    );
 }
 
 #[tokio::test]

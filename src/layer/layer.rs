@@ -40,6 +40,8 @@ pub(crate) struct Shared {
     pub(crate) tool: ToolSelector,
     pub(crate) headers: bool,
     pub(crate) enforce: bool,
+    /// `WWW-Authenticate` on a 401.
+    pub(crate) challenge: http::HeaderValue,
 }
 
 impl fmt::Debug for FairShareLayer {
@@ -63,6 +65,7 @@ impl FairShareLayer {
                 tool: ToolSelector::Path(Arc::from("/tools/")),
                 headers: false,
                 enforce: true,
+                challenge: super::refusal::DEFAULT_CHALLENGE,
             }),
         }
     }
@@ -75,6 +78,7 @@ impl FairShareLayer {
             tool: s.tool.clone(),
             headers: s.headers,
             enforce: s.enforce,
+            challenge: s.challenge.clone(),
         };
         f(&mut next);
         FairShareLayer {
@@ -120,6 +124,22 @@ impl FairShareLayer {
     /// them).
     pub fn headers(self, yes: bool) -> Self {
         self.with(|s| s.headers = yes)
+    }
+
+    /// The `WWW-Authenticate` challenge of a 401 (a request with no identity), which HTTP
+    /// requires: your auth layer's scheme, e.g. `Bearer realm="api"` or `ApiKey
+    /// header="x-api-key"`. Default: `Bearer`.
+    ///
+    /// ```
+    /// use http::HeaderValue;
+    /// use tower_fairshare::{FairShareLayer, Limiter, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+    /// let layer = FairShareLayer::new(Limiter::new(policy))
+    ///     .challenge(HeaderValue::from_static("ApiKey header=\"x-api-key\""));
+    /// ```
+    pub fn challenge(self, value: http::HeaderValue) -> Self {
+        self.with(|s| s.challenge = value)
     }
 
     /// `false`: shadow mode for every tool behind this layer — decide and record, never refuse.

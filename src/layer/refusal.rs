@@ -3,7 +3,7 @@
 use std::fmt::{self, Write};
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::admission::{Reason, Refusal, Scope};
@@ -17,6 +17,9 @@ const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 const APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
 const APPLICATION_GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
+/// The challenge a 401 carries unless the layer is given another
+/// ([`FairShareLayer::challenge`](crate::FairShareLayer::challenge)): HTTP requires one.
+pub(crate) const DEFAULT_CHALLENGE: HeaderValue = HeaderValue::from_static("Bearer");
 
 /// The HTTP status of a refusal: 429, 403, 401 or 503.
 pub fn http_status(reason: Reason) -> StatusCode {
@@ -97,18 +100,40 @@ fn value(render: impl FnOnce(&mut StackBuf<64>) -> fmt::Result) -> HeaderValue {
     .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
-/// `"{scope}";q={quota};w={window}`
+/// `"{scope}";q={quota};w={window}`. The header's quota is a whole number of units: a
+/// fractional one is stated over as many windows as make it whole (0.25 a second is `q=1;w=4`,
+/// 2.5 a minute `q=5;w=120`, up to 60 windows), else rounded down (and at least 1 unit over
+/// the time it takes to accrue, when below one).
 fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
+    let (q, w) = whole_quota(quota, window_secs);
     value(|o| {
         o.write_str(match scope {
             Scope::Tool => "\"tool\";q=",
             Scope::Tenant => "\"tenant\";q=",
             Scope::Instance => "\"instance\";q=",
         })?;
-        number(o, quota)?;
+        number(o, q)?;
         o.write_str(";w=")?;
-        o.write_str(itoa::Buffer::new().format(window_secs))
+        o.write_str(itoa::Buffer::new().format(w))
     })
+}
+
+/// A quota per window as a whole number of units per (possibly longer) window.
+fn whole_quota(quota: f64, window_secs: u64) -> (f64, u64) {
+    if !(quota.is_finite() && quota > 0.0) || quota.fract() == 0.0 {
+        return (quota.max(0.0).floor(), window_secs);
+    }
+    for k in 2..=60u64 {
+        let q = quota * k as f64;
+        if (q - q.round()).abs() <= 1e-9 * q.max(1.0) {
+            return (q.round(), window_secs.saturating_mul(k));
+        }
+    }
+    if quota >= 1.0 {
+        (quota.floor(), window_secs)
+    } else {
+        (1.0, (window_secs as f64 / quota).ceil() as u64)
+    }
 }
 
 /// `"{scope}";r={remaining};t={reset}`
@@ -134,7 +159,7 @@ fn refusal_rate_headers(r: &Refusal, headers: &mut HeaderMap) {
         return;
     };
     let scope = r.scope.unwrap_or(Scope::Tool);
-    headers.insert(RATELIMIT_POLICY, policy_value(scope, limit.floor(), w));
+    headers.insert(RATELIMIT_POLICY, policy_value(scope, limit, w));
     headers.insert(RATELIMIT, remaining_value(scope, 0.0, r.retry_after_secs()));
 }
 
@@ -162,6 +187,9 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     *res.status_mut() = http_status(r.reason);
     let h = res.headers_mut();
     h.insert(CONTENT_TYPE, APPLICATION_JSON);
+    if r.reason == Reason::UnidentifiedCaller {
+        h.insert(WWW_AUTHENTICATE, DEFAULT_CHALLENGE);
+    }
     if retryable {
         h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
     }
@@ -214,7 +242,7 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let reset = (a.reset_in / 1e6).ceil().max(0.0) as u64;
     headers.insert(
         RATELIMIT_POLICY,
-        policy_value(scope, a.quota.floor(), t.window_secs),
+        policy_value(scope, a.quota, t.window_secs),
     );
     headers.insert(
         RATELIMIT,
@@ -293,7 +321,14 @@ mod tests {
             policy_value(Scope::Tenant, 136.0, 60),
             "\"tenant\";q=136;w=60"
         );
-        assert_eq!(policy_value(Scope::Tool, 0.25, 1), "\"tool\";q=0;w=1");
+        // Fractional quotas: whole units over as many windows as it takes (was `q=0`).
+        assert_eq!(policy_value(Scope::Tool, 0.25, 1), "\"tool\";q=1;w=4");
+        assert_eq!(policy_value(Scope::Tool, 2.5, 60), "\"tool\";q=5;w=120");
+        assert_eq!(policy_value(Scope::Tool, 0.001, 60), "\"tool\";q=1;w=60000");
+        assert_eq!(
+            policy_value(Scope::Tool, 100.007, 60),
+            "\"tool\";q=100;w=60"
+        );
         assert_eq!(
             policy_value(Scope::Tool, 1.5e16, 1),
             "\"tool\";q=15000000000000000;w=1"

@@ -136,9 +136,14 @@ where
                 fut: inner.call(req),
             }
         }
-        Err(refusal) => State::Refused {
-            res: Some(render(&refusal, is_grpc(req.headers()))),
-        },
+        Err(refusal) => {
+            let mut res = render(&refusal, is_grpc(req.headers()));
+            if res.status() == http::StatusCode::UNAUTHORIZED {
+                res.headers_mut()
+                    .insert(http::header::WWW_AUTHENTICATE, shared.challenge.clone());
+            }
+            State::Refused { res: Some(res) }
+        }
     }
 }
 
@@ -325,6 +330,7 @@ mod tests {
                 tool: ToolSelector::Path(Arc::from("/tools/")),
                 headers: true,
                 enforce: true,
+                challenge: crate::layer::refusal::DEFAULT_CHALLENGE,
             }),
         }
     }
