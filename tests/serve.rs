@@ -351,6 +351,12 @@ async fn metrics_need_a_key_or_a_listener_of_their_own() {
     let (status, body) = get(format!("http://{}/metrics", keyed.addr), Some("s3cret")).await;
     assert_eq!(status, StatusCode::OK);
     assert!(body.contains("fairshare_decisions_total"), "{body}");
+    // The decision latency is a histogram, as documented (not a summary).
+    assert!(
+        body.contains("fairshare_decision_duration_seconds_bucket{"),
+        "{body}"
+    );
+    assert!(!body.contains("quantile="), "{body}");
 
     let apart = serve_with("metrics-listen", &["--metrics-listen", "127.0.0.1:0"]);
     assert_eq!(

@@ -23,7 +23,7 @@ use axum::{Json, Router};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower_fairshare::{Caller, Clock, FairShareLayer, Limiter, Policy, Store};
@@ -188,7 +188,18 @@ async fn authenticate(State(keys): State<Arc<Keys>>, mut req: Request, next: Nex
 /// limiter's metrics and keeps the recorder's histograms drained. `None` (with the reason on
 /// stderr) when another recorder is installed already.
 pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
-    match PrometheusBuilder::new().install_recorder() {
+    // The decision latency as a Prometheus histogram (the exporter's default is a summary,
+    // which cannot be aggregated over replicas): 1 µs to 1 s.
+    const BUCKETS: [f64; 13] = [
+        1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0,
+    ];
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(tower_fairshare::telemetry::DECISION_SECONDS.to_owned()),
+            &BUCKETS,
+        )
+        .expect("the buckets are not empty");
+    match builder.install_recorder() {
         Ok(handle) => {
             tower_fairshare::telemetry::describe_metrics();
             let upkeep = handle.clone();
