@@ -21,9 +21,10 @@ mod tonic_status {
     ///
     /// The code is [`grpc_code`] of the reason (RESOURCE_EXHAUSTED,
     /// PERMISSION_DENIED, UNAUTHENTICATED or UNAVAILABLE), the message is
-    /// [`Refusal::to_json`], and a retryable refusal carries `retry-after` metadata in whole
-    /// seconds — the same status a client sees when [`FairShareLayer`](crate::FairShareLayer)
-    /// refuses the call.
+    /// [`Refusal::to_json`], and a retryable refusal carries the retry hints gRPC clients
+    /// read — `google.rpc.RetryInfo` in the status details (`grpc-status-details-bin`),
+    /// `grpc-retry-pushback-ms` — and `retry-after` metadata in whole seconds: the same
+    /// status a client sees when [`FairShareLayer`](crate::FairShareLayer) refuses the call.
     ///
     /// ```
     /// use tower_fairshare::{Caller, Cost, Limiter, Policy};
@@ -50,18 +51,30 @@ mod tonic_status {
     /// assert_eq!(status.code(), tonic::Code::ResourceExhausted);
     /// assert!(status.message().starts_with(r#"{"error":"rate_limited""#));
     /// assert!(status.metadata().get("retry-after").is_some());
+    /// assert!(status.metadata().get("grpc-retry-pushback-ms").is_some());
+    /// assert!(!status.details().is_empty()); // google.rpc.Status with a RetryInfo
     /// # });
     /// ```
     impl From<Refusal> for tonic::Status {
         fn from(refusal: Refusal) -> tonic::Status {
-            let code = tonic::Code::from(i32::from(grpc_code(refusal.reason)));
-            let mut status = tonic::Status::new(code, refusal.to_json());
+            let code = grpc_code(refusal.reason);
+            let json = refusal.to_json();
             // As the layer does: a store outage is always worth retrying.
-            if refusal.retryable || refusal.reason == Reason::StoreUnavailable {
-                status
-                    .metadata_mut()
-                    .insert("retry-after", refusal.retry_after_secs().into());
+            if !(refusal.retryable || refusal.reason == Reason::StoreUnavailable) {
+                return tonic::Status::new(tonic::Code::from(i32::from(code)), json);
             }
+            // The retry hints gRPC clients read: `google.rpc.RetryInfo` in the status details,
+            // `grpc-retry-pushback-ms`, and `retry-after` (whole seconds) as over HTTP.
+            let delay = crate::layer::retry_delay(&refusal);
+            let details = crate::layer::status_details(code, json.as_bytes(), delay);
+            let mut status = tonic::Status::with_details(
+                tonic::Code::from(i32::from(code)),
+                json,
+                details.into(),
+            );
+            let md = status.metadata_mut();
+            md.insert("retry-after", refusal.retry_after_secs().into());
+            md.insert("grpc-retry-pushback-ms", (delay.as_millis() as u64).into());
             status
         }
     }

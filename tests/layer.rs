@@ -526,6 +526,101 @@ async fn grpc_requests_get_trailers_only_refusals() {
         .is_empty());
 }
 
+/// A protobuf message's fields: (field number, varint value or bytes).
+fn fields(mut b: &[u8]) -> Vec<(u64, Result<u64, Vec<u8>>)> {
+    fn varint(b: &mut &[u8]) -> u64 {
+        let (mut v, mut shift) = (0u64, 0);
+        loop {
+            let x = b[0];
+            *b = &b[1..];
+            v |= u64::from(x & 0x7f) << shift;
+            if x < 0x80 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let key = varint(&mut b);
+        match key & 7 {
+            0 => out.push((key >> 3, Ok(varint(&mut b)))),
+            2 => {
+                let n = varint(&mut b) as usize;
+                out.push((key >> 3, Err(b[..n].to_vec())));
+                b = &b[n..];
+            }
+            w => panic!("wire type {w}"),
+        }
+    }
+    out
+}
+
+/// A rate-limited gRPC call carries the retry hints gRPC clients read: the retry policy's
+/// `grpc-retry-pushback-ms` and a `google.rpc.RetryInfo` in `grpc-status-details-bin`, both
+/// saying what `Retry-After` says.
+#[tokio::test]
+async fn grpc_refusals_carry_the_standard_retry_hints() {
+    let (limiter, _clock) = limiter();
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter)
+        .tool("generate_report")
+        .layer(inner);
+    let mut refused = None;
+    for _ in 0..10 {
+        let mut req = request("/pkg.Svc/Method", Some(internal("acme", "k")));
+        req.headers_mut()
+            .insert("content-type", "application/grpc".parse().unwrap());
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        if res.headers().get("grpc-status").is_some_and(|s| s == "8") {
+            refused = Some(res);
+            break;
+        }
+    }
+    let res = refused.expect("the tenant's ceiling refuses within 10 calls");
+    let h = res.headers();
+    let retry_after: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    let pushback: u64 = h["grpc-retry-pushback-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        pushback > 0 && pushback <= retry_after * 1000,
+        "{pushback} ms, {retry_after} s"
+    );
+    let status = tonic::Status::from_header_map(h).expect("a gRPC status in the headers");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    // google.rpc.Status { code = 8, message = the JSON, details = [Any(RetryInfo)] }.
+    let top = fields(status.details());
+    assert_eq!(top[0], (1, Ok(8)));
+    assert_eq!(top[1], (2, Err(status.message().as_bytes().to_vec())));
+    let (3, Err(any)) = &top[2] else {
+        panic!("no details: {top:?}")
+    };
+    let any = fields(any);
+    assert_eq!(
+        any[0],
+        (1, Err(b"type.googleapis.com/google.rpc.RetryInfo".to_vec()))
+    );
+    let (2, Err(info)) = &any[1] else {
+        panic!("no RetryInfo value")
+    };
+    let (1, Err(delay)) = &fields(info)[0] else {
+        panic!("no retry_delay")
+    };
+    let delay = fields(delay);
+    let secs = delay
+        .iter()
+        .find(|f| f.0 == 1)
+        .map_or(0, |f| *f.1.as_ref().unwrap());
+    let nanos = delay
+        .iter()
+        .find(|f| f.0 == 2)
+        .map_or(0, |f| *f.1.as_ref().unwrap());
+    assert_eq!(secs * 1000 + nanos / 1_000_000, pushback);
+}
+
 #[tokio::test]
 async fn clones_share_one_budget_and_infallible_stays_infallible() {
     let (limiter, _clock) = limiter();

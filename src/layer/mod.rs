@@ -36,6 +36,8 @@ pub use layer::FairShareLayer;
 #[cfg(feature = "axum")]
 pub(crate) use refusal::response as refusal_response;
 pub use refusal::{grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
+#[cfg(feature = "tonic")]
+pub(crate) use refusal::{retry_delay, status_details};
 pub use select::{CallerFromExtensions, Identify, RequestHead, ToolName};
 pub use service::{FairShare, ResponseFuture};
 

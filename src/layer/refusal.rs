@@ -15,6 +15,10 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// The retry hint gRPC clients' retry policies read (milliseconds).
+const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+/// A `google.rpc.Status` with its details, base64 (gRPC's rich error model).
+const GRPC_STATUS_DETAILS: HeaderName = HeaderName::from_static("grpc-status-details-bin");
 const APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
 const APPLICATION_GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
 /// The challenge a 401 carries unless the layer is given another
@@ -180,6 +184,19 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
         h.insert(GRPC_MESSAGE, grpc_message(r));
         if retryable {
             h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
+            h.insert(
+                GRPC_RETRY_PUSHBACK_MS,
+                HeaderValue::from(retry_delay(r).as_millis() as u64),
+            );
+            let mut json = StackBuf::<512>::new();
+            let message = match r.write_json(&mut json) {
+                Ok(()) => json.as_bytes().to_vec(),
+                Err(_) => r.to_json().into_bytes(),
+            };
+            let details = status_details(grpc_code(r.reason), &message, retry_delay(r));
+            if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(base64(&details))) {
+                h.insert(GRPC_STATUS_DETAILS, v);
+            }
         }
         return res;
     }
@@ -248,6 +265,65 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
         RATELIMIT,
         remaining_value(scope, a.remaining.max(0.0).floor(), reset),
     );
+}
+
+/// How long a retryable refusal asks the caller to wait.
+pub(crate) fn retry_delay(r: &Refusal) -> std::time::Duration {
+    r.retry_after
+        .unwrap_or_else(|| std::time::Duration::from_secs(r.retry_after_secs()))
+}
+
+/// `google.rpc.Status { code, message, details: [Any(google.rpc.RetryInfo { retry_delay })] }`,
+/// protobuf-encoded: what gRPC clients read from `grpc-status-details-bin` (tonic's
+/// `Status::details`, `tonic-types`' `ErrorDetails::retry_info`).
+pub(crate) fn status_details(code: u8, message: &[u8], delay: std::time::Duration) -> Vec<u8> {
+    fn varint(out: &mut Vec<u8>, mut v: u64) {
+        while v >= 0x80 {
+            out.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        out.push(v as u8);
+    }
+    fn number(out: &mut Vec<u8>, field: u64, v: u64) {
+        if v != 0 {
+            varint(out, field << 3);
+            varint(out, v);
+        }
+    }
+    fn bytes(out: &mut Vec<u8>, field: u64, b: &[u8]) {
+        varint(out, field << 3 | 2);
+        varint(out, b.len() as u64);
+        out.extend_from_slice(b);
+    }
+    let mut duration = Vec::new();
+    number(&mut duration, 1, delay.as_secs());
+    number(&mut duration, 2, u64::from(delay.subsec_nanos()));
+    let mut retry_info = Vec::new();
+    bytes(&mut retry_info, 1, &duration);
+    let mut any = Vec::new();
+    bytes(&mut any, 1, b"type.googleapis.com/google.rpc.RetryInfo");
+    bytes(&mut any, 2, &retry_info);
+    let mut status = Vec::with_capacity(message.len() + any.len() + 16);
+    number(&mut status, 1, u64::from(code));
+    bytes(&mut status, 2, message);
+    bytes(&mut status, 3, &any);
+    status
+}
+
+/// Standard base64 without padding, as gRPC sends binary headers.
+fn base64(b: &[u8]) -> Vec<u8> {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::with_capacity(b.len().div_ceil(3) * 4);
+    for chunk in b.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &x)| n | u32::from(x) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ABC[(n >> (18 - 6 * i) & 63) as usize]);
+        }
+    }
+    out
 }
 
 /// The JSON refusal in gRPC's percent-encoding (`grpc-message`).
