@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo run --example axum --features cli
+//! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example axum --features cli   # state in Redis
 //! curl -i -H 'authorization: Bearer research-token' http://127.0.0.1:3000/tools/web_search
 //! curl -i http://127.0.0.1:3000/tools/web_search          # no identity: 401
 //! curl -i http://127.0.0.1:3000/healthz                   # not a tool: not metered
@@ -14,7 +15,9 @@
 //!    The fair-share layer sits inside the timeout, so a timed-out call's response future is
 //!    dropped and its concurrency permits come back at once;
 //! 3. the app's auth layer: the bearer token becomes a [`Caller`] in the request extensions.
-//!    The caller comes from the app's own authentication, never from the request body;
+//!    The caller comes from the app's own authentication, never from the request body. It
+//!    must run before the fair-share layer (here: listed before it in the `ServiceBuilder`,
+//!    which runs its layers top to bottom), or every call is a 401;
 //! 4. [`FairShareLayer`]: admits or refuses each `/tools/{name}` call before the handler runs.
 //!    Refusals are responses (429 / 403 / 401 / 503 with a JSON body and `Retry-After`), so
 //!    the stack stays infallible.
@@ -43,7 +46,8 @@ mod app {
     use axum::routing::{any, get};
     use axum::{BoxError, Json, Router};
     use tower::ServiceBuilder;
-    use tower_fairshare::{Caller, FairShareLayer, Limiter, Policy};
+    use tower_fairshare::store::RedisStore;
+    use tower_fairshare::{Caller, FairShareLayer, Limiter, Policy, SystemClock};
     use tower_http::trace::TraceLayer;
 
     const POLICY: &str = r#"
@@ -52,6 +56,8 @@ mod app {
     unit = "calls"
     rate = { limit = 600, per = "1m" }
     max_concurrency = 64
+    # If the store cannot answer (Redis down): let searches through unmetered.
+    on_store_error = "allow"
 
     [tool.tenants.team-research]
     weight = 6
@@ -67,6 +73,8 @@ mod app {
     unit = "calls"
     rate = { limit = 60, per = "1m" }
     tier = "internal"
+    # Reports are expensive: refuse them (503) while the store cannot answer.
+    on_store_error = "deny"
 
     [tool.default_tenant]
     ceiling = 3
@@ -119,9 +127,16 @@ mod app {
         for warning in policy.warnings() {
             tracing::warn!("{warning}");
         }
-        let fair_share = FairShareLayer::new(Limiter::new(policy))
-            .tool_from_path("/tools/")
-            .headers(true);
+        let limiter = match std::env::var("REDIS_URL") {
+            // Every replica shares one exact budget. A replica started while Redis is down
+            // connects when it is back; meanwhile each tool's `on_store_error` applies.
+            Ok(url) => {
+                let store = RedisStore::builder(url).connect_lazy()?;
+                FairShareLayer::new(Limiter::with_store(policy, store, SystemClock))
+            }
+            Err(_) => FairShareLayer::new(Limiter::new(policy)),
+        };
+        let fair_share = limiter.tool_from_path("/tools/").headers(true);
 
         let app = Router::new()
             .route("/tools/{name}", any(tool))
