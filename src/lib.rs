@@ -92,9 +92,9 @@ pub use admission::{Reason, Refusal, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use identity::{Caller, Cost};
 pub use layer::{
-    grpc_code, http_status, CallerFromExtensions, Describe, Described, DescribedFuture,
-    DescribedLayer, FairShare, FairShareError, FairShareLayer, Identify, RequestHead, ResponseBody,
-    ResponseFuture, ToolName, RATELIMIT, RATELIMIT_POLICY,
+    default_refusal_response, grpc_code, http_status, CallerFromExtensions, Describe, Described,
+    DescribedFuture, DescribedLayer, FairShare, FairShareError, FairShareLayer, Identify,
+    RequestHead, ResponseBody, ResponseFuture, ToolName, RATELIMIT, RATELIMIT_POLICY,
 };
 pub use limiter::{Limiter, Ticket};
 pub use policy::{

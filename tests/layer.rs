@@ -185,6 +185,45 @@ async fn a_401_carries_the_challenge_the_app_sets() {
     );
 }
 
+/// The app shapes its own refusals (like tower_governor's `error_handler`); the inner
+/// service is still never called for them.
+#[tokio::test]
+async fn refusals_can_be_shaped_by_the_app() {
+    let (limiter, _clock) = limiter();
+    let (calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter)
+        .refusal_response(|r, _grpc| {
+            let mut res = Response::new(Bytes::from(format!("slow down: {}", r.reason.as_str())));
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            res.headers_mut().insert("x-shaped", "yes".parse().unwrap());
+            res
+        })
+        .layer(inner);
+    let mut shaped = None;
+    for _ in 0..10 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request(
+                "/tools/generate_report",
+                Some(internal("acme", "k")),
+            ))
+            .await
+            .unwrap();
+        if res.status() != StatusCode::OK {
+            shaped = Some(res);
+            break;
+        }
+    }
+    let res = shaped.expect("the tenant's ceiling refuses within 10 calls");
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["x-shaped"], "yes");
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"slow down: rate_limited");
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "admitted calls only");
+}
+
 #[tokio::test]
 async fn seed_004_tenants_sharing_an_instance_id_are_independent() {
     let (limiter, _clock) = limiter();

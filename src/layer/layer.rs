@@ -42,7 +42,13 @@ pub(crate) struct Shared {
     pub(crate) enforce: bool,
     /// `WWW-Authenticate` on a 401.
     pub(crate) challenge: http::HeaderValue,
+    /// The app's own refusal responses, if it shapes them.
+    pub(crate) on_refusal: Option<RefusalHandler>,
 }
+
+/// Shapes a refusal into a response: the refusal, and whether the request is gRPC.
+pub(crate) type RefusalHandler =
+    Arc<dyn Fn(&crate::Refusal, bool) -> http::Response<bytes::Bytes> + Send + Sync>;
 
 impl fmt::Debug for FairShareLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -66,6 +72,7 @@ impl FairShareLayer {
                 headers: false,
                 enforce: true,
                 challenge: super::refusal::DEFAULT_CHALLENGE,
+                on_refusal: None,
             }),
         }
     }
@@ -79,6 +86,7 @@ impl FairShareLayer {
             headers: s.headers,
             enforce: s.enforce,
             challenge: s.challenge.clone(),
+            on_refusal: s.on_refusal.clone(),
         };
         f(&mut next);
         FairShareLayer {
@@ -140,6 +148,35 @@ impl FairShareLayer {
     /// ```
     pub fn challenge(self, value: http::HeaderValue) -> Self {
         self.with(|s| s.challenge = value)
+    }
+
+    /// Shapes refusals yourself: `f` gets the refusal and whether the request is gRPC, and
+    /// returns the response to send instead of the built-in one
+    /// ([`default_refusal_response`](crate::default_refusal_response), which it may start
+    /// from). A 401 without a `WWW-Authenticate` gets the layer's
+    /// [`challenge`](Self::challenge). The inner service is never called for a refusal.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{Response, StatusCode};
+    /// use tower_fairshare::{FairShareLayer, Limiter, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+    /// let layer = FairShareLayer::new(Limiter::new(policy)).refusal_response(|refusal, grpc| {
+    ///     if grpc {
+    ///         return tower_fairshare::default_refusal_response(refusal, grpc);
+    ///     }
+    ///     let mut res = Response::new(Bytes::from(format!("try again: {}", refusal.reason.as_str())));
+    ///     *res.status_mut() = tower_fairshare::http_status(refusal.reason);
+    ///     res
+    /// });
+    /// ```
+    pub fn refusal_response<F>(self, f: F) -> Self
+    where
+        F: Fn(&crate::Refusal, bool) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+    {
+        let f: RefusalHandler = Arc::new(f);
+        self.with(|s| s.on_refusal = Some(f))
     }
 
     /// `false`: shadow mode for every tool behind this layer — decide and record, never refuse.

@@ -35,7 +35,7 @@ pub use layer::FairShareLayer;
 /// The refusal response the layer sends, for `IntoResponse for Refusal` (feature `axum`).
 #[cfg(feature = "axum")]
 pub(crate) use refusal::response as refusal_response;
-pub use refusal::{grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
+pub use refusal::{default_refusal_response, grpc_code, http_status, RATELIMIT, RATELIMIT_POLICY};
 #[cfg(feature = "tonic")]
 pub(crate) use refusal::{retry_delay, status_details};
 pub use select::{CallerFromExtensions, Identify, RequestHead, ToolName};

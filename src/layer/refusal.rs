@@ -173,6 +173,15 @@ pub(crate) fn response<B>(r: &Refusal, grpc: bool) -> Response<super::body::Resp
     render(r, grpc).map(super::body::ResponseBody::refusal)
 }
 
+/// The response [`FairShareLayer`](crate::FairShareLayer) sends for a refusal: for HTTP the
+/// status of [`http_status`], the JSON of [`Refusal::to_json`], `Retry-After`, the RateLimit
+/// headers, `WWW-Authenticate: Bearer` on a 401; for gRPC (`grpc`) a trailers-only response
+/// (empty body) with the status, the JSON as `grpc-message` and the retry hints. A
+/// [`refusal_response`](crate::FairShareLayer::refusal_response) handler can start from it.
+pub fn default_refusal_response(r: &Refusal, grpc: bool) -> Response<Bytes> {
+    render(r, grpc).map(Option::unwrap_or_default)
+}
+
 /// The refusal's status, headers and body (`None`: empty, for gRPC).
 pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     let retryable = r.retryable || matches!(r.reason, Reason::StoreUnavailable);

@@ -137,8 +137,15 @@ where
             }
         }
         Err(refusal) => {
-            let mut res = render(&refusal, is_grpc(req.headers()));
-            if res.status() == http::StatusCode::UNAUTHORIZED {
+            let grpc = is_grpc(req.headers());
+            let mut res = match &shared.on_refusal {
+                Some(f) => f(&refusal, grpc).map(Some),
+                None => render(&refusal, grpc),
+            };
+            if res.status() == http::StatusCode::UNAUTHORIZED
+                && (shared.on_refusal.is_none()
+                    || !res.headers().contains_key(http::header::WWW_AUTHENTICATE))
+            {
                 res.headers_mut()
                     .insert(http::header::WWW_AUTHENTICATE, shared.challenge.clone());
             }
@@ -331,6 +338,7 @@ mod tests {
                 headers: true,
                 enforce: true,
                 challenge: crate::layer::refusal::DEFAULT_CHALLENGE,
+                on_refusal: None,
             }),
         }
     }
