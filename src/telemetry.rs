@@ -9,6 +9,7 @@
 //! | [`DECISION_SECONDS`] `fairshare_decision_duration_seconds` | histogram | seconds | `store` (`memory`, `redis`, ...) |
 //! | [`STORE_ERRORS`] `fairshare_store_errors_total` | counter | errors | `tool`, `store` |
 //! | [`STORE_FALLBACKS`] `fairshare_store_fallbacks_total` | counter | decisions | `tool`, `mode` (`allow`: let through unmetered, `deny`: refused) |
+//! | [`UNMAPPED`] `fairshare_unmapped_requests_total` | counter | requests | none: requests the layer let through because they name no tool (a path outside the tool prefix, no `ToolName`); each is also a `debug` event with its path, target `tower_fairshare::unmapped` |
 //!
 //! The `instance` label is off by default: label cardinality is a production hazard, and a
 //! tool with a `default_instance` template may see thousands. Turn it on with
@@ -32,6 +33,8 @@ pub const DECISION_SECONDS: &str = "fairshare_decision_duration_seconds";
 pub const STORE_ERRORS: &str = "fairshare_store_errors_total";
 /// Counter of decisions made without the store (fail open or fail closed).
 pub const STORE_FALLBACKS: &str = "fairshare_store_fallbacks_total";
+/// Counter of requests a layer let through unmetered because they name no tool.
+pub const UNMAPPED: &str = "fairshare_unmapped_requests_total";
 /// Counter of decisions a store finished after their caller went away (dropped, timed out)
 /// and gave back: units refunded, permits released.
 pub const ABANDONED: &str = "fairshare_abandoned_decisions_total";
@@ -70,6 +73,11 @@ pub fn describe_metrics() {
             STORE_ERRORS,
             Unit::Count,
             "Store errors (timeouts, unreachable, protocol)."
+        );
+        describe_counter!(
+            UNMAPPED,
+            Unit::Count,
+            "Requests let through unmetered because they name no tool."
         );
         describe_counter!(
             STORE_FALLBACKS,
@@ -195,6 +203,13 @@ pub(crate) fn store_error(tool: &std::sync::Arc<str>, store: &'static str, mode:
 
 #[cfg(not(feature = "metrics"))]
 pub(crate) fn store_error(_: &std::sync::Arc<str>, _: &'static str, _: &'static str) {}
+
+/// A request a layer let through because it names no tool: counted, and a `debug` event.
+pub(crate) fn unmapped(path: &str) {
+    tracing::debug!(target: "tower_fairshare::unmapped", path, "the request names no tool: passed through unmetered");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(UNMAPPED).increment(1);
+}
 
 #[cfg(feature = "metrics")]
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]

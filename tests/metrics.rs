@@ -282,3 +282,41 @@ fn labels_are_the_policys_names_whatever_requests_claim() {
     assert!(line(&text, TENANT_HEADROOM, &["tenant=\"other\""]).is_none());
     assert!(line(&text, TENANT_HEADROOM, &["tenant=\"acme\""]).is_some());
 }
+
+/// A request that names no tool passes through unmetered, and says so: a counter (no labels,
+/// so no growth) and a `debug` event with its path.
+#[test]
+fn requests_that_name_no_tool_are_counted() {
+    use std::convert::Infallible;
+    use tower::{Layer, Service};
+
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        telemetry::describe_metrics();
+        let policy = Policy::from_toml_str(
+            "[[tool]]\nname = \"web_search\"\nunit = \"calls\"\nrate = { limit = 600, per = \"1m\" }\n[tool.default_tenant]\n",
+        )
+        .unwrap();
+        let inner = tower::service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        });
+        let mut svc = tower_fairshare::FairShareLayer::new(Limiter::new(policy)).layer(inner);
+        for path in [
+            "/healthz",
+            "/tools/web_search",
+            "/api/tools/web_search",
+            "/",
+        ] {
+            let mut req = http::Request::builder()
+                .uri(path)
+                .body(String::new())
+                .unwrap();
+            req.extensions_mut().insert(Caller::new("acme"));
+            let res = now(svc.call(req)).unwrap();
+            assert_eq!(res.status(), http::StatusCode::OK, "{path}");
+        }
+    });
+    let text = handle.render();
+    assert_eq!(value(&text, telemetry::UNMAPPED, &[]), 3.0, "{text}");
+}

@@ -68,6 +68,7 @@ where
         let shared = &*self.shared;
         let head = RequestHead::of(&req);
         let Some(tool) = shared.tool.select(&head) else {
+            crate::telemetry::unmapped(req.uri().path());
             return ResponseFuture {
                 state: State::Passthrough {
                     fut: self.inner.call(req),
