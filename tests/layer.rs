@@ -224,6 +224,48 @@ async fn refusals_can_be_shaped_by_the_app() {
     assert_eq!(calls.load(Ordering::SeqCst), 3, "admitted calls only");
 }
 
+/// An identity extractor can reject a request with its own response: it is sent as it is,
+/// nothing is charged and the inner service is not called.
+#[tokio::test]
+async fn an_identity_extractor_can_reject_with_its_own_response() {
+    let (limiter, _clock) = limiter();
+    let (calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter)
+        .identify_or_reject(|head| match head.headers.get("x-key") {
+            Some(k) if k == "good" => Ok(internal("acme", "k")),
+            _ => {
+                let mut res = Response::new(Bytes::from_static(b"token expired"));
+                *res.status_mut() = StatusCode::UNAUTHORIZED;
+                res.headers_mut()
+                    .insert("www-authenticate", "Token realm=\"app\"".parse().unwrap());
+                Err(Box::new(res))
+            }
+        })
+        .layer(inner);
+    for _ in 0..5 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/generate_report", None))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(res.headers()["www-authenticate"], "Token realm=\"app\"");
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"token expired");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    // Rejected requests charged nothing: the tenant still gets its whole ceiling (3).
+    for i in 0..3 {
+        let mut req = request("/tools/generate_report", None);
+        req.headers_mut().insert("x-key", "good".parse().unwrap());
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "call {i}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
 #[tokio::test]
 async fn seed_004_tenants_sharing_an_instance_id_are_independent() {
     let (limiter, _clock) = limiter();

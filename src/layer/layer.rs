@@ -128,6 +128,37 @@ impl FairShareLayer {
         self.with(|s| s.identify = Identity::With(i))
     }
 
+    /// Identify callers with `f`, which may also reject a request with a response of its own
+    /// (an expired token, a revoked key, your 401 with your challenge): that response is sent
+    /// as it is, nothing is decided or charged, and the inner service is not called.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{Response, StatusCode};
+    /// use tower_fairshare::{Caller, FairShareLayer, Limiter, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+    /// let layer = FairShareLayer::new(Limiter::new(policy)).identify_or_reject(|head| {
+    ///     match head.headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
+    ///         Some(key) if key.starts_with("sk-") => Ok(Caller::new(&key[3..])),
+    ///         _ => {
+    ///             let mut res = Response::new(Bytes::from_static(b"{\"error\":\"bad_key\"}"));
+    ///             *res.status_mut() = StatusCode::UNAUTHORIZED;
+    ///             Err(Box::new(res))
+    ///         }
+    ///     }
+    /// });
+    /// ```
+    pub fn identify_or_reject<F>(self, f: F) -> Self
+    where
+        F: Fn(&RequestHead<'_>) -> Result<crate::Caller, Box<http::Response<bytes::Bytes>>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.identify_with(super::select::Rejecting(f))
+    }
+
     /// Send `RateLimit-Policy` / `RateLimit` on admitted responses too (refusals always have
     /// them).
     pub fn headers(self, yes: bool) -> Self {

@@ -41,6 +41,38 @@ pub struct ToolName(pub Arc<str>);
 pub trait Identify: Send + Sync + 'static {
     /// The caller, or `None` when the request carries no identity.
     fn identify(&self, req: &RequestHead<'_>) -> Option<Caller>;
+
+    /// The caller (`None`: no identity, the layer's 401), or a response of the app's own to
+    /// send instead (an expired token, a revoked key): then nothing is decided or charged and
+    /// the inner service is not called. The default is [`identify`](Self::identify).
+    fn identify_or_reject(
+        &self,
+        req: &RequestHead<'_>,
+    ) -> Result<Option<Caller>, Box<http::Response<bytes::Bytes>>> {
+        Ok(self.identify(req))
+    }
+}
+
+/// An [`Identify`] from a closure that may reject the request with a response of its own.
+pub(crate) struct Rejecting<F>(pub(crate) F);
+
+impl<F> Identify for Rejecting<F>
+where
+    F: Fn(&RequestHead<'_>) -> Result<Caller, Box<http::Response<bytes::Bytes>>>
+        + Send
+        + Sync
+        + 'static,
+{
+    fn identify(&self, req: &RequestHead<'_>) -> Option<Caller> {
+        (self.0)(req).ok()
+    }
+
+    fn identify_or_reject(
+        &self,
+        req: &RequestHead<'_>,
+    ) -> Result<Option<Caller>, Box<http::Response<bytes::Bytes>>> {
+        (self.0)(req).map(Some)
+    }
 }
 
 impl<F> Identify for F

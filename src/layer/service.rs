@@ -78,10 +78,20 @@ where
         let identified;
         let caller = match &shared.identify {
             Identity::Extension => req.extensions().get::<Caller>(),
-            Identity::With(identify) => {
-                identified = identify.identify(&head);
-                identified.as_ref()
-            }
+            Identity::With(identify) => match identify.identify_or_reject(&head) {
+                Ok(c) => {
+                    identified = c;
+                    identified.as_ref()
+                }
+                // The app's own rejection: nothing decided, nothing charged.
+                Err(res) => {
+                    return ResponseFuture {
+                        state: State::Refused {
+                            res: Some((*res).map(Some)),
+                        },
+                    }
+                }
+            },
         };
         let anonymous;
         let caller = match caller {
