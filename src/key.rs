@@ -9,6 +9,7 @@
 
 /// What a key names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KeyKind {
     /// The tool's own state (shared pool, window, template tenants counted).
     Tool,

@@ -99,6 +99,7 @@ pub struct ScenarioCaller {
 
 /// A scenario that cannot run, and why.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ScenarioError {
     /// The file could not be read.
     #[error("cannot read scenario file `{path}`: {source}")]

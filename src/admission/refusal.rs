@@ -7,6 +7,7 @@ use crate::clock::{civil_from_days, Timestamp};
 
 /// The kind of refusal; its [`as_str`](Reason::as_str) is the `error` field of the JSON body.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Reason {
     /// A rate (floor, share, ceiling, tool capacity) has no room now.
     RateLimited,
@@ -38,6 +39,7 @@ impl Reason {
 
 /// The level that refused.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Scope {
     /// The whole tool.
     Tool,

@@ -47,6 +47,7 @@ pub trait Describe<Req>: Send + Sync + 'static {
 /// The error of a [`Described`] service: refused before the inner service ran, or the inner
 /// service's own error.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum FairShareError<E> {
     /// Refused; the inner service was not called.
     Refused(Box<Refusal>),

@@ -52,6 +52,7 @@ pub use period::{BudgetPeriod, Period};
 /// What one unit of cost is for a tool.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Unit {
     /// One call is one unit (the default cost of a request).
     Calls,
@@ -75,6 +76,7 @@ impl Unit {
 /// What a tool does when its store cannot be reached.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum OnStoreError {
     /// Refuse the call with `store_unavailable` (fail closed). The default.
     #[default]
@@ -376,6 +378,7 @@ impl LevelPolicy {
 
 /// A policy that cannot be used, and why.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// The file could not be read.
     #[error("cannot read policy file `{path}`: {source}")]
@@ -461,6 +464,7 @@ impl fmt::Display for Num {
 
 /// What is wrong with a policy field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Problem {
     /// A number that must be above zero is not.
     #[error("must be a positive, finite number, not {}", Num(*.0))]

@@ -86,6 +86,7 @@ pub enum Decision {
 
 /// A store could not decide. Backend errors convert into this one enum.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The backend did not answer in time.
     #[error("the rate-limit store did not answer within {0:?}: check its health and network, or raise the timeout")]

@@ -11,6 +11,7 @@ use crate::store::StoreError;
 
 /// Where the store reads the time.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum TimeSource {
     /// Redis `TIME`, inside the script: every replica agrees (the default).
     #[default]
@@ -21,6 +22,7 @@ pub enum TimeSource {
 
 /// How the store talks to Redis.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Connection {
     /// One multiplexed connection that reconnects by itself (redis-rs `ConnectionManager`):
     /// the default, measured fastest and starvation-free here (`scripts/bench-compare`).
