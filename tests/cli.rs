@@ -31,6 +31,42 @@ fn check_prints_the_seed_000_ceilings() {
     }
 }
 
+/// `check` says what capacity can go unused and why: floors are kept for their tenants, a
+/// tenant alone gets at most its ceiling, and ceilings below the capacity leave the rest idle.
+#[test]
+fn check_says_what_capacity_can_go_unused_and_why() {
+    let (code, out, _) = fairshare(&["check", "examples/demo/policy.toml"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("unused capacity: 55 of 150 a period are tenants' floors"),
+        "{out}"
+    );
+    assert!(
+        out.contains("a tenant calling alone gets at most its ceiling: heavy 112 (38 unused), quiet 34 (116 unused)"),
+        "{out}"
+    );
+    assert!(!out.contains("even with every tenant busy"), "{out}");
+
+    let dir = std::env::temp_dir().join(format!("fairshare-cli-unused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let capped = dir.join("capped.toml");
+    std::fs::write(
+        &capped,
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 100, per = \"1m\" }\n\
+         [tool.tenants.a]\nfloor = 10\nceiling = 30\n[tool.tenants.b]\nceiling = 20\n",
+    )
+    .unwrap();
+    let (code, out, _) = fairshare(&["check", capped.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(
+            "even with every tenant busy, 50 a period go unused: the ceilings add up to 50"
+        ),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn check_rejects_floors_above_capacity_naming_the_field() {
     let dir = std::env::temp_dir().join(format!("fairshare-cli-{}", std::process::id()));

@@ -447,9 +447,50 @@ fn check(path: &Path) -> ExitCode {
                 );
             }
         }
+        lending(&t);
     }
     println!("ok: {} is valid", path.display());
     ExitCode::SUCCESS
+}
+
+/// What capacity can go unused, and why: floors are kept for their tenants (never lent), and a
+/// tenant calling alone gets at most its ceiling (floor + share unless raised).
+fn lending(t: &tower_fairshare::policy::ToolAllocation) {
+    let listed = || t.tenants.iter().filter(|r| r.name != "*");
+    let floors: f64 = listed().map(|r| r.floor).sum();
+    println!(
+        "  unused capacity: {} of {} a period are tenants' floors, kept for them (not lent while they are idle)",
+        num(floors),
+        num(t.capacity)
+    );
+    let alone: Vec<String> = t
+        .tenants
+        .iter()
+        .map(|r| {
+            let name = if r.name == "*" {
+                "(default tenant)"
+            } else {
+                r.name.as_str()
+            };
+            format!(
+                "{name} {} ({} unused)",
+                num(r.ceiling),
+                num((t.capacity - r.ceiling).max(0.0))
+            )
+        })
+        .collect();
+    println!(
+        "  a tenant calling alone gets at most its ceiling: {}; raise `ceiling` (default floor + share) to lend it more",
+        alone.join(", ")
+    );
+    let ceilings: f64 = listed().map(|r| r.ceiling).sum();
+    if t.tenants.iter().all(|r| r.name != "*") && ceilings < t.capacity {
+        println!(
+            "  even with every tenant busy, {} a period go unused: the ceilings add up to {}",
+            num(t.capacity - ceilings),
+            num(ceilings)
+        );
+    }
 }
 
 fn budgets(b: &[(String, f64)]) -> String {
