@@ -2,7 +2,8 @@
 
 use tower_fairshare::policy::Problem;
 use tower_fairshare::{
-    BudgetPeriod, InstanceBuilder, Policy, PolicyError, TenantBuilder, ToolBuilder, Unit,
+    BudgetPeriod, Caller, Cost, InstanceBuilder, Limiter, ManualClock, MemoryStore, Policy,
+    PolicyError, TenantBuilder, Timestamp, ToolBuilder, Unit,
 };
 
 const FULL_EXAMPLE: &str = r#"
@@ -425,4 +426,60 @@ fn a_policy_with_200k_tenants_loads_in_linear_time() {
     text.push_str("[tool.tenants.tenant-7]\n");
     let dup = problems(&text);
     assert!(dup[0].1.contains("duplicate"), "{dup:?}");
+}
+
+/// `default_ceiling = "capacity"`: callers without a ceiling of their own may take everything
+/// not reserved for others, so a tenant alone gets the whole tool but the others' floors — and
+/// nothing else changes (explicit ceilings, floors).
+#[test]
+fn a_work_conserving_tool_lends_all_its_idle_capacity() {
+    let text = |mode: &str| {
+        format!(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = 600, per = \"1m\" }}\n{mode}\n\
+             [tool.tenants.A]\nweight = 6\nfloor = 100\n\
+             [tool.tenants.B]\nweight = 2\nfloor = 60\n[tool.tenants.B.instances.x]\nfloor = 10\n[tool.tenants.B.instances.y]\n\
+             [tool.tenants.C]\nfloor = 30\nceiling = 50\n"
+        )
+    };
+    let open = Policy::from_toml_str(&text("default_ceiling = \"capacity\"")).unwrap();
+    let nominal = Policy::from_toml_str(&text("default_ceiling = \"nominal\"")).unwrap();
+    let unset = Policy::from_toml_str(&text("")).unwrap();
+    let a = |p: &Policy| p.allocation().tools[0].tenants[0].clone();
+    let b = |p: &Policy| p.allocation().tools[0].tenants[1].clone();
+    let c = |p: &Policy| p.allocation().tools[0].tenants[2].clone();
+    // Spare 600 - 190 = 410: A may take 100 + 410, B 60 + 410 (its instances x 10 + 460, y 460).
+    assert_eq!(a(&open).ceiling, 510.0);
+    assert_eq!(b(&open).ceiling, 470.0);
+    assert_eq!(b(&open).instances[0].ceiling, 470.0);
+    assert_eq!(b(&open).instances[1].ceiling, 460.0);
+    assert_eq!(c(&open).ceiling, 50.0, "an explicit ceiling stays");
+    assert_eq!(a(&nominal).ceiling, a(&unset).ceiling);
+    assert_eq!(a(&unset).ceiling, a(&unset).floor + a(&unset).share);
+    let e = Policy::from_toml_str(&text("default_ceiling = \"everything\"")).unwrap_err();
+    assert!(e.to_string().contains("default_ceiling"), "{e}");
+
+    // A alone, offering twice the capacity: it gets the whole tool but the others' floors
+    // (less the others' share banks, which are never lent), far above its nominal 373.
+    let admitted = |p: Policy| {
+        let clock = ManualClock::new(tower_fairshare::simulate::EPOCH);
+        let l = Limiter::with_store(p, MemoryStore::new(), clock.clone());
+        let caller = Caller::new("A");
+        let start = tower_fairshare::simulate::EPOCH.as_micros();
+        let mut in_third_minute = 0;
+        for k in 0..3 * 1200u64 {
+            clock.set(Timestamp(start + k * 50_000));
+            let ok = matches!(l.try_admit(&caller, "t", Cost(1.0)), Some(Ok(_)));
+            if ok && k >= 2 * 1200 {
+                in_third_minute += 1;
+            }
+        }
+        in_third_minute
+    };
+    let open_got = admitted(open);
+    let nominal_got = admitted(unset);
+    assert!(
+        (495..=510).contains(&open_got),
+        "work-conserving: {open_got} of 510"
+    );
+    assert!(nominal_got <= 380, "nominal: {nominal_got}");
 }

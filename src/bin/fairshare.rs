@@ -480,7 +480,7 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
         })
         .collect();
     println!(
-        "  a tenant calling alone gets at most its ceiling: {}; raise `ceiling` (default floor + share) to lend it more",
+        "  a tenant calling alone gets at most its ceiling: {}; to lend it more, raise its `ceiling` or set the tool's `default_ceiling = \"capacity\"`",
         alone.join(", ")
     );
     let ceilings: f64 = listed().map(|r| r.ceiling).sum();

@@ -62,6 +62,7 @@ impl ToolBuilder {
                 budgets: Vec::new(),
                 enforce: None,
                 on_store_error: None,
+                default_ceiling: None,
                 default_tenant: None,
                 tenants: Default::default(),
             },
@@ -100,6 +101,13 @@ impl ToolBuilder {
     /// What to do when the store is unreachable.
     pub fn on_store_error(mut self, mode: OnStoreError) -> Self {
         self.raw.on_store_error = Some(mode);
+        self
+    }
+    /// Callers without a `ceiling` of their own may take everything not reserved for others
+    /// (their floor + the whole spare) instead of their nominal allocation (floor + share):
+    /// the tool lends all its idle capacity. Floors stay reserved.
+    pub fn work_conserving(mut self) -> Self {
+        self.raw.default_ceiling = Some(super::raw::DefaultCeiling::Capacity);
         self
     }
     /// The template for unlisted tenants.

@@ -69,6 +69,16 @@ pub(crate) struct RawBudget {
     pub(crate) max: f64,
 }
 
+/// What a caller without a `ceiling` of its own may take per period.
+#[derive(Copy, Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum DefaultCeiling {
+    /// Its nominal allocation, floor + share (the default).
+    Nominal,
+    /// Everything not reserved for others: its floor + the whole spare (work-conserving).
+    Capacity,
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawTool {
@@ -91,6 +101,8 @@ pub(crate) struct RawTool {
     pub(crate) enforce: Option<bool>,
     #[serde(default)]
     pub(crate) on_store_error: Option<OnStoreError>,
+    #[serde(default)]
+    pub(crate) default_ceiling: Option<DefaultCeiling>,
     #[serde(default)]
     pub(crate) default_tenant: Option<RawTenant>,
     #[serde(default)]

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::raw::{RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
+use super::raw::{DefaultCeiling, RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
 use super::{
     Budget, BudgetPeriod, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation,
     Warning,
@@ -150,6 +150,7 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
 
 fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     cx.name(format!("{path}.name"), &raw.name);
+    let raw_default_ceiling = raw.default_ceiling;
     let limit_path = format!("{path}.rate.limit");
     let capacity = cx.units(&limit_path, raw.rate.limit);
     let period = match Period::parse(&raw.rate.per) {
@@ -251,6 +252,9 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     let weight_once = configured_weight + template_weight;
 
     // Second pass: shares, ceilings and each tenant's instances.
+    // A caller without a ceiling of its own: its nominal allocation, or (`default_ceiling =
+    // "capacity"`) everything not reserved for others.
+    let open = raw_default_ceiling == Some(DefaultCeiling::Capacity);
     let finish = |cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str| {
         t.borrow_threshold = borrow_threshold(t.weight, max_weight);
         // Default bursts, bottom-up: each caller's own portion of its parent's lending room,
@@ -315,11 +319,18 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
                 ),
             });
         }
+        if open && t.ceiling.is_none() {
+            t.ceiling = Some((t.reserved_floor + spare).min(capacity));
+        }
         let tenant_capacity = t.ceiling.unwrap_or(nominal);
+        let inner_spare = (tenant_capacity - t.children_floor).max(0.0);
         let max_child = t.max_child_weight;
         let mut kids = std::mem::take(&mut t.children);
         for c in kids.iter_mut() {
             c.borrow_threshold = borrow_threshold(c.weight, max_child);
+            if open && c.ceiling.is_none() {
+                c.ceiling = Some(c.floor + inner_spare);
+            }
             if let Some(ceil) = c.ceiling {
                 check_ceiling(
                     cx,
@@ -333,6 +344,9 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         t.children = kids;
         if let Some(d) = t.default_child.as_mut() {
             d.borrow_threshold = borrow_threshold(d.weight, max_child);
+            if open && d.ceiling.is_none() {
+                d.ceiling = Some(d.floor + inner_spare);
+            }
             if let Some(ceil) = d.ceiling {
                 check_ceiling(
                     cx,
