@@ -617,7 +617,14 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         for _ in 0..1000 {
             let mut fut = std::pin::pin!(a.admit(&parasite, "t", Cost(1.0)));
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            assert!(fut.as_mut().poll(&mut cx).is_pending());
+            // Almost always pending: the decision is on its way to Redis. On a busy machine the
+            // test thread can be descheduled between sending the call and this first poll,
+            // long enough for the answer to arrive first: then this caller did not leave, and
+            // gives its call back itself, as any caller that is done would.
+            if let std::task::Poll::Ready(Ok(ticket)) = fut.as_mut().poll(&mut cx) {
+                a.refund(&ticket).await;
+                a.release(&ticket).await;
+            }
         }
         let keys = a.call_keys(&parasite, "t").unwrap();
         // The background finishes what the callers left (real I/O, no virtual time passes).
