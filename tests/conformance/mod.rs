@@ -453,6 +453,20 @@ pub fn ceiling_bound<F: Factory>(f: &F) {
                     check(excess <= 0.0, || {
                         format!("T{i} above its ceiling {} by {excess}", t.ceiling)
                     })?;
+                    // In each aligned period, at most ceiling + burst, its banked floor
+                    // included (the floor is part of the ceiling there).
+                    let mut per_window = std::collections::BTreeMap::<u64, f64>::new();
+                    for e in events.iter().filter(|e| e.admitted && e.source == i) {
+                        *per_window.entry(e.at / MINUTE).or_default() += e.cost;
+                    }
+                    for (w, got) in per_window {
+                        check(got <= t.ceiling + t.burst + 1e-6, || {
+                            format!(
+                                "T{i} got {got} in aligned period {w}, above its ceiling {} + burst {}",
+                                t.ceiling, t.burst
+                            )
+                        })?;
+                    }
                 }
                 Ok(())
             },
