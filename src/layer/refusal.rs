@@ -186,23 +186,28 @@ pub fn default_refusal_response(r: &Refusal, grpc: bool) -> Response<Bytes> {
 pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     let retryable = r.retryable || matches!(r.reason, Reason::StoreUnavailable);
     if grpc {
+        // The JSON once, for `grpc-message` and the status details alike.
+        let mut stack = StackBuf::<512>::new();
+        let long;
+        let json = if r.write_json(&mut stack).is_ok() {
+            stack.as_bytes()
+        } else {
+            long = r.to_json();
+            long.as_bytes()
+        };
         let mut res = Response::new(None);
         let h = res.headers_mut();
         h.insert(CONTENT_TYPE, APPLICATION_GRPC);
         h.insert(GRPC_STATUS, integer(grpc_code(r.reason).into()));
-        h.insert(GRPC_MESSAGE, grpc_message(r));
+        h.insert(GRPC_MESSAGE, grpc_message(json));
         if retryable {
+            let delay = retry_delay(r);
             h.insert(RETRY_AFTER, integer(r.retry_after_secs()));
             h.insert(
                 GRPC_RETRY_PUSHBACK_MS,
-                HeaderValue::from(retry_delay(r).as_millis() as u64),
+                HeaderValue::from(delay.as_millis() as u64),
             );
-            let mut json = StackBuf::<512>::new();
-            let message = match r.write_json(&mut json) {
-                Ok(()) => json.as_bytes().to_vec(),
-                Err(_) => r.to_json().into_bytes(),
-            };
-            let details = status_details(grpc_code(r.reason), &message, retry_delay(r));
+            let details = status_details(grpc_code(r.reason), json, delay);
             if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(base64(&details))) {
                 h.insert(GRPC_STATUS_DETAILS, v);
             }
@@ -335,21 +340,18 @@ fn base64(b: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The JSON refusal in gRPC's percent-encoding (`grpc-message`).
-fn grpc_message(r: &Refusal) -> HeaderValue {
-    let mut json = StackBuf::<512>::new();
+/// A refusal's JSON in gRPC's percent-encoding (`grpc-message`).
+fn grpc_message(json: &[u8]) -> HeaderValue {
     let mut out = StackBuf::<1024>::new();
-    let encoded = if r.write_json(&mut json).is_ok() {
-        percent_encode(&mut out, json.as_bytes()).map(|()| out.as_bytes().to_owned())
-    } else {
-        Err(fmt::Error)
+    let encoded = match percent_encode(&mut out, json) {
+        Ok(()) => out.as_bytes().to_owned(),
+        Err(_) => {
+            let mut out = String::new();
+            // Writing to a `String` cannot fail.
+            let _ = percent_encode(&mut out, json);
+            out.into_bytes()
+        }
     };
-    let encoded = encoded.unwrap_or_else(|_| {
-        let mut out = String::new();
-        // Writing to a `String` cannot fail.
-        let _ = percent_encode(&mut out, r.to_json().as_bytes());
-        out.into_bytes()
-    });
     HeaderValue::from_maybe_shared(Bytes::from(encoded))
         .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
@@ -393,10 +395,12 @@ mod tests {
             r.window_secs = Some(60);
             let json = json_bytes(&r);
             assert_eq!(json, r.to_json().as_bytes());
-            let message = grpc_message(&r);
+            let message = grpc_message(r.to_json().as_bytes());
             let mut expected = String::new();
             percent_encode(&mut expected, r.to_json().as_bytes()).unwrap();
             assert_eq!(message, expected.as_str());
+            // And through the whole gRPC response, whose JSON may not fit on the stack.
+            assert_eq!(render(&r, true).headers()[GRPC_MESSAGE], expected.as_str());
         }
     }
 
