@@ -49,17 +49,11 @@ impl Store for MapStore {
                 if let (Some(i), true) = (&instance, plan.instance.is_some()) {
                     inner.states.insert(i.clone(), (a.instance, a.expires[2]));
                 }
-                Ok(Decision::Admitted(Box::new(Admission {
-                    keys: keys.clone(),
-                    charge: a.charge,
-                    remaining: a.remaining,
-                    quota: a.quota,
-                    reset_in: a.reset_in,
-                    slack: a.slack,
-                    views: a.views,
-                    at: plan.now,
-                    call: 0,
-                })))
+                Ok(Decision::Admitted(Box::new(a.into_admission(
+                    keys.clone(),
+                    plan.now,
+                    0,
+                ))))
             }
         }
     }

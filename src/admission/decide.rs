@@ -74,6 +74,29 @@ pub struct Admitted {
     pub views: [LevelView; 2],
 }
 
+impl Admitted {
+    /// The [`Admission`](crate::store::Admission) a store answers for this call: what it
+    /// charged and the numbers for headers and logs, under `keys`, decided `at`, with the
+    /// store's `call` id (0 when it keeps no per-call entries).
+    pub fn into_admission(
+        self,
+        keys: crate::store::CallKeys,
+        at: Timestamp,
+        call: u128,
+    ) -> crate::store::Admission {
+        Outcome {
+            expires: self.expires,
+            charge: self.charge,
+            remaining: self.remaining,
+            quota: self.quota,
+            reset_in: self.reset_in,
+            slack: self.slack,
+            views: self.views,
+        }
+        .into_admission(keys, at, call)
+    }
+}
+
 /// The engine's verdict.
 #[derive(Clone, Debug)]
 pub enum Verdict {
@@ -120,6 +143,28 @@ pub(crate) struct Outcome {
     pub(crate) reset_in: f64,
     pub(crate) slack: f64,
     pub(crate) views: [LevelView; 2],
+}
+
+impl Outcome {
+    /// The admission a store answers (see [`Admitted::into_admission`]).
+    pub(crate) fn into_admission(
+        self,
+        keys: crate::store::CallKeys,
+        at: Timestamp,
+        call: u128,
+    ) -> crate::store::Admission {
+        crate::store::Admission {
+            keys,
+            charge: self.charge,
+            remaining: self.remaining,
+            quota: self.quota,
+            reset_in: self.reset_in,
+            slack: self.slack,
+            views: self.views,
+            at,
+            call,
+        }
+    }
 }
 
 /// [`decide`] over the stored states themselves: they are read, and written only when the call

@@ -342,20 +342,10 @@ fn decide_on(
     }
     drop(tool);
     let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
-    let admission = Box::new(Admission {
-        keys: keys.clone(),
-        charge: o.charge,
-        remaining: o.remaining,
-        quota: o.quota,
-        reset_in: o.reset_in,
-        slack: o.slack,
-        views: o.views,
-        at: plan.now,
-        call: 0,
-    });
+    let expires = [micros_ceil(o.expires[1]), micros_ceil(o.expires[2])];
     Ok((
-        admission,
-        [micros_ceil(o.expires[1]), micros_ceil(o.expires[2])],
+        Box::new(o.into_admission(keys.clone(), plan.now, 0)),
+        expires,
     ))
 }
 

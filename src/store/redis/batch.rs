@@ -763,17 +763,9 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                                 }
                             }
                         }
-                        outcomes.push(Outcome::Decided(Decision::Admitted(Box::new(Admission {
-                            keys: ck.clone(),
-                            charge: a.charge,
-                            remaining: a.remaining,
-                            quota: a.quota,
-                            reset_in: a.reset_in,
-                            slack: a.slack,
-                            views: a.views,
-                            at: now,
-                            call: *call,
-                        }))));
+                        outcomes.push(Outcome::Decided(Decision::Admitted(Box::new(
+                            a.into_admission(ck.clone(), now, *call),
+                        ))));
                     }
                 }
             }
