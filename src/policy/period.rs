@@ -111,6 +111,16 @@ pub enum BudgetPeriod {
 }
 
 impl BudgetPeriod {
+    /// Every period, in order: `ALL[p.index()] == p` (for stores that write a period as a
+    /// small number).
+    pub(crate) const ALL: [BudgetPeriod; 3] =
+        [BudgetPeriod::Hour, BudgetPeriod::Day, BudgetPeriod::Month];
+
+    /// The period's place in [`ALL`](Self::ALL).
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+
     /// The name used in refusals and files.
     pub const fn as_str(self) -> &'static str {
         match self {

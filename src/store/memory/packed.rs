@@ -42,19 +42,11 @@ fn put(bytes: &mut [u8], at: usize, x: u64) {
 }
 
 fn period_bits(p: BudgetPeriod) -> u64 {
-    match p {
-        BudgetPeriod::Hour => 0,
-        BudgetPeriod::Day => 1,
-        BudgetPeriod::Month => 2,
-    }
+    p.index() as u64
 }
 
 fn period_of(bits: u64) -> BudgetPeriod {
-    match bits & 3 {
-        0 => BudgetPeriod::Hour,
-        1 => BudgetPeriod::Day,
-        _ => BudgetPeriod::Month,
-    }
+    BudgetPeriod::ALL[((bits & 3) as usize).min(BudgetPeriod::ALL.len() - 1)]
 }
 
 /// The aligned window of a state last written at `t` (never negative), as the engine numbers

@@ -22,21 +22,16 @@ pub(super) struct Record {
     pub(super) state: NodeState,
 }
 
+/// A budget period in a record: 1 hour, 2 day, 3 month.
 pub(super) fn period_code(p: BudgetPeriod) -> f64 {
-    match p {
-        BudgetPeriod::Hour => 1.0,
-        BudgetPeriod::Day => 2.0,
-        BudgetPeriod::Month => 3.0,
-    }
+    (p.index() + 1) as f64
 }
 
 fn period_of(code: f64) -> Option<BudgetPeriod> {
-    match code as i64 {
-        1 => Some(BudgetPeriod::Hour),
-        2 => Some(BudgetPeriod::Day),
-        3 => Some(BudgetPeriod::Month),
-        _ => None,
-    }
+    usize::try_from(code as i64)
+        .ok()
+        .and_then(|c| c.checked_sub(1))
+        .and_then(|i| BudgetPeriod::ALL.get(i).copied())
 }
 
 impl Record {
