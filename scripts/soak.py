@@ -256,7 +256,7 @@ async def main():
     duration = args.minutes * 60
     warmup = min(120.0, duration / 5)
 
-    subprocess.run(["cargo", "build", "-q", "--release", "--features", "cli", "--bin", "fairshare"],
+    subprocess.run(["cargo", "build", "-q", "--release", "-p", "fairshare"],
                    cwd=ROOT, check=True)
     binary = os.path.join(ROOT, "target", "release", "fairshare")
     work = args.keep or tempfile.mkdtemp(prefix="fairshare-soak-")

@@ -10,7 +10,7 @@
 /// What a key names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum KeyKind {
+pub(crate) enum KeyKind {
     /// The tool's own state (shared pool, window, template tenants counted).
     Tool,
     /// A tenant of a tool.
@@ -33,7 +33,7 @@ impl KeyKind {
 }
 
 /// The version prefix: bump it when the state layout changes so old keys are never misread.
-pub const KEY_PREFIX: &str = "fs5";
+pub(crate) const KEY_PREFIX: &str = "fs5";
 
 fn push_part(out: &mut String, part: &str) {
     out.push_str(itoa::Buffer::new().format(part.len()));
@@ -42,22 +42,22 @@ fn push_part(out: &mut String, part: &str) {
 }
 
 /// The key of the tool's own state.
-pub fn tool_key(tool: &str) -> String {
+pub(crate) fn tool_key(tool: &str) -> String {
     encode(tool, KeyKind::Tool, &[])
 }
 
 /// The key of `tenant`'s state under `tool`.
-pub fn tenant_key(tool: &str, tenant: &str) -> String {
+pub(crate) fn tenant_key(tool: &str, tenant: &str) -> String {
     encode(tool, KeyKind::Tenant, &[tenant])
 }
 
 /// The key of `instance` of `tenant` under `tool`.
-pub fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
+pub(crate) fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
     encode(tool, KeyKind::Instance, &[tenant, instance])
 }
 
 /// The key of an untenanted caller identified by `instance` under `tool`.
-pub fn untenanted_key(tool: &str, instance: &str) -> String {
+pub(crate) fn untenanted_key(tool: &str, instance: &str) -> String {
     encode(tool, KeyKind::Untenanted, &[instance])
 }
 
@@ -76,7 +76,8 @@ fn encode(tool: &str, kind: KeyKind, parts: &[&str]) -> String {
 }
 
 /// Decodes a key built by this module: (tool, kind, parts). `None` if it is not one.
-pub fn decode(key: &str) -> Option<(String, KeyKind, Vec<String>)> {
+#[cfg(test)]
+pub(crate) fn decode(key: &str) -> Option<(String, KeyKind, Vec<String>)> {
     let rest = key.strip_prefix(KEY_PREFIX)?.strip_prefix('{')?;
     let (tool, rest) = take_part(rest)?;
     let rest = rest.strip_prefix('}')?;
@@ -103,6 +104,7 @@ pub fn decode(key: &str) -> Option<(String, KeyKind, Vec<String>)> {
     (parts.len() == expected).then(|| (tool.to_owned(), kind, parts))
 }
 
+#[cfg(test)]
 fn take_part(s: &str) -> Option<(&str, &str)> {
     let colon = s.find(':')?;
     let len: usize = s[..colon].parse().ok()?;
@@ -111,7 +113,7 @@ fn take_part(s: &str) -> Option<(&str, &str)> {
 }
 
 /// The Redis Cluster hash tag of a key: the bytes between the first `{` and the next `}`.
-pub fn hash_tag(key: &str) -> &str {
+pub(crate) fn hash_tag(key: &str) -> &str {
     if let Some(open) = key.find('{') {
         if let Some(close) = key[open + 1..].find('}') {
             if close > 0 {

@@ -74,6 +74,7 @@ struct Inner<S, C> {
 
 /// An admitted call: what to correct, refund or release later.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Ticket {
     /// What the store charged; `None` when the call went through unmetered (the store was
     /// unreachable and the tool fails open). Boxed: a ticket moves through futures and

@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant`, `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
 //! | [`TOOL_HEADROOM`] `fairshare_tool_headroom` | gauge | units | `tool`: pool tokens left to lend after the last admitted call |
-//! | [`TENANT_HEADROOM`] `fairshare_tenant_headroom` | gauge | units | `tool`, `tenant`: units the tenant could still take after its last admitted call |
+//! | [`TENANT_HEADROOM`] `fairshare_tenant_headroom` | gauge | units | `tool`, `tenant`: units of the caller's quota (its ceiling per period) left in the current window after its last admitted call (the `r` of the `RateLimit` header) |
 //! | [`DECISION_SECONDS`] `fairshare_decision_duration_seconds` | histogram | seconds | `store` (`memory`, `redis`, ...) |
 //! | [`STORE_ERRORS`] `fairshare_store_errors_total` | counter | errors | `tool`, `store` |
 //! | [`STORE_FALLBACKS`] `fairshare_store_fallbacks_total` | counter | decisions | `tool`, `mode` (`allow`: let through unmetered, `deny`: refused) |
@@ -62,7 +62,7 @@ pub fn describe_metrics() {
         );
         describe_gauge!(
             TENANT_HEADROOM,
-            "Units the tenant could still take (after its last admitted call)."
+            "Units of the caller's quota left in the current window (after its last admitted call)."
         );
         describe_histogram!(
             DECISION_SECONDS,

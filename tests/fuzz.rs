@@ -14,7 +14,8 @@ use http_body_util::{BodyExt, Full};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use tower::{service_fn, Layer, Service, ServiceExt};
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::{
     Caller, Cost, FairShareLayer, Limiter, ManualClock, MemoryStore, Policy, RATELIMIT,
     RATELIMIT_POLICY,

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tower::{service_fn, Layer, Service, ServiceExt};
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::{
     Caller, Cost, Describe, DescribedLayer, FairShareError, Limiter, ManualClock, MemoryStore,
     Policy, Reason, Store,

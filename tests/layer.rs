@@ -9,7 +9,8 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, Layer, Service, ServiceExt};
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::{
     Caller, Cost, FairShareLayer, Limiter, ManualClock, MemoryStore, Policy, Store, RATELIMIT,
     RATELIMIT_POLICY,
@@ -550,6 +551,55 @@ async fn ratelimit_headers_on_admitted_responses_when_asked() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.headers()[RATELIMIT_POLICY], "\"tenant\";q=3;w=60");
     assert_eq!(res.headers()[RATELIMIT], "\"tenant\";r=2;t=60");
+}
+
+/// `r` is what is left of `q` in the window, counting down call by call to the window's end
+/// `t` — not a token-bucket level a client cannot relate to `q` (it used to say `r=21` after
+/// one call of a 400-a-minute quota with a burst of 22).
+#[tokio::test]
+async fn ratelimit_r_is_what_is_left_of_q_in_the_window() {
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "search"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.tenants.acme]
+        floor = 100
+        ceiling = 400
+        burst = 22
+        "#,
+    )
+    .unwrap();
+    let clock = ManualClock::new(EPOCH);
+    let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
+    let (_calls, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).headers(true).layer(inner);
+    let mut seen = Vec::new();
+    for k in 0..5u64 {
+        // 10 s apart: the window (a minute from EPOCH) is the same for all five calls.
+        clock.set(EPOCH.saturating_add(std::time::Duration::from_secs(10 * k)));
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("/tools/search", Some(Caller::new("acme"))))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()[RATELIMIT_POLICY], "\"tenant\";q=400;w=60");
+        seen.push(res.headers()[RATELIMIT].to_str().unwrap().to_owned());
+    }
+    assert_eq!(
+        seen,
+        [
+            "\"tenant\";r=399;t=60",
+            "\"tenant\";r=398;t=50",
+            "\"tenant\";r=397;t=40",
+            "\"tenant\";r=396;t=30",
+            "\"tenant\";r=395;t=20",
+        ]
+    );
 }
 
 #[tokio::test]

@@ -1,12 +1,13 @@
 //! Every documented metric, with the right values, rendered by the Prometheus exporter.
-#![cfg(all(feature = "metrics", feature = "cli"))]
+#![cfg(feature = "metrics")]
 
 use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use metrics_exporter_prometheus::PrometheusBuilder;
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::telemetry::{
     self, DECISIONS, DECISION_SECONDS, TENANT_HEADROOM, TOOL_HEADROOM,
 };

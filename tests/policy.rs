@@ -461,10 +461,11 @@ fn a_work_conserving_tool_lends_all_its_idle_capacity() {
     // A alone, offering twice the capacity: it gets the whole tool but the others' floors
     // (less the others' share banks, which are never lent), far above its nominal 373.
     let admitted = |p: Policy| {
-        let clock = ManualClock::new(tower_fairshare::simulate::EPOCH);
+        let epoch = tower_fairshare::Timestamp(1_767_225_600_000_000); // 2026-01-01T00:00:00Z
+        let clock = ManualClock::new(epoch);
         let l = Limiter::with_store(p, MemoryStore::new(), clock.clone());
         let caller = Caller::new("A");
-        let start = tower_fairshare::simulate::EPOCH.as_micros();
+        let start = epoch.as_micros();
         let mut in_third_minute = 0;
         for k in 0..3 * 1200u64 {
             clock.set(Timestamp(start + k * 50_000));

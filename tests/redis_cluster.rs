@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use support::RedisCluster;
-use tower_fairshare::key::hash_tag;
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::store::RedisStore;
 use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Store, SystemClock, Timestamp};
 
@@ -219,4 +219,13 @@ fn replicas_on_a_cluster_share_one_exact_budget() {
         }
     }
     assert!(worst <= 0.0, "capacity bound broken by {worst}");
+}
+
+/// The `{...}` hash tag of a key (what Redis Cluster places it by): the text between the first
+/// `{` and the next `}`, or the whole key when it has none.
+fn hash_tag(key: &str) -> &str {
+    key.find('{')
+        .and_then(|a| key[a + 1..].find('}').map(|b| &key[a + 1..a + 1 + b]))
+        .filter(|t| !t.is_empty())
+        .unwrap_or(key)
 }

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use support::{command_calls, RedisServer};
 use tower_fairshare::admission::engine::{LevelRef, Plan};
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::store::RedisStore;
 use tower_fairshare::{
     Caller, Cost, Limiter, ManualClock, Policy, Reason, Store, StoreError, SystemClock, Timestamp,
@@ -847,7 +848,7 @@ fn a_store_started_while_redis_is_down_connects_when_it_returns() {
 /// State loss is visible: the store warns when the server can evict its keys or keeps
 /// nothing on disk, and notices when a tool's state is gone (a flush, a restart without
 /// persistence): logged, counted, and in the metrics.
-#[cfg(all(feature = "metrics", feature = "cli"))]
+#[cfg(feature = "metrics")]
 #[test]
 fn lost_state_and_a_risky_configuration_are_reported() {
     use metrics_exporter_prometheus::PrometheusBuilder;

@@ -62,7 +62,8 @@ pub struct Admitted {
     pub expires: [f64; 3],
     /// What was charged where.
     pub charge: Charge,
-    /// Units the caller could still take now (for the `RateLimit` header).
+    /// Units of the caller's quota left in the current aligned window (the `r` of the
+    /// `RateLimit` header, against `quota`, its `q`).
     pub remaining: f64,
     /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
     pub quota: f64,

@@ -12,7 +12,7 @@ use super::state::{
     BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars,
 };
 use super::template::{self, Standing};
-use super::walk::{room, Fail, Label, Level, PathCtx, Walk};
+use super::walk::{Fail, Label, Level, PathCtx, Walk};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
 
@@ -330,7 +330,6 @@ pub(crate) struct Top {
     takes: [[f64; 3]; 3],
     charge: LevelCharge,
     expires: f64,
-    room: f64,
     slack: f64,
 }
 
@@ -482,7 +481,6 @@ pub(crate) fn above(
         takes,
         charge,
         expires,
-        room: room(l),
         slack: l.state.ceiling,
     })
 }
@@ -621,14 +619,11 @@ pub(crate) fn commit_below(
 
     let leaf = n - 1;
     let lf = &b.levels[leaf];
-    let mut remaining = (lf.numbers.own_floor - lf.state.floor_used)
-        .min(lf.state.floor)
-        .max(0.0);
-    let mut non_floor_room = f64::INFINITY.min(top.room);
-    for l in &b.levels[1..n] {
-        non_floor_room = non_floor_room.min(room(l));
-    }
-    remaining += non_floor_room;
+    // What is left of the caller's quota (its ceiling per period) in this aligned window: the
+    // `r` a client reads against `q`, counting down to 0 by the window's end (`t`). A burst
+    // limit or a busy tool can still make a call wait inside the window; the refusal says
+    // how long.
+    let remaining = (lf.numbers.ceiling - lf.state.total).max(0.0);
 
     let view = |l: &Level<'_>| LevelView {
         weight: l.numbers.weight,

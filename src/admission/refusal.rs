@@ -62,6 +62,7 @@ impl Scope {
 
 /// A refused call: what refused it, the numbers behind it, and when a retry can succeed.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Refusal {
     /// The kind of refusal.
     pub reason: Reason,

@@ -217,6 +217,7 @@ impl Charge {
 
 /// The numbers that explain a decision at one level (for logs, headers and disputes).
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct LevelView {
     /// Weight.
     pub weight: f64,

@@ -257,12 +257,3 @@ impl PathCtx<'_, '_> {
         sure.min(f.wait)
     }
 }
-
-/// Non-floor units a level could still pass now.
-#[inline]
-pub(super) fn room(l: &Level<'_>) -> f64 {
-    l.state
-        .ceiling
-        .min(l.numbers.ceiling_rate - l.state.non_floor)
-        .max(0.0)
-}

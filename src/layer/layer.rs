@@ -160,7 +160,10 @@ impl FairShareLayer {
     }
 
     /// Send `RateLimit-Policy` / `RateLimit` on admitted responses too (refusals always have
-    /// them).
+    /// them). `q` is the caller's ceiling per period `w`; `r` is what is left of it in the
+    /// current aligned window, counting down to the window's end `t` (a burst limit or a busy
+    /// tool may still make a call wait inside the window: the refusal's `Retry-After` says how
+    /// long).
     pub fn headers(self, yes: bool) -> Self {
         self.with(|s| s.headers = yes)
     }

@@ -7,6 +7,7 @@ use super::{Budget, LevelPolicy, Policy, ToolPolicy};
 
 /// Every tool's allocation.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct Allocation {
     /// One entry per tool, in policy order.
     pub tools: Vec<ToolAllocation>,
@@ -14,6 +15,7 @@ pub struct Allocation {
 
 /// One tool's allocation.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct ToolAllocation {
     /// Tool name.
     pub name: String,
@@ -35,6 +37,7 @@ pub struct ToolAllocation {
 
 /// One tenant's allocation.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct TenantAllocation {
     /// Tenant name, `*` for the template.
     pub name: String,
@@ -58,6 +61,7 @@ pub struct TenantAllocation {
 
 /// One instance's allocation inside its tenant.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct InstanceAllocation {
     /// Instance name, `*` for the template.
     pub name: String,

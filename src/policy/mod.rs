@@ -434,6 +434,7 @@ impl fmt::Display for Violations<'_> {
 
 /// One broken rule, at one place in the policy.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Violation {
     /// The field, e.g. `tool[0].tenants.team-research.floor`.
     pub path: String,
@@ -564,6 +565,7 @@ pub enum Problem {
 
 /// Something allowed but probably unwise, with where it is.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Warning {
     /// The field or level.
     pub path: String,

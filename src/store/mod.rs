@@ -53,12 +53,14 @@ impl CallKeys {
 
 /// An admitted call, as the store reports it.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Admission {
     /// Which levels were charged.
     pub keys: CallKeys,
     /// What was charged where.
     pub charge: Charge,
-    /// Units the caller could still take now.
+    /// Units of the caller's quota (its ceiling per period, [`quota`](Self::quota)) left in
+    /// the current aligned window: the `r` of the `RateLimit` header, stated against `q`.
     pub remaining: f64,
     /// The caller's ceiling per period.
     pub quota: f64,

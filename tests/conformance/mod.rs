@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use tower_fairshare::simulate::EPOCH;
+/// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Reason, Scope, Store, Ticket};
 
 /// Hands out fresh stores to the suite.

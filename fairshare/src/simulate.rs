@@ -4,7 +4,8 @@
 //! [`FairShareLayer`], exactly as a request to a service behind it would.
 //!
 //! ```
-//! use tower_fairshare::{simulate::{Scenario, simulate}, Policy};
+//! use fairshare::simulate::{simulate, Scenario};
+//! use tower_fairshare::Policy;
 //!
 //! let policy = Policy::from_toml_str(r#"
 //!     [[tool]]
@@ -45,13 +46,12 @@ use http::{Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::admission::engine::{LevelView, NodeState, Plan};
-use crate::clock::{Clock, ManualClock, Timestamp};
-use crate::identity::{Caller, Cost};
-use crate::layer::FairShareLayer;
-use crate::limiter::Limiter;
-use crate::policy::{Period, Policy};
-use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
+use tower_fairshare::admission::engine::{LevelView, NodeState, Plan};
+use tower_fairshare::policy::ToolAllocation;
+use tower_fairshare::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
+use tower_fairshare::{
+    Caller, Clock, Cost, FairShareLayer, Limiter, ManualClock, Period, Policy, Timestamp,
+};
 
 /// The virtual start: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 pub const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
@@ -180,6 +180,41 @@ pub struct PeriodRow {
     pub callers: Vec<CallerRow>,
     /// Calls admitted in the period, all callers.
     pub admitted: u64,
+    /// Units of reserved floors the period left unused (see [`unserved_floors`]): capacity
+    /// kept for tenants that did not call, never lent to those that did.
+    pub unserved_floors: f64,
+}
+
+/// Units of a tool's reserved floors that one period left unused, given what each caller was
+/// admitted in it: each listed tenant's reserved floor less what its callers were admitted
+/// (never below 0), whether it called or not, and the same for each template tenant that
+/// called. A floor is kept for its tenant and never lent, so this much of the capacity goes
+/// unused while its tenants are idle — the gap between what a saturated tool admits and its
+/// capacity that `fairshare check` announces.
+pub fn unserved_floors(alloc: &ToolAllocation, callers: &[CallerRow]) -> f64 {
+    let mut used: Vec<(&str, u64)> = Vec::new();
+    for c in callers {
+        let Some(t) = c.tenant.as_deref() else {
+            continue;
+        };
+        match used.iter_mut().find(|(n, _)| *n == t) {
+            Some(e) => e.1 += c.admitted,
+            None => used.push((t, c.admitted)),
+        }
+    }
+    let admitted = |t: &str| used.iter().find(|(n, _)| *n == t).map_or(0, |e| e.1) as f64;
+    let listed = alloc.tenants.iter().filter(|t| t.name != "*");
+    let mut total: f64 = listed
+        .map(|t| (t.reserved_floor - admitted(&t.name)).max(0.0))
+        .sum();
+    if let Some(template) = alloc.tenants.iter().find(|t| t.name == "*") {
+        for (name, n) in &used {
+            if !alloc.tenants.iter().any(|t| t.name == *name) {
+                total += (template.reserved_floor - *n as f64).max(0.0);
+            }
+        }
+    }
+    total
 }
 
 /// A simulation's result: the `--json` contract of `fairshare simulate`.
@@ -346,6 +381,7 @@ pub async fn simulate_with<S: Store>(
             start_ms: k as u64 * p / 1000,
             callers: sources.iter().map(row).collect(),
             admitted: 0,
+            unserved_floors: 0.0,
         })
         .collect();
 
@@ -395,6 +431,7 @@ pub async fn simulate_with<S: Store>(
     }
     for p in periods.iter_mut() {
         p.admitted = p.callers.iter().map(|c| c.admitted).sum();
+        p.unserved_floors = unserved_floors(alloc, &p.callers);
     }
     let totals = (0..sources.len())
         .map(|i| {

@@ -1,5 +1,4 @@
 //! `fairshare demo`: the acceptance test over real loopback HTTP, run as a user would.
-#![cfg(feature = "cli")]
 
 use std::process::Command;
 use std::time::{Duration, Instant};

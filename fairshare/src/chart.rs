@@ -16,14 +16,21 @@ fn esc(s: &str) -> String {
 }
 
 /// Renders `report` as an SVG line chart: one solid line per caller (admitted per period), a
-/// dashed line at its ceiling and a dotted line at its floor, the tool's capacity in grey.
+/// dashed line at its ceiling and a dotted line at its floor, the tool's capacity in grey,
+/// what all callers were admitted in thin grey, and the reserved floors each period left
+/// unused ([`PeriodRow::unserved_floors`](crate::simulate::PeriodRow::unserved_floors)) shaded
+/// below the capacity.
 ///
 /// ```
-/// # use tower_fairshare::simulate::{Report, PeriodRow, CallerRow};
+/// # use fairshare::simulate::{Report, PeriodRow, CallerRow};
 /// let row = CallerRow { tenant: Some("A".into()), instance: None, offered: 10, admitted: 5, refused: 5, floor: 2.0, ceiling: 5.0 };
-/// let report = Report { periods: vec![PeriodRow { start_ms: 0, callers: vec![row.clone()], admitted: 5 }], totals: vec![row] };
-/// let svg = tower_fairshare::chart::svg(&report, "demo", 10.0, "1m");
+/// let period = PeriodRow { start_ms: 0, callers: vec![row.clone()], admitted: 5, unserved_floors: 3.0 };
+/// let report = Report { periods: vec![period], totals: vec![row] };
+/// let svg = fairshare::chart::svg(&report, "demo", 10.0, "1m");
 /// assert!(svg.starts_with("<svg"));
+/// // The 3 units of floors kept unused are shaded below the capacity, and named.
+/// assert!(svg.contains("<title>floors kept unused: 3</title>"));
+/// assert!(svg.contains("up to 3 a period kept for idle tenants' floors"));
 /// ```
 pub fn svg(report: &Report, title: &str, capacity: f64, period: &str) -> String {
     let (w, h) = (900.0, 480.0);
@@ -56,7 +63,7 @@ pub fn svg(report: &Report, title: &str, capacity: f64, period: &str) -> String 
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n\
          <text x=\"{left}\" y=\"24\" font-size=\"16\" font-weight=\"bold\">{}</text>\n\
-         <text x=\"{left}\" y=\"42\" fill=\"#555\">solid: admitted per period · dashed: ceiling owed · dotted: floor owed · grey: tool capacity</text>\n",
+         <text x=\"{left}\" y=\"42\" fill=\"#555\">solid: admitted per period · dashed: ceiling owed · dotted: floor owed · grey: tool capacity, thin grey: all callers · shaded: floors kept unused</text>\n",
         esc(title)
     );
     // Axes and grid.
@@ -100,6 +107,48 @@ pub fn svg(report: &Report, title: &str, capacity: f64, period: &str) -> String 
         y(capacity) - 6.0,
         capacity
     );
+    // What the tool admitted in all, and the reserved floors each period left unused: shaded
+    // below the capacity, so the gap between the two reads as floors kept for tenants that did
+    // not call (never lent), not as capacity lost.
+    let half = pw / n as f64 / 2.0;
+    for (k, p) in report.periods.iter().enumerate() {
+        if p.unserved_floors > 0.0 {
+            let top_y = y(capacity);
+            let bottom_y = y((capacity - p.unserved_floors).max(0.0));
+            let _ = writeln!(
+                o,
+                "<rect x=\"{:.1}\" y=\"{top_y:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"#f0c36d\" opacity=\"0.35\"><title>floors kept unused: {}</title></rect>",
+                x(k as f64) - half,
+                2.0 * half,
+                bottom_y - top_y,
+                p.unserved_floors
+            );
+        }
+    }
+    let all: Vec<String> = report
+        .periods
+        .iter()
+        .enumerate()
+        .map(|(k, p)| format!("{:.1},{:.1}", x(k as f64), y(p.admitted as f64)))
+        .collect();
+    let _ = writeln!(
+        o,
+        "<polyline fill=\"none\" stroke=\"#777\" stroke-width=\"1\" points=\"{}\"/>",
+        all.join(" ")
+    );
+    let kept = report
+        .periods
+        .iter()
+        .map(|p| p.unserved_floors)
+        .fold(0.0, f64::max);
+    if kept > 0.0 {
+        let _ = writeln!(
+            o,
+            "<text x=\"{:.1}\" y=\"{:.1}\" fill=\"#8a6d1f\" text-anchor=\"end\">shaded: up to {kept} a period kept for idle tenants' floors (reserved, never lent)</text>",
+            left + pw - 6.0,
+            y(capacity) + 16.0,
+        );
+    }
     let callers = report.totals.len();
     for i in 0..callers {
         let color = COLORS[i % COLORS.len()];

@@ -1,7 +1,7 @@
 //! `fairshare demo`: the seed-000 three-part acceptance test over real loopback HTTP.
 //!
 //! Starts the `serve` gateway in this process on `127.0.0.1:0` with the policy and keys of
-//! `examples/demo/`, waits for the start of the limiter's next window (windows are aligned to
+//! `fairshare/demo/`, waits for the start of the limiter's next window (windows are aligned to
 //! the clock, so each row of the report is one whole window), then drives it with hyper
 //! clients: a heavy tenant at ten times its nominal share, a quiet tenant below its floor, an
 //! interactive agent at its floor beside a runaway batch teammate. It prints a progress line a
@@ -27,8 +27,8 @@ use tower_fairshare::Policy;
 use super::keys::Keys;
 use super::serve;
 
-const POLICY: &str = include_str!("../../examples/demo/policy.toml");
-const KEYS: &str = include_str!("../../examples/demo/keys.toml");
+const POLICY: &str = include_str!("../../demo/policy.toml");
+const KEYS: &str = include_str!("../../demo/keys.toml");
 const TOOL: &str = "web_search";
 
 /// One simulated client of the gateway.
@@ -186,7 +186,7 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
     ));
 
     println!("fairshare demo: the three-part acceptance test over real HTTP");
-    println!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy examples/demo/policy.toml)");
+    println!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
     println!(
         "  tool     {TOOL}: {} calls per {}, burst {}",
         num(capacity),
@@ -348,8 +348,8 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
         )
     );
     if let Some(out) = svg {
-        let chart = tower_fairshare::chart::svg(
-            &chart_report(&tallies, &owed),
+        let chart = fairshare::chart::svg(
+            &chart_report(&tallies, &owed, &alloc),
             "fairshare demo: the three-part acceptance over real HTTP",
             capacity,
             &tool.period().to_string(),
@@ -372,8 +372,8 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
 }
 
 /// The demo's per-window admissions as a simulation report, for the chart.
-fn chart_report(t: &[Tally], owed: &[Owed]) -> tower_fairshare::simulate::Report {
-    use tower_fairshare::simulate::{CallerRow, PeriodRow, Report};
+fn chart_report(t: &[Tally], owed: &[Owed], alloc: &ToolAllocation) -> fairshare::simulate::Report {
+    use fairshare::simulate::{unserved_floors, CallerRow, PeriodRow, Report};
     let windows = t.first().map_or(0, |c| c.per_window.len());
     let row = |i: usize, admitted: u64| {
         let (tenant, instance) = DRIVERS[i]
@@ -397,6 +397,7 @@ fn chart_report(t: &[Tally], owed: &[Owed]) -> tower_fairshare::simulate::Report
             PeriodRow {
                 start_ms: 0,
                 admitted: callers.iter().map(|c| c.admitted).sum(),
+                unserved_floors: unserved_floors(alloc, &callers),
                 callers,
             }
         })

@@ -1,7 +1,7 @@
 //! `fairshare serve` over real HTTP on loopback: the binary, started as a user would, called
 //! with a hyper client.
-#![cfg(feature = "cli")]
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::io::{BufRead, BufReader};

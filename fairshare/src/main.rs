@@ -1,7 +1,6 @@
 //! `fairshare`: check a policy, simulate load against it, serve a reference gateway, run the
 //! acceptance demo over loopback HTTP.
 
-#[path = "../cli/mod.rs"]
 mod cli;
 
 use std::net::SocketAddr;
@@ -10,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tower_fairshare::simulate::{simulate, Scenario};
+use fairshare::simulate::{simulate, Scenario};
 use tower_fairshare::{Period, Policy};
 
 use cli::keys::Keys;
@@ -542,11 +541,8 @@ fn run_simulation(
                     .connect()
                     .await
                     .map_err(|e| format!("cannot use Redis at {url}: {e}"))?;
-                let clock = tower_fairshare::ManualClock::new(tower_fairshare::simulate::EPOCH);
-                Ok(
-                    tower_fairshare::simulate::simulate_with(&policy, store, &clock, &scenario)
-                        .await,
-                )
+                let clock = tower_fairshare::ManualClock::new(fairshare::simulate::EPOCH);
+                Ok(fairshare::simulate::simulate_with(&policy, store, &clock, &scenario).await)
             }
         }
     };
@@ -573,12 +569,8 @@ fn run_simulation(
                 .file_name()
                 .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
         );
-        let chart = tower_fairshare::chart::svg(
-            &report,
-            &title,
-            tool.capacity(),
-            &tool.period().to_string(),
-        );
+        let chart =
+            fairshare::chart::svg(&report, &title, tool.capacity(), &tool.period().to_string());
         if let Err(e) = std::fs::write(out, chart) {
             eprintln!("error: cannot write {}: {e}", out.display());
             return ExitCode::from(1);

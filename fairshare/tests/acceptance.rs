@@ -1,7 +1,7 @@
 //! The seed-000 acceptance tests, through the real limiter over a virtual clock, from the
 //! example files users run with `fairshare simulate`.
 
-use tower_fairshare::simulate::{simulate, Report, Scenario};
+use fairshare::simulate::{simulate, Report, Scenario};
 use tower_fairshare::Policy;
 
 fn run(policy: &str, scenario: &str) -> (Policy, Report) {
@@ -21,8 +21,8 @@ fn run(policy: &str, scenario: &str) -> (Policy, Report) {
 #[test]
 fn three_part_acceptance() {
     let (_, report) = run(
-        include_str!("../examples/acceptance/policy.toml"),
-        include_str!("../examples/acceptance/scenario.toml"),
+        include_str!("../../examples/acceptance/policy.toml"),
+        include_str!("../../examples/acceptance/scenario.toml"),
     );
     let idx = |tenant: &str, instance: &str| {
         report
@@ -63,6 +63,25 @@ fn three_part_acceptance() {
             b <= 26.5 + 2.0 + 1.0,
             "period {k}: runaway batch above its ceiling: {b}"
         );
+        // Quiet uses 20 of its floor of 60: the other 40 are kept for it, never lent, and the
+        // report (and the chart drawn from it) says so, with what the agents tenant leaves of
+        // its floor of 60 (its batch agent is held to its own small ceiling); heavy is above
+        // its floor. The rest of the tool is spent.
+        let q = p.callers[quiet].admitted as f64;
+        let agents = (p.callers[interactive].admitted + p.callers[batch].admitted) as f64;
+        assert!(h >= 100.0);
+        assert_eq!(
+            p.unserved_floors,
+            (60.0 - q) + (60.0 - agents).max(0.0),
+            "period {k}"
+        );
+        assert!(p.unserved_floors >= 40.0, "period {k}");
+        assert!(
+            p.admitted as f64 + p.unserved_floors <= 600.0 + 6.0,
+            "period {k}: {} admitted + {} floors kept unused",
+            p.admitted,
+            p.unserved_floors
+        );
     }
 }
 
@@ -71,8 +90,8 @@ fn three_part_acceptance() {
 /// is deterministic.
 #[test]
 fn seed_000_saturation_gives_nominal_shares() {
-    let policy = include_str!("../examples/seed000/policy.toml");
-    let scenario = include_str!("../examples/seed000/saturation.toml");
+    let policy = include_str!("../../examples/seed000/policy.toml");
+    let scenario = include_str!("../../examples/seed000/saturation.toml");
     let (_, report) = run(policy, scenario);
     let nominal = [328.0, 136.0, 68.0, 68.0];
     for (k, p) in report.periods.iter().enumerate() {
