@@ -35,7 +35,8 @@
 //!
 //! # Key layout
 //!
-//! Keys come from [`crate::key`] (injective, versioned, length-prefixed), behind an optional
+//! Keys are injective, versioned and length-prefixed
+//! ([`CallKeys::encoded`](crate::store::CallKeys::encoded) gives a call's), behind an optional
 //! [namespace](RedisStoreBuilder::namespace):
 //!
 //! | key | type | holds |
