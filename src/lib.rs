@@ -79,6 +79,7 @@
 
 pub mod admission;
 mod clock;
+pub mod console;
 mod identity;
 #[cfg(any(feature = "axum", feature = "tonic"))]
 mod integrations;
@@ -91,6 +92,7 @@ pub mod telemetry;
 
 pub use admission::{Reason, Refusal, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use console::{Console, Explanation};
 pub use identity::{Caller, Cost};
 pub use layer::{
     default_refusal_response, grpc_code, http_status, CallerFromExtensions, Describe, Described,

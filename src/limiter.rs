@@ -70,6 +70,8 @@ struct Inner<S, C> {
     clock: C,
     instance_labels: bool,
     tenant_labels: usize,
+    /// Refusals counted and kept for the console (off until one is made).
+    recorder: crate::console::Recorder,
 }
 
 /// An admitted call: what to correct, refund or release later.
@@ -114,6 +116,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 clock,
                 instance_labels: false,
                 tenant_labels: DEFAULT_TENANT_LABELS,
+                recorder: Default::default(),
             }),
         }
     }
@@ -182,6 +185,24 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 Err(e)
             }
         }
+    }
+
+    /// What the console counts and keeps.
+    pub(crate) fn recorder(&self) -> &crate::console::Recorder {
+        &self.inner.recorder
+    }
+
+    /// Everything before the store for a call, as [`admit`](Self::admit) works it out: the
+    /// plan and the keys, or the refusal its identity alone earns.
+    pub(crate) fn prepared<'p>(
+        &self,
+        policy: &'p Policy,
+        caller: &'p Caller,
+        tool: &str,
+        cost: Cost,
+    ) -> Result<(Plan<'p>, CallKeys), Box<Refusal>> {
+        self.prepare(policy, caller, tool, cost)
+            .map(|p| (p.plan, p.keys))
     }
 
     /// The store.
@@ -411,7 +432,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
                 (None, None) => {}
             },
-            Err(r) => event(r, tool, tenant, instance, cost, "refused"),
+            Err(r) => {
+                event(r, tool, tenant, instance, cost, "refused");
+                self.inner
+                    .recorder
+                    .refused(policy, caller, tool, r, || self.inner.clock.now());
+            }
         }
     }
 

@@ -2,7 +2,7 @@
 //! of the stored states (for stores that read, decide and write atomically), or over the
 //! stored states themselves (for the in-process store).
 
-use super::phases::{above, below, commit_below, Below};
+use super::phases::{above, below, commit_below, figures, Below};
 use super::refusal::Refusal;
 use super::state::{Charge, LevelView, NodeState};
 use super::template;
@@ -193,6 +193,30 @@ pub(crate) fn decide_in_place(
         tenant_state,
         instance_state,
     ))
+}
+
+/// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with
+/// nothing written anywhere: for `Limiter::explain`.
+pub(crate) struct Explained {
+    pub(crate) verdict: Result<(), Box<Refusal>>,
+    pub(crate) levels: Vec<crate::console::LevelFigures>,
+}
+
+/// [`decide`] without its outcome: the verdict and each level's figures (see [`Explained`]).
+pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
+    let mut tool = snap.tool;
+    let instance = plan.instance.is_some().then_some(&snap.instance);
+    let mut b = Below::new();
+    below(
+        &mut b,
+        plan,
+        &snap.tenant,
+        instance,
+        tenants_counted(plan, &tool),
+    );
+    let levels = figures(plan, &b, &tool);
+    let verdict = above(plan, &mut b, &mut tool).map(|_| ());
+    Explained { verdict, levels }
 }
 
 /// The template tenants counted at the tool now, from the tool's stored state: what [`below`]

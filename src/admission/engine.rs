@@ -21,5 +21,6 @@ pub use super::state::{
 
 #[cfg(feature = "redis")]
 pub(crate) use super::bucket::EPS;
+pub(crate) use super::decide::explain;
 pub(crate) use super::phases::{above, below, commit_below, Below};
 pub(crate) use super::template::counts as template_counts;

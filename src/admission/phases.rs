@@ -362,22 +362,9 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
     Box::new(r)
 }
 
-/// A decision's second half: the tool's checks and draw, with the tool's state (locked by the
-/// store for just this). Admitted: the tool's state is written and the rest is for
-/// [`commit_below`]. Refused: nothing is written anywhere.
-pub(crate) fn above(
-    plan: &Plan<'_>,
-    b: &mut Below<'_>,
-    tool_state: &mut NodeState,
-) -> Result<Top, Box<Refusal>> {
-    let (now, period) = (b.now, b.period);
-    if let Some(mut f) = b.callers {
-        if f.scope == Scope::Tenant {
-            // Exact now that the tool's counts are at hand.
-            f.wait = template::until_one_leaves(tool_state, b.window, period) - now;
-        }
-        return Err(refuse(plan, now, f));
-    }
+/// The tool's level at `b`'s instant: its numbers, and its state brought up to date (refilled,
+/// its window rolled), nothing drawn.
+fn tool_level(plan: &Plan<'_>, b: &Below<'_>, tool_state: &NodeState) -> Level<'static> {
     let tool = plan.tool;
     let spare = tool.spare();
     let mut t = Level {
@@ -397,8 +384,61 @@ pub(crate) fn above(
         state: Scalars::of(tool_state),
         policy: None,
     };
-    refill(&mut t.state, &t.floor_b, &t.share_b, &t.ceil_b, now, period);
+    refill(
+        &mut t.state,
+        &t.floor_b,
+        &t.share_b,
+        &t.ceil_b,
+        b.now,
+        b.period,
+    );
     roll_window(&mut t.state, b.window);
+    t
+}
+
+/// Each level of a call as the decision sees it at `b`'s instant, nothing charged: its limit
+/// per period, units through it this window, floor, share and the non-floor units it could
+/// pass now (the tool: its pool). Empty when the call was refused for too many template
+/// callers before its levels were worked out.
+pub(crate) fn figures(
+    plan: &Plan<'_>,
+    b: &Below<'_>,
+    tool_state: &NodeState,
+) -> Vec<crate::console::LevelFigures> {
+    if b.callers.is_some() {
+        return Vec::new();
+    }
+    let of = |l: &Level<'_>| crate::console::LevelFigures {
+        level: l.scope.as_str(),
+        limit: l.numbers.ceiling,
+        used: l.state.total,
+        floor: l.numbers.floor,
+        share: l.numbers.share,
+        slack: l.state.ceiling.max(0.0),
+    };
+    let mut out = vec![of(&tool_level(plan, b, tool_state))];
+    out.extend(b.levels[1..b.n].iter().map(of));
+    out
+}
+
+/// A decision's second half: the tool's checks and draw, with the tool's state (locked by the
+/// store for just this). Admitted: the tool's state is written and the rest is for
+/// [`commit_below`]. Refused: nothing is written anywhere.
+pub(crate) fn above(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    tool_state: &mut NodeState,
+) -> Result<Top, Box<Refusal>> {
+    let (now, period) = (b.now, b.period);
+    if let Some(mut f) = b.callers {
+        if f.scope == Scope::Tenant {
+            // Exact now that the tool's counts are at hand.
+            f.wait = template::until_one_leaves(tool_state, b.window, period) - now;
+        }
+        return Err(refuse(plan, now, f));
+    }
+    let tool = plan.tool;
+    let t = tool_level(plan, b, tool_state);
     b.levels[0] = t;
 
     // 3. Concurrency, before any rate is looked at: the tool's cap, then the caller's.

@@ -106,6 +106,10 @@ macro_rules! suite {
         fn concurrency_caps_and_release() {
             conformance::concurrency(&$factory)
         }
+        #[test]
+        fn explain_agrees_with_the_next_decision() {
+            conformance::explain_agrees(&$factory)
+        }
     };
 }
 
@@ -1166,4 +1170,112 @@ async fn futures_join<S: Store>(l: &Limiter<S, ManualClock>, c: &Caller, n: usiz
         out.push(l.admit(c, "t", Cost(1.0)).await.unwrap());
     }
     out
+}
+
+/// Explain: what `Limiter::explain` says the next call would get is what it gets, on random
+/// workloads (floors, weights, ceilings, budgets at two levels, template instances and
+/// concurrency caps, costs from 1 to 30), and explaining writes nothing.
+pub fn explain_agrees<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "tokens"
+        rate = { limit = 100, per = "10s" }
+        max_concurrency = 6
+        budgets = [{ period = "hour", max = 400 }]
+        [tool.tenants.A]
+        weight = 2
+        floor = 10
+        budgets = [{ period = "day", max = 300 }]
+        [tool.tenants.A.instances.x]
+        floor = 5
+        max_concurrency = 2
+        [tool.tenants.A.default_instance]
+        max_instances = 3
+        [tool.tenants.B]
+        weight = 1
+        floor = 20
+        ceiling = 60
+        [tool.default_tenant]
+        max_tenants = 2
+        "#,
+    )
+    .unwrap();
+    let callers = [
+        Caller::new("A").with_instance("x"),
+        Caller::new("A").with_instance("y"),
+        Caller::new("A").with_instance("z"),
+        Caller::new("A").with_instance("w"),
+        Caller::new("A").with_instance("v"),
+        Caller::new("B"),
+        Caller::new("C"),
+        Caller::new("D"),
+        Caller::new("E"),
+    ];
+    runner(f.cases())
+        .run(
+            &prop::collection::vec(
+                (
+                    0usize..9,
+                    0u64..400_000,
+                    1u32..30,
+                    prop::bool::weighted(0.3),
+                ),
+                20..120,
+            ),
+            |ops| {
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
+                let mut held: Vec<Ticket> = Vec::new();
+                rt.block_on(async {
+                    let mut t = 0u64;
+                    for (k, (who, dt, cost, keep)) in ops.into_iter().enumerate() {
+                        t += dt;
+                        clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
+                        let caller = &callers[who];
+                        let keys = limiter.call_keys(caller, "t").unwrap();
+                        let before = limiter.store().inspect(&keys).await.unwrap();
+                        let e = limiter
+                            .explain(caller, "t", Cost(cost as f64))
+                            .await
+                            .unwrap();
+                        let after = limiter.store().inspect(&keys).await.unwrap();
+                        check(before == after, || {
+                            format!("op {k}: explaining wrote {before:?} -> {after:?}")
+                        })?;
+                        let got = limiter.admit(caller, "t", Cost(cost as f64)).await;
+                        let (admitted, reason, scope) = match &got {
+                            Ok(_) => (true, None, None),
+                            Err(r) => (false, Some(r.reason.as_str()), r.scope.map(|s| s.as_str())),
+                        };
+                        check(
+                            e.admitted == admitted && e.reason == reason && e.binding == scope,
+                            || {
+                                format!(
+                                    "op {k} ({caller:?}, cost {cost}, t {t}): explain said \
+                                     {:?}/{:?}/{:?}, the call got {got:?}",
+                                    e.admitted, e.reason, e.binding
+                                )
+                            },
+                        )?;
+                        if let Ok(ticket) = got {
+                            if keep {
+                                held.push(ticket);
+                            } else {
+                                limiter.release(&ticket).await;
+                            }
+                        }
+                        // Permits are held a few calls at most (well inside any permit TTL).
+                        if held.len() > 4 {
+                            for ticket in held.drain(..) {
+                                limiter.release(&ticket).await;
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
 }

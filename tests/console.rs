@@ -1,0 +1,348 @@
+//! The operator's console (`Limiter::console`): the live page in headless Chromium, the
+//! `state`, `explain` and `refusals` answers, and the bound on what it keeps.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use axum::Router;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Store};
+
+/// The virtual start of the tests: 2026-01-01T00:00:00Z.
+const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
+
+const POLICY: &str = r#"
+[[tool]]
+name = "generate_report"
+unit = "calls"
+rate = { limit = 600, per = "1m" }
+[tool.tenants.heavy]
+weight = 1
+floor = 100
+ceiling = 300
+[tool.tenants.quiet]
+weight = 2
+floor = 60
+[tool.tenants.quiet.instances.assistant]
+floor = 30
+[tool.tenants.quiet.default_instance]
+[tool.default_tenant]
+max_tenants = 1000
+"#;
+
+fn limiter() -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
+    let clock = ManualClock::new(EPOCH);
+    let policy = Policy::from_toml_str(POLICY).unwrap();
+    (
+        Limiter::with_store(policy, MemoryStore::new(), clock.clone()),
+        clock,
+    )
+}
+
+async fn get(app: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
+    let res = app
+        .clone()
+        .oneshot(Request::get(uri).body(axum::body::Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+fn tenant<'a>(state: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    state["tools"][0]["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not on the console: {state}"))
+}
+
+/// A flood of a million refused calls under made-up names keeps at most the ring's worth per
+/// name the policy knows, and never lists a made-up name.
+#[tokio::test]
+async fn the_ring_of_refusals_is_bounded_and_names_only_what_the_policy_knows() {
+    let (limiter, _clock) = limiter();
+    let app = Router::new().nest_service("/fairshare", limiter.console());
+    let mut refused = 0u64;
+    for k in 0..1_000_000u64 {
+        // Made-up tenants (template callers, at most 1,000 counted) and a listed one.
+        let caller = if k % 2 == 0 {
+            Caller::new(format!("made-up-{k}"))
+        } else {
+            Caller::new("heavy").with_instance(format!("agent-{k}"))
+        };
+        if let Some(Err(_)) = limiter.try_admit(&caller, "generate_report", Cost(1.0)) {
+            refused += 1;
+        }
+    }
+    assert!(refused > 900_000, "{refused} refused");
+    let (status, state) = get(&app, "/fairshare/state").await;
+    assert_eq!(status, StatusCode::OK);
+    let text = state.to_string();
+    assert!(
+        !text.contains("made-up-"),
+        "a made-up name is listed: {text}"
+    );
+    assert!(!text.contains("agent-"), "a made-up name is listed: {text}");
+    let names: Vec<&str> = state["tools"][0]["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["heavy", "quiet", "other"]);
+    let counted: u64 = ["heavy", "other"]
+        .iter()
+        .map(|n| {
+            tenant(&state, n)["refused"]["rate_limited"]
+                .as_u64()
+                .unwrap_or(0)
+                + tenant(&state, n)["refused"]["cap_exceeded"]
+                    .as_u64()
+                    .unwrap_or(0)
+        })
+        .sum();
+    assert_eq!(counted, refused, "every refusal counted once: {state}");
+    for (who, expect) in [
+        ("heavy", "heavy"),
+        ("made-up-4", "other"),
+        ("other", "other"),
+    ] {
+        let (status, recent) = get(
+            &app,
+            &format!("/fairshare/refusals?tool=generate_report&tenant={who}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let recent = recent.as_array().unwrap();
+        assert_eq!(
+            recent.len(),
+            tower_fairshare::console::RECENT_REFUSALS,
+            "{expect}"
+        );
+        let text = serde_json::to_string(recent).unwrap();
+        assert!(
+            !text.contains("made-up-") && !text.contains("agent-"),
+            "{text}"
+        );
+    }
+}
+
+/// `explain` answers what `admit` then does, with each level's numbers; `state` reads the
+/// store; nothing on the console charges anything.
+#[tokio::test]
+async fn explain_and_state_read_without_charging() {
+    let (limiter, clock) = limiter();
+    let app = Router::new().nest_service("/fairshare", limiter.console());
+    let heavy = Caller::new("heavy");
+    let mut admitted = 0;
+    while limiter
+        .admit(&heavy, "generate_report", Cost(1.0))
+        .await
+        .is_ok()
+    {
+        admitted += 1;
+    }
+    let uri = "/fairshare/explain?tool=generate_report&tenant=heavy";
+    let (status, e) = get(&app, uri).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(e["admitted"], false, "{e}");
+    assert_eq!(e["reason"], "rate_limited", "{e}");
+    assert_eq!(e["binding"], "tenant", "{e}");
+    assert_eq!(e["levels"][1]["used"], admitted as f64, "{e}");
+    assert_eq!(e["levels"][1]["floor"], 100.0, "{e}");
+    let wait = e["retry_after_ms"].as_u64().unwrap();
+    assert!(wait > 0);
+    // Asking again, and reading the state, changed nothing: the same answer.
+    let (_, state) = get(&app, "/fairshare/state").await;
+    assert_eq!(tenant(&state, "heavy")["used"], admitted as f64);
+    let (_, again) = get(&app, uri).await;
+    assert_eq!(again, e);
+    // At the time it named, the call passes, as explain now says.
+    clock.advance(Duration::from_millis(wait));
+    let (_, later) = get(&app, uri).await;
+    assert_eq!(later["admitted"], true, "{later}");
+    assert!(limiter
+        .admit(&heavy, "generate_report", Cost(1.0))
+        .await
+        .is_ok());
+    // A quiet tenant is explained at its floor.
+    let (_, q) = get(
+        &app,
+        "/fairshare/explain?tool=generate_report&tenant=quiet&instance=assistant",
+    )
+    .await;
+    assert_eq!(q["admitted"], true, "{q}");
+    assert_eq!(q["levels"].as_array().unwrap().len(), 3, "{q}");
+    assert_eq!(q["levels"][2]["floor"], 30.0, "{q}");
+    // Bad questions get a clear answer.
+    let (status, err) = get(&app, "/fairshare/explain?tenant=heavy").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(err["error"].as_str().unwrap().contains("tool="));
+}
+
+fn chromium() -> PathBuf {
+    for c in ["/usr/bin/chromium", "/usr/bin/chromium-browser"] {
+        if Path::new(c).exists() {
+            return PathBuf::from(c);
+        }
+    }
+    panic!("Chromium is not installed: scripts/test installs it (Debian's chromium package)");
+}
+
+fn headless(args: &[&str]) -> std::process::Output {
+    let profile = tempdir();
+    let out = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1280,720",
+            "--virtual-time-budget=4000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .output()
+        .expect("chromium runs");
+    let _ = std::fs::remove_dir_all(profile);
+    out
+}
+
+fn tempdir() -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "fairshare-console-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The figure the page shows in `field` of `tenant`'s row.
+fn figure(dom: &str, tenant: &str, field: &str) -> f64 {
+    let row_at = dom
+        .find(&format!("data-tenant=\"{tenant}\""))
+        .unwrap_or_else(|| panic!("no row for {tenant} in the page:\n{dom}"));
+    let row = &dom[row_at
+        ..dom[row_at..]
+            .find("</tr>")
+            .map_or(dom.len(), |e| row_at + e)];
+    let cell = format!("data-field=\"{field}\">");
+    let at = row
+        .find(&cell)
+        .unwrap_or_else(|| panic!("no {field} for {tenant}: {row}"))
+        + cell.len();
+    row[at..row[at..].find('<').unwrap() + at].parse().unwrap()
+}
+
+/// The live page in headless Chromium: a heavy tenant floods and shows at its ceiling, a quiet
+/// tenant at its floor, the page's figures equal the store's, and the bars move between two
+/// screenshots (written to `target/console-1.png` and `target/console-2.png`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_in_headless_chromium() {
+    let (limiter, clock) = limiter();
+    let app = Router::new().nest_service("/fairshare", limiter.console());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = format!("http://{addr}/fairshare");
+
+    // Over most of a minute, heavy floods (50 calls a second, ten times its ceiling) and
+    // quiet's assistant calls 60 times: quiet's floor.
+    let heavy = Caller::new("heavy").with_instance("crawler");
+    let quiet = Caller::new("quiet").with_instance("assistant");
+    for ms in (0..59_000u64).step_by(20) {
+        clock.set(EPOCH.saturating_add(Duration::from_millis(ms)));
+        let _ = limiter.admit(&heavy, "generate_report", Cost(1.0)).await;
+        if ms % 500 == 0 && ms < 30_000 {
+            limiter
+                .admit(&quiet, "generate_report", Cost(1.0))
+                .await
+                .unwrap();
+        }
+    }
+    let store = |name: &'static str| {
+        let limiter = limiter.clone();
+        async move {
+            let keys = limiter
+                .call_keys(&Caller::new(name), "generate_report")
+                .unwrap();
+            limiter.store().inspect(&keys).await.unwrap()[1]
+                .unwrap()
+                .total
+        }
+    };
+
+    let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
+    let (h_used, h_ceiling) = (
+        figure(&dom, "heavy", "used"),
+        figure(&dom, "heavy", "ceiling"),
+    );
+    let (q_used, q_floor) = (
+        figure(&dom, "quiet", "used"),
+        figure(&dom, "quiet", "floor"),
+    );
+    assert_eq!(
+        h_used,
+        store("heavy").await,
+        "the page's figure is the store's"
+    );
+    assert_eq!(
+        q_used,
+        store("quiet").await,
+        "the page's figure is the store's"
+    );
+    assert_eq!(h_ceiling, 300.0);
+    assert!(h_used >= 0.97 * h_ceiling, "heavy at its ceiling: {h_used}");
+    assert!(figure(&dom, "heavy", "borrowed") > 0.0);
+    assert_eq!(q_floor, 60.0);
+    assert_eq!(q_used, q_floor, "quiet at its floor");
+    assert!(
+        dom.contains("rate_limited"),
+        "heavy's refusals by reason are shown"
+    );
+
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let (one, two) = (target.join("console-1.png"), target.join("console-2.png"));
+    let shot = |to: &Path| {
+        let out = headless(&[&format!("--screenshot={}", to.display()), &url]);
+        assert!(
+            to.exists(),
+            "no screenshot: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read(to).unwrap()
+    };
+    let first = shot(&one);
+    // Quiet's helper makes calls (a burst's worth is admitted at once): quiet's bar grows.
+    for _ in 0..30 {
+        let _ = limiter
+            .admit(
+                &Caller::new("quiet").with_instance("helper"),
+                "generate_report",
+                Cost(1.0),
+            )
+            .await;
+    }
+    let second = shot(&two);
+    assert_ne!(
+        first, second,
+        "the bars did not move between the two screenshots"
+    );
+    let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
+    assert_eq!(figure(&dom, "quiet", "used"), store("quiet").await);
+    assert!(figure(&dom, "quiet", "used") > q_used);
+}
