@@ -95,11 +95,15 @@ struct Tally {
     recent: VecDeque<RecentRefusal>,
 }
 
+/// Tallies by (tool, tenant as the console names it): names from the policy, so as many as
+/// it lists (plus `other` per tool).
+type Tallies = HashMap<(Arc<str>, Arc<str>), Tally>;
+
 /// Refusals counted and kept for the console (off until a console is made).
 #[derive(Default)]
 pub(crate) struct Recorder {
     on: AtomicBool,
-    tallies: Mutex<HashMap<(Arc<str>, Arc<str>), Tally>>,
+    tallies: Mutex<Tallies>,
 }
 
 impl std::fmt::Debug for Recorder {

@@ -39,7 +39,8 @@
 //! ```
 //!
 //! The [`Limiter`] can also be called directly, and [`DescribedLayer`] limits services that
-//! are not HTTP.
+//! are not HTTP. [`Limiter::console`] is the operator's view — a live page, and
+//! [`Limiter::explain`]: why a caller is (or would be) throttled — as a service to mount.
 //!
 //! ## Semantics in one screen
 //!

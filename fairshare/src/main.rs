@@ -229,11 +229,16 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             (Some(h), Some(key), None) => cli::serve::Metrics::WithKey(h.clone(), key.as_str().into()),
             _ => cli::serve::Metrics::Off,
         };
+        // The console names every listed tenant: only with the metrics key.
+        let console = match &o.metrics_key {
+            Some(key) => cli::serve::ConsoleAccess::WithKey(key.as_str().into()),
+            None => cli::serve::ConsoleAccess::Off,
+        };
         let app = match &o.redis {
             None => {
                 let limiter = tower_fairshare::Limiter::new(policy);
                 watch_policy(limiter.clone(), policy_file);
-                cli::serve::router_with(limiter, keys, on_gateway, o.limits)
+                cli::serve::router_with(limiter, keys, on_gateway, console, o.limits)
             }
             Some(url) => {
                 // Lazily: a replica starts while Redis is down, and connects when it is back.
@@ -250,7 +255,7 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
                 let limiter =
                     tower_fairshare::Limiter::with_store(policy, store, tower_fairshare::SystemClock);
                 watch_policy(limiter.clone(), policy_file);
-                cli::serve::router_with(limiter, keys, on_gateway, o.limits)
+                cli::serve::router_with(limiter, keys, on_gateway, console, o.limits)
             }
         };
         let listener = match bind(o.listen).await {

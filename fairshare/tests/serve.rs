@@ -351,6 +351,27 @@ async fn metrics_need_a_key_or_a_listener_of_their_own() {
     let (status, body) = get(format!("http://{}/metrics", keyed.addr), Some("s3cret")).await;
     assert_eq!(status, StatusCode::OK);
     assert!(body.contains("fairshare_decisions_total"), "{body}");
+    // The console names tenants too: the same key, as a header or (for a browser) in the
+    // query string the page passes on; nothing without it, and nothing on an open gateway.
+    for wrong in [None, Some("guess")] {
+        let (status, state) = get(format!("http://{}/fairshare/state", keyed.addr), wrong).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{wrong:?}: {state}");
+    }
+    let (status, state) = get(
+        format!("http://{}/fairshare/state", keyed.addr),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{state}");
+    assert!(
+        state.contains("\"tools\"") && state.contains("generate_report"),
+        "{state}"
+    );
+    let (status, page) = get(format!("http://{}/fairshare/?key=s3cret", keyed.addr), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(page.contains("fairshare console"), "{page}");
+    let (status, _) = get(format!("http://{}/fairshare/state", open.addr), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "no console without a key");
     // The decision latency is a histogram, as documented (not a summary).
     assert!(
         body.contains("fairshare_decision_duration_seconds_bucket{"),

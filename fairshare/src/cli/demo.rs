@@ -178,7 +178,13 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
     let limits = serve::Limits::default();
     let server = tokio::spawn(serve::run(
         listener,
-        serve::router(policy, keys, serve::Metrics::Off, limits),
+        serve::router(
+            policy,
+            keys,
+            serve::Metrics::Off,
+            serve::ConsoleAccess::Open,
+            limits,
+        ),
         limits,
         async move {
             let _ = stopped.await;
@@ -187,6 +193,9 @@ pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> Ex
 
     println!("fairshare demo: the three-part acceptance test over real HTTP");
     println!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
+    println!(
+        "  console  http://{addr}/fairshare/ (live: who is at its floor, its ceiling, why refused)"
+    );
     println!(
         "  tool     {TOOL}: {} calls per {}, burst {}",
         num(capacity),

@@ -67,9 +67,28 @@ pub(crate) enum Metrics {
     WithKey(PrometheusHandle, Arc<str>),
 }
 
+/// Who may open the operator's console (`/fairshare/`: the live page, `state`, `explain`,
+/// `refusals`).
+#[derive(Clone)]
+pub(crate) enum ConsoleAccess {
+    /// Not served.
+    Off,
+    /// Anyone who reaches the listener (the demo, on loopback).
+    Open,
+    /// Requests with `Authorization: Bearer <key>` or `?key=<key>` (the page passes its own
+    /// query string on to what it fetches, so a browser opens `/fairshare/?key=...`).
+    WithKey(Arc<str>),
+}
+
 /// The gateway with an in-process store and the system clock.
-pub(crate) fn router(policy: Policy, keys: Keys, metrics: Metrics, limits: Limits) -> Router {
-    router_with(Limiter::new(policy), keys, metrics, limits)
+pub(crate) fn router(
+    policy: Policy,
+    keys: Keys,
+    metrics: Metrics,
+    console: ConsoleAccess,
+    limits: Limits,
+) -> Router {
+    router_with(Limiter::new(policy), keys, metrics, console, limits)
 }
 
 /// The gateway deciding with `limiter`.
@@ -77,9 +96,37 @@ pub(crate) fn router_with<S: Store, C: Clock>(
     limiter: Limiter<S, C>,
     keys: Keys,
     metrics: Metrics,
+    console: ConsoleAccess,
     limits: Limits,
 ) -> Router {
     let mut app = Router::new().route("/tools/{name}", any(tool));
+    match console {
+        ConsoleAccess::Off => {}
+        ConsoleAccess::Open => app = app.nest_service("/fairshare", limiter.console()),
+        ConsoleAccess::WithKey(key) => {
+            let guarded = Router::new()
+                .nest_service("/fairshare", limiter.console())
+                .layer(middleware::from_fn(move |req: Request, next: Next| {
+                    let key = key.clone();
+                    async move {
+                        let by_query = req.uri().query().is_some_and(|q| {
+                            q.split('&').any(|kv| kv.strip_prefix("key=") == Some(&*key))
+                        });
+                        if by_query || bearer(&req).is_some_and(|k| k == &*key) {
+                            next.run(req).await
+                        } else {
+                            (
+                                StatusCode::UNAUTHORIZED,
+                                [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare console\"")],
+                                "send the metrics key as `Authorization: Bearer <key>` or `?key=<key>`\n",
+                            )
+                                .into_response()
+                        }
+                    }
+                }));
+            app = app.merge(guarded);
+        }
+    }
     if let Metrics::WithKey(handle, key) = metrics {
         app = app.route(
             "/metrics",
@@ -299,6 +346,7 @@ mod tests {
                 Policy::from_toml_str(POLICY).unwrap(),
                 Keys::from_toml_str("[keys.\"sk-a\"]\ntenant = \"a\"\n").unwrap(),
                 Metrics::Off,
+                ConsoleAccess::Off,
                 limits,
             )
         });
