@@ -12,7 +12,7 @@
 //! | `…/refusals?tool=T&tenant=A` | the last refusals of that tenant (a bounded ring), newest first |
 //!
 //! Nothing on it changes the policy or any counter: `state` and `explain` read the store
-//! ([`Store::inspect`](crate::Store::inspect)) and `explain` runs the same decision as
+//! ([`Store::inspect`]) and `explain` runs the same decision as
 //! [`Limiter::admit`] on what it read, without writing it back.
 //!
 //! Refusals are counted (by tool, tenant and reason) and kept (the last
