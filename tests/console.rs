@@ -327,15 +327,17 @@ async fn the_live_page_in_headless_chromium() {
         std::fs::read(to).unwrap()
     };
     let first = shot(&one);
-    // Quiet's helper makes calls (a burst's worth is admitted at once): quiet's bar grows.
-    for _ in 0..30 {
-        let _ = limiter
-            .admit(
-                &Caller::new("quiet").with_instance("helper"),
-                "generate_report",
-                Cost(1.0),
-            )
-            .await;
+    // The next window: heavy floods again and gets its banked floor and a burst at once,
+    // quiet calls ten times. Every bar moves.
+    clock.set(EPOCH.saturating_add(Duration::from_secs(61)));
+    for _ in 0..2_000 {
+        let _ = limiter.admit(&heavy, "generate_report", Cost(1.0)).await;
+    }
+    for _ in 0..10 {
+        limiter
+            .admit(&quiet, "generate_report", Cost(1.0))
+            .await
+            .unwrap();
     }
     let second = shot(&two);
     assert_ne!(
@@ -343,6 +345,8 @@ async fn the_live_page_in_headless_chromium() {
         "the bars did not move between the two screenshots"
     );
     let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
+    assert_eq!(figure(&dom, "heavy", "used"), store("heavy").await);
     assert_eq!(figure(&dom, "quiet", "used"), store("quiet").await);
-    assert!(figure(&dom, "quiet", "used") > q_used);
+    assert_eq!(figure(&dom, "quiet", "used"), 10.0);
+    assert!(figure(&dom, "heavy", "used") < h_used / 2.0, "a new window");
 }

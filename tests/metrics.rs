@@ -321,3 +321,81 @@ fn requests_that_name_no_tool_are_counted() {
     let text = handle.render();
     assert_eq!(value(&text, telemetry::UNMAPPED, &[]), 3.0, "{text}");
 }
+
+/// The console's refusal counts are the decision metrics' (the same labels: listed tenants by
+/// name, every other caller `other`), for the same traffic.
+#[test]
+fn the_console_counts_refusals_as_the_metrics_do() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let state = metrics::with_local_recorder(&recorder, || {
+        let policy = Policy::from_toml_str(
+            r#"
+            [[tool]]
+            name = "web_search"
+            unit = "calls"
+            rate = { limit = 600, per = "1m" }
+            max_concurrency = 40
+            [tool.tenants.acme]
+            ceiling = 3
+            burst = 3
+            [tool.default_tenant]
+            ceiling = 2
+            burst = 2
+            budgets = [{ period = "day", max = 4 }]
+            max_tenants = 3
+            "#,
+        )
+        .unwrap();
+        let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
+        let console = limiter.console();
+        let mut held = Vec::new();
+        for k in 0..60u64 {
+            let caller = match k % 3 {
+                0 => Caller::new("acme"),
+                1 => Caller::new(format!("made-up-{}", k % 7)),
+                _ => Caller::new("made-up-1"),
+            };
+            if let Ok(t) = now(limiter.admit(&caller, "web_search", Cost(1.0))) {
+                held.push(t);
+            }
+        }
+        let res = now(console.oneshot(
+            http::Request::get("/fairshare/state")
+                .body(String::new())
+                .unwrap(),
+        ))
+        .unwrap();
+        let body = now(res.into_body().collect()).unwrap().to_bytes();
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+    });
+    let text = handle.render();
+    let tenants = state["tools"][0]["tenants"].as_array().unwrap();
+    let mut compared = 0;
+    for t in tenants {
+        let name = t["name"].as_str().unwrap();
+        for (reason, n) in t["refused"].as_object().unwrap() {
+            let labels = [
+                format!("tenant=\"{name}\""),
+                "outcome=\"refused\"".to_owned(),
+                format!("reason=\"{reason}\""),
+            ];
+            let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+            let metric: f64 = text
+                .lines()
+                .filter(|l| l.starts_with(DECISIONS) && labels.iter().all(|x| l.contains(x)))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+                .sum();
+            assert_eq!(n.as_f64().unwrap(), metric, "{name} {reason}:\n{text}");
+            compared += 1;
+        }
+    }
+    assert!(
+        compared >= 3,
+        "refusals of acme and of `other`, by reason: {state}"
+    );
+    assert!(!state.to_string().contains("made-up"), "{state}");
+}
