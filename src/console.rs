@@ -9,7 +9,7 @@
 //! | `…/` | a page (a few KB of HTML, CSS and JS, no build step, no CDN) that polls `state` every second and draws, per tool, each listed tenant's floor, share, ceiling, what it used this period, what it borrowed, refusals by reason, calls in flight and budgets used |
 //! | `…/state` | that data as JSON; `?tool=T&tenant=A` adds A's listed instances |
 //! | `…/explain?tool=T&tenant=A&instance=I&cost=1` | what the next call of that caller would get and why ([`Explanation`]), as JSON |
-//! | `…/refusals?tool=T&tenant=A` | the last refusals of that tenant (a bounded ring), newest first |
+//! | `…/refusals?tool=T&tenant=A` | the last refusals of that tenant (a bounded ring), newest first: when, which instance, reason, binding level, window, limit, used, the wait asked and the earliest time it could pass (the tenant's floor, share and ceiling are on its `state` row) |
 //!
 //! Nothing on it changes the policy or any counter: `state` and `explain` read the store
 //! ([`Store::inspect`]) and `explain` runs the same decision as
@@ -87,6 +87,8 @@ pub struct RecentRefusal {
     pub used: Option<f64>,
     /// How long the caller was asked to wait, ms.
     pub retry_after_ms: Option<u64>,
+    /// The earliest time the call could have passed (RFC 3339), when it could.
+    pub earliest: Option<String>,
 }
 
 #[derive(Default)]
@@ -157,6 +159,7 @@ impl Recorder {
             limit: r.limit,
             used: r.used,
             retry_after_ms: r.retry_after.map(|d| d.as_millis() as u64),
+            earliest: r.retry_after.map(|d| at.saturating_add(d).to_rfc3339()),
         };
         let mut tallies = lock(&self.tallies);
         let t = tallies.entry((tp.name_arc().clone(), tenant)).or_default();

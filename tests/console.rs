@@ -134,6 +134,14 @@ async fn the_ring_of_refusals_is_bounded_and_names_only_what_the_policy_knows() 
             !text.contains("made-up-") && !text.contains("agent-"),
             "{text}"
         );
+        let newest = &recent[0];
+        assert!(
+            newest["reason"].is_string() && newest["at"].is_string(),
+            "{newest}"
+        );
+        if newest["retry_after_ms"].is_u64() {
+            assert!(newest["earliest"].is_string(), "{newest}");
+        }
     }
 }
 
