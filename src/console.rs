@@ -17,9 +17,16 @@
 //!
 //! Refusals are counted (by tool, tenant and reason) and kept (the last
 //! [`RECENT_REFUSALS`] per tenant) from the moment the first console is made, so make it at
-//! start-up if its counts should match `fairshare_decisions_total`. Tenants are named as the
-//! metrics name them: a tenant the policy lists by its name, every other caller `other` —
-//! never by a name a request made up.
+//! start-up if its counts should match `fairshare_decisions_total`. A tenant the policy lists
+//! goes by its name, every other caller (template callers, unlisted or unidentified ones) by
+//! `other` — never by a name a request made up. (The metrics name the same way, except that
+//! they call only the first [`tenant_labels`](Limiter::tenant_labels) listed tenants by name
+//! and an unidentified caller `unknown`.) What is kept is bounded by the policy: one tally per
+//! listed tenant and one per tool for the rest, pruned when a reload drops a tenant.
+//!
+//! The console takes one short lock per refusal (off until a console is made: then the
+//! refusal path pays one relaxed load), and `state` reads the store once per listed tenant:
+//! with thousands of tenants on a remote store, poll it less often than the page does.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -58,54 +65,156 @@ fn reason_index(r: Reason) -> usize {
     REASONS.iter().position(|x| *x == r).unwrap_or(0)
 }
 
-/// The name a tenant or instance goes by on the console: its own if the policy lists it,
-/// `other` otherwise.
-fn label(p: Option<&LevelPolicy>) -> Arc<str> {
-    match p {
-        Some(p) if !p.template => p.name.clone(),
-        _ => Arc::from("other"),
+/// The name a listed tenant or instance goes by on the console; `None`: every other caller
+/// (`other`).
+fn listed(p: Option<&LevelPolicy>) -> Option<&Arc<str>> {
+    p.filter(|p| !p.template).map(|p| &p.name)
+}
+
+/// Why a call was, or would be, refused: the fields a kept refusal ([`RecentRefusal`]) and an
+/// [`Explanation`] share.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[non_exhaustive]
+pub struct Why {
+    /// Why (`rate_limited`, `cap_exceeded`, `concurrency_exceeded`, ...).
+    pub reason: Option<&'static str>,
+    /// The level whose limit binds: `tool`, `tenant` or `instance`.
+    pub binding: Option<&'static str>,
+    /// The window of that limit (`1m`, `day`, `in_flight`, ...).
+    pub window: Option<String>,
+    /// The limit.
+    pub limit: Option<f64>,
+    /// What is used of it.
+    pub used: Option<f64>,
+    /// How long until the call could pass, ms: the `Retry-After` (absent when it never can,
+    /// e.g. a cost above the limit).
+    pub retry_after_ms: Option<u64>,
+    /// When that is (RFC 3339): the earliest time the decision expects the call to pass if
+    /// nothing else changes meanwhile.
+    pub earliest: Option<String>,
+    /// A wait the call surely cannot pass before, whatever else happens, ms (absent: none
+    /// known).
+    pub not_before_ms: Option<u64>,
+}
+
+impl Why {
+    fn of(r: &Refusal, at: Timestamp) -> Why {
+        Slim::of(r).why(at)
     }
 }
 
-/// One refusal as the console keeps it.
+/// What a kept refusal holds of a [`Refusal`]: not the caller's names.
+struct Slim {
+    reason: Reason,
+    scope: Option<crate::Scope>,
+    window: Option<String>,
+    limit: Option<f64>,
+    used: Option<f64>,
+    retry_after: Option<std::time::Duration>,
+    not_before: Option<std::time::Duration>,
+}
+
+impl Slim {
+    fn of(r: &Refusal) -> Slim {
+        Slim {
+            reason: r.reason,
+            scope: r.scope,
+            window: r.window.clone(),
+            limit: r.limit,
+            used: r.used,
+            retry_after: r.retry_after,
+            not_before: r.not_before,
+        }
+    }
+
+    fn why(&self, at: Timestamp) -> Why {
+        Why {
+            reason: Some(self.reason.as_str()),
+            binding: self.scope.map(|s| s.as_str()),
+            window: self.window.clone(),
+            limit: self.limit,
+            used: self.used,
+            retry_after_ms: self.retry_after.map(|d| d.as_millis() as u64),
+            earliest: self.retry_after.map(|d| at.saturating_add(d).to_rfc3339()),
+            not_before_ms: self.not_before.map(|d| d.as_millis() as u64),
+        }
+    }
+}
+
+/// One refusal as the console keeps it ([`Console::recent_refusals`]).
 #[derive(Clone, Debug, Serialize, PartialEq)]
 #[non_exhaustive]
 pub struct RecentRefusal {
     /// When (RFC 3339).
     pub at: String,
-    /// The instance, as the console names it (listed name, `other` or `none`).
+    /// The instance, as the console names it: its name if the policy lists it, `other` if
+    /// not, `none` for a caller without one.
     pub instance: String,
-    /// Why (`rate_limited`, `cap_exceeded`, ...).
-    pub reason: &'static str,
-    /// The level that refused (`tool`, `tenant`, `instance`), if one did.
-    pub scope: Option<&'static str>,
-    /// The window of the limit (`1m`, `day`, `in_flight`, ...).
-    pub window: Option<String>,
-    /// The limit that was reached.
-    pub limit: Option<f64>,
-    /// What was used of it.
-    pub used: Option<f64>,
-    /// How long the caller was asked to wait, ms.
-    pub retry_after_ms: Option<u64>,
-    /// The earliest time the call could have passed (RFC 3339), when it could.
-    pub earliest: Option<String>,
+    /// Why.
+    #[serde(flatten)]
+    pub why: Why,
+}
+
+/// A refusal as it is kept: raw, so keeping it formats nothing.
+struct Kept {
+    at: Timestamp,
+    instance: Option<Arc<str>>,
+    has_instance: bool,
+    refusal: Slim,
+}
+
+impl Kept {
+    fn show(&self) -> RecentRefusal {
+        RecentRefusal {
+            at: self.at.to_rfc3339(),
+            instance: match (&self.instance, self.has_instance) {
+                (Some(name), _) => name.to_string(),
+                (None, true) => "other".to_owned(),
+                (None, false) => "none".to_owned(),
+            },
+            why: self.refusal.why(self.at),
+        }
+    }
 }
 
 #[derive(Default)]
 struct Tally {
     by_reason: [u64; REASONS.len()],
-    recent: VecDeque<RecentRefusal>,
+    recent: VecDeque<Kept>,
 }
 
-/// Tallies by (tool, tenant as the console names it): names from the policy, so as many as
-/// it lists (plus `other` per tool).
-type Tallies = HashMap<(Arc<str>, Arc<str>), Tally>;
+impl Tally {
+    fn keep(&mut self, k: Kept) {
+        self.by_reason[reason_index(k.refusal.reason)] += 1;
+        if self.recent.len() == RECENT_REFUSALS {
+            self.recent.pop_back();
+        }
+        self.recent.push_front(k);
+    }
+}
 
-/// Refusals counted and kept for the console (off until a console is made).
+/// One tool's tallies: a listed tenant's by its name, every other caller's together.
+#[derive(Default)]
+struct ToolTallies {
+    named: HashMap<Arc<str>, Tally>,
+    other: Tally,
+}
+
+impl ToolTallies {
+    fn get(&self, tenant: Option<&str>) -> Option<&Tally> {
+        match tenant {
+            Some(t) => self.named.get(t),
+            None => Some(&self.other),
+        }
+    }
+}
+
+/// Refusals counted and kept for the console (off until a console is made), by tool: as many
+/// entries as the policy lists tenants, plus one per tool for everyone else.
 #[derive(Default)]
 pub(crate) struct Recorder {
     on: AtomicBool,
-    tallies: Mutex<Tallies>,
+    tallies: Mutex<HashMap<Arc<str>, ToolTallies>>,
 }
 
 impl std::fmt::Debug for Recorder {
@@ -126,7 +235,8 @@ impl Recorder {
     }
 
     /// Counts and keeps a refusal of `caller` calling `tool` at `now` (a tool the policy
-    /// does not know is not kept: it has no page).
+    /// does not know is not kept: it has no page). Off (one relaxed load) until a console is
+    /// made.
     #[inline]
     pub(crate) fn refused(
         &self,
@@ -144,44 +254,56 @@ impl Recorder {
     fn keep(&self, policy: &Policy, caller: &Caller, tool: &str, r: &Refusal, at: Timestamp) {
         let Some(tp) = policy.tool(tool) else { return };
         let tenant_policy = caller.tenant().and_then(|t| tp.tenant(t));
-        let tenant = label(tenant_policy);
         let instance = match (tenant_policy, caller.instance()) {
-            (_, None) => "none".to_owned(),
-            (Some(p), Some(i)) if p.has_instances() => label(p.instance(i)).to_string(),
-            _ => "other".to_owned(),
+            (Some(p), Some(i)) if p.has_instances() => listed(p.instance(i)).cloned(),
+            _ => None,
         };
-        let entry = RecentRefusal {
-            at: at.to_rfc3339(),
+        let kept = Kept {
+            at,
             instance,
-            reason: r.reason.as_str(),
-            scope: r.scope.map(|s| s.as_str()),
-            window: r.window.clone(),
-            limit: r.limit,
-            used: r.used,
-            retry_after_ms: r.retry_after.map(|d| d.as_millis() as u64),
-            earliest: r.retry_after.map(|d| at.saturating_add(d).to_rfc3339()),
+            has_instance: caller.instance().is_some(),
+            refusal: Slim::of(r),
         };
         let mut tallies = lock(&self.tallies);
-        let t = tallies.entry((tp.name_arc().clone(), tenant)).or_default();
-        t.by_reason[reason_index(r.reason)] += 1;
-        if t.recent.len() == RECENT_REFUSALS {
-            t.recent.pop_back();
+        let tool = match tallies.get_mut(tp.name()) {
+            Some(t) => t,
+            None => tallies.entry(tp.name_arc().clone()).or_default(),
+        };
+        match listed(tenant_policy) {
+            Some(name) => match tool.named.get_mut(&**name) {
+                Some(t) => t.keep(kept),
+                None => tool.named.entry(name.clone()).or_default().keep(kept),
+            },
+            None => tool.other.keep(kept),
         }
-        t.recent.push_front(entry);
     }
 
-    fn counts(&self, tool: &str, tenant: &str) -> [u64; REASONS.len()] {
-        lock(&self.tallies)
-            .iter()
-            .find(|((tl, tn), _)| &**tl == tool && &**tn == tenant)
-            .map_or([0; REASONS.len()], |(_, t)| t.by_reason)
+    /// Drops what was kept for tools and tenants `policy` no longer lists (on reload).
+    pub(crate) fn retain(&self, policy: &Policy) {
+        let mut tallies = lock(&self.tallies);
+        tallies.retain(|tool, t| match policy.tool(tool) {
+            None => false,
+            Some(tp) => {
+                t.named.retain(|name, _| listed(tp.tenant(name)).is_some());
+                true
+            }
+        });
     }
 
-    fn recent(&self, tool: &str, tenant: &str) -> Vec<RecentRefusal> {
+    /// Refusals by reason of `tenant` (`None`: every caller the policy does not list).
+    fn counts(&self, tool: &str, tenant: Option<&str>) -> [u64; REASONS.len()] {
         lock(&self.tallies)
-            .iter()
-            .find(|((tl, tn), _)| &**tl == tool && &**tn == tenant)
-            .map_or_else(Vec::new, |(_, t)| t.recent.iter().cloned().collect())
+            .get(tool)
+            .and_then(|t| t.get(tenant))
+            .map_or([0; REASONS.len()], |t| t.by_reason)
+    }
+
+    /// The refusals kept for `tenant`, newest first.
+    fn recent(&self, tool: &str, tenant: Option<&str>) -> Vec<RecentRefusal> {
+        lock(&self.tallies)
+            .get(tool)
+            .and_then(|t| t.get(tenant))
+            .map_or_else(Vec::new, |t| t.recent.iter().map(Kept::show).collect())
     }
 }
 
@@ -218,22 +340,13 @@ pub struct Explanation {
     pub cost: f64,
     /// When (RFC 3339).
     pub at: String,
-    /// Whether the call would be admitted now.
+    /// Whether the call would be admitted now (also when the tool does not enforce its
+    /// limits, `enforce = false`: then [`why`](Self::why) is the refusal shadow mode logs).
     pub admitted: bool,
-    /// Why not (`rate_limited`, `cap_exceeded`, ...).
-    pub reason: Option<&'static str>,
-    /// The level that would refuse it: the binding limit.
-    pub binding: Option<&'static str>,
-    /// The limit that binds, its window and what is used of it.
-    pub limit: Option<f64>,
-    /// What is used of the binding limit.
-    pub used: Option<f64>,
-    /// The window of the binding limit.
-    pub window: Option<String>,
-    /// How long until it could pass, ms (0 when admitted now).
-    pub retry_after_ms: Option<u64>,
-    /// The earliest time it could pass (RFC 3339).
-    pub earliest: Option<String>,
+    /// Why not: the refusal's reason, binding level and limit, and when it could pass. Empty
+    /// when the call would be admitted (`earliest` is then now).
+    #[serde(flatten)]
+    pub why: Why,
     /// Tool, tenant and instance (those the call has), as they stand now.
     pub levels: Vec<LevelFigures>,
     /// The refusal the call would get.
@@ -246,6 +359,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// level's limit, use, floor, share and slack, the binding level and the earliest time
     /// it could pass. Runs the same decision as [`admit`](Self::admit) on the states the store
     /// holds, and writes nothing.
+    ///
+    /// It decides at this limiter's clock. A Redis store decides at Redis's clock by default
+    /// and counts only permits that have not lapsed, while reading a state counts every
+    /// permit still held in Redis: near a window's edge, with clocks apart, or after a replica
+    /// died holding permits, the answer can differ from the call that follows. (With the
+    /// memory store, or an injected time source, they agree: the conformance suite checks it.)
     pub async fn explain(
         &self,
         caller: &Caller,
@@ -253,25 +372,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: Cost,
     ) -> Result<Explanation, crate::StoreError> {
         let policy = self.policy();
-        let mut out = Explanation {
-            tool: tool.to_owned(),
-            tenant: caller.tenant().map(str::to_owned),
-            instance: caller.instance().map(str::to_owned),
-            cost: cost.0,
-            at: String::new(),
-            admitted: false,
-            reason: None,
-            binding: None,
-            limit: None,
-            used: None,
-            window: None,
-            retry_after_ms: None,
-            earliest: None,
-            levels: Vec::new(),
-            refusal: None,
-        };
-        let (now, verdict, levels) = match self.prepared(&policy, caller, tool, cost) {
-            Err(r) => (self.clock().now(), Err(r), Vec::new()),
+        // Identity, tool and tier refusals come before the store, and shadow mode does not
+        // apply to them (as in `admit`).
+        let (now, verdict, levels, decided) = match self.prepared(&policy, caller, tool, cost) {
+            Err(r) => (self.clock().now(), Err(r), Vec::new(), false),
             Ok((plan, keys)) => {
                 let states = self.store().inspect(&keys).await?;
                 let snap = crate::admission::engine::Snapshot {
@@ -280,25 +384,27 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     instance: states[2].unwrap_or_default(),
                 };
                 let e = crate::admission::engine::explain(&plan, &snap);
-                (plan.now, e.verdict, e.levels)
+                (plan.now, e.verdict, e.levels, true)
             }
         };
-        out.at = now.to_rfc3339();
-        out.levels = levels;
+        // As `admit` concludes: a tool in shadow mode lets a call its limits refuse through.
+        let shadow = decided && policy.tool(tool).is_some_and(|tp| !tp.enforce());
+        let mut out = Explanation {
+            tool: tool.to_owned(),
+            tenant: caller.tenant().map(str::to_owned),
+            instance: caller.instance().map(str::to_owned),
+            cost: cost.0,
+            at: now.to_rfc3339(),
+            admitted: true,
+            why: Why::default(),
+            levels,
+            refusal: None,
+        };
         match verdict {
-            Ok(()) => {
-                out.admitted = true;
-                out.retry_after_ms = Some(0);
-                out.earliest = Some(out.at.clone());
-            }
+            Ok(()) => out.why.earliest = Some(out.at.clone()),
             Err(r) => {
-                out.reason = Some(r.reason.as_str());
-                out.binding = r.scope.map(|s| s.as_str());
-                out.limit = r.limit;
-                out.used = r.used;
-                out.window = r.window.clone();
-                out.retry_after_ms = r.retry_after.map(|d| d.as_millis() as u64);
-                out.earliest = r.retry_after.map(|d| now.saturating_add(d).to_rfc3339());
+                out.admitted = shadow;
+                out.why = Why::of(&r, now);
                 out.refusal = Some(*r);
             }
         }
@@ -366,17 +472,22 @@ fn problem(status: StatusCode, message: &str) -> Reply {
     )
 }
 
-/// `%XX` and `+` decoded; `None` if it is not UTF-8 afterwards.
+/// `%XX` and `+` decoded; `None` for a `%` not followed by two hex digits, or for bytes that
+/// are not UTF-8 afterwards.
 fn decode(s: &str) -> Option<String> {
+    fn hex(b: u8) -> Option<u8> {
+        (b as char).to_digit(16).map(|d| d as u8)
+    }
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
             b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
+            b'%' => {
+                let hi = hex(*bytes.get(i + 1)?)?;
+                let lo = hex(*bytes.get(i + 2)?)?;
+                out.push(hi << 4 | lo);
                 i += 2;
             }
             b => out.push(b),
@@ -386,16 +497,25 @@ fn decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-fn query(uri: &http::Uri) -> HashMap<String, String> {
-    uri.query()
+/// The query's parameters, or the first one that does not decode (a question about another
+/// caller than the one asked about would be worse than none).
+fn query(uri: &http::Uri) -> Result<HashMap<String, String>, String> {
+    let mut out = HashMap::new();
+    for kv in uri
+        .query()
         .unwrap_or("")
         .split('&')
-        .filter_map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            Some((decode(k)?, decode(v)?))
-        })
-        .filter(|(k, _)| !k.is_empty())
-        .collect()
+        .filter(|kv| !kv.is_empty())
+    {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        match (decode(k), decode(v)) {
+            (Some(k), Some(v)) => {
+                out.insert(k, v);
+            }
+            _ => return Err(kv.to_owned()),
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Serialize)]
@@ -469,6 +589,20 @@ fn used_now(
 }
 
 impl<S: Store, C: Clock> Console<S, C> {
+    /// The refusals kept for `tenant` of `tool`, newest first (at most [`RECENT_REFUSALS`]).
+    /// A tenant the policy lists is asked by its name; any other name gives those of every
+    /// caller the policy does not list (`other`), never one caller's by its own name.
+    pub fn recent_refusals(&self, tool: &str, tenant: &str) -> Vec<RecentRefusal> {
+        let policy = self.limiter.policy();
+        let known = policy
+            .tool(tool)
+            .and_then(|tp| listed(tp.tenant(tenant)))
+            .is_some();
+        self.limiter
+            .recorder()
+            .recent(tool, known.then_some(tenant))
+    }
+
     async fn state(&self, q: &HashMap<String, String>) -> Result<StateView, crate::StoreError> {
         let limiter = &self.limiter;
         let policy = limiter.policy();
@@ -497,7 +631,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                 }
                 let s = states[1].unwrap_or_default();
                 let (used, budgets) = used_now(&s, window, now, &t.budgets);
-                let counts = limiter.recorder().counts(tp.name(), t.name());
+                let counts = limiter.recorder().counts(tp.name(), Some(t.name()));
                 let instances = if q.get("tenant").is_some_and(|x| x == t.name()) {
                     let mut rows = Vec::new();
                     for i in t.instances() {
@@ -546,7 +680,7 @@ impl<S: Store, C: Clock> Console<S, C> {
             }
             // Every caller the policy does not list, refusals only (no state is read for
             // names the policy does not know).
-            let counts = limiter.recorder().counts(tp.name(), "other");
+            let counts = limiter.recorder().counts(tp.name(), None);
             if counts.iter().any(|n| *n > 0) {
                 tenants.push(Row {
                     name: "other".to_owned(),
@@ -598,7 +732,15 @@ impl<S: Store, C: Clock> Console<S, C> {
         }
         let path = uri.path().trim_end_matches('/');
         let last = path.rsplit('/').next().unwrap_or("");
-        let q = query(&uri);
+        let q = match query(&uri) {
+            Ok(q) => q,
+            Err(bad) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("the query parameter `{bad}` is not valid percent-encoded UTF-8"),
+                )
+            }
+        };
         match last {
             "state" => match self.state(&q).await {
                 Ok(v) => json(&v),
@@ -640,14 +782,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                         "refusals needs ?tool=NAME&tenant=NAME",
                     );
                 };
-                // Only names the console uses: a listed tenant or `other`.
-                let policy = self.limiter.policy();
-                let known = policy
-                    .tool(tool)
-                    .and_then(|tp| tp.tenant(tenant))
-                    .is_some_and(|p| !p.template);
-                let name = if known { tenant.as_str() } else { "other" };
-                json(&self.limiter.recorder().recent(tool, name))
+                json(&self.recent_refusals(tool, tenant))
             }
             _ => reply(StatusCode::OK, "text/html; charset=utf-8", PAGE.to_owned()),
         }

@@ -160,7 +160,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Replaces the policy. State is keyed by names, so usage so far, windows and permits
     /// carry over; the new limits apply from the next decision.
     pub fn set_policy(&self, policy: Policy) {
-        self.inner.policy.store(Arc::new(policy));
+        let policy = Arc::new(policy);
+        self.inner.recorder.retain(&policy);
+        self.inner.policy.store(policy);
     }
 
     /// Loads the policy file at `path` and, only if it is valid, puts it in force (see

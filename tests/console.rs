@@ -192,10 +192,56 @@ async fn explain_and_state_read_without_charging() {
     assert_eq!(q["admitted"], true, "{q}");
     assert_eq!(q["levels"].as_array().unwrap().len(), 3, "{q}");
     assert_eq!(q["levels"][2]["floor"], 30.0, "{q}");
-    // Bad questions get a clear answer.
+    // Bad questions get a clear answer, never one about somebody else.
     let (status, err) = get(&app, "/fairshare/explain?tenant=heavy").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap().contains("tool="));
+    for bad in ["ac%zzme", "ac%e", "%ff%fe", "a%+5"] {
+        let uri = format!("/fairshare/explain?tool=generate_report&tenant={bad}");
+        let (status, err) = get(&app, &uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {err}");
+        assert!(err["error"].as_str().unwrap().contains(bad), "{err}");
+    }
+    let (_, spaced) = get(
+        &app,
+        "/fairshare/explain?tool=generate_report&tenant=he%61vy",
+    )
+    .await;
+    assert_eq!(spaced["tenant"], "heavy", "percent-decoded: {spaced}");
+}
+
+/// In shadow mode (`enforce = false`) `admit` lets a refused call through and logs the
+/// refusal: `explain` says the same.
+#[tokio::test]
+async fn explain_follows_shadow_mode() {
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "shadowed"
+        unit = "calls"
+        rate = { limit = 60, per = "1m" }
+        enforce = false
+        [tool.default_tenant]
+        ceiling = 1
+        burst = 1
+        "#,
+    )
+    .unwrap();
+    let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
+    let acme = Caller::new("acme");
+    let first = limiter.admit(&acme, "shadowed", Cost(1.0)).await.unwrap();
+    assert!(first.shadow_refusal.is_none());
+    let e = limiter.explain(&acme, "shadowed", Cost(1.0)).await.unwrap();
+    assert!(e.admitted, "{e:?}");
+    assert_eq!(e.why.reason, Some("rate_limited"), "{e:?}");
+    let second = limiter.admit(&acme, "shadowed", Cost(1.0)).await.unwrap();
+    assert!(second.shadow_refusal.is_some());
+    // A refusal before the store (an unknown tool) is never shadowed.
+    let e = limiter.explain(&acme, "nope", Cost(1.0)).await.unwrap();
+    assert!(
+        !e.admitted && e.why.reason == Some("permission_denied"),
+        "{e:?}"
+    );
 }
 
 fn chromium() -> PathBuf {

@@ -602,6 +602,44 @@ async fn ratelimit_r_is_what_is_left_of_q_in_the_window() {
     );
 }
 
+/// With instances limited separately, `r` is never more than what is left of the tenant's
+/// ceiling: siblings draw on it too.
+#[tokio::test]
+async fn ratelimit_r_counts_what_siblings_used_of_the_tenant() {
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "search"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.tenants.acme]
+        ceiling = 10
+        burst = 10
+        [tool.tenants.acme.default_instance]
+        max_instances = 10
+        "#,
+    )
+    .unwrap();
+    let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
+    let mut left_of_tenant = 10.0;
+    let mut checked = 0;
+    for k in 0..12 {
+        let who = Caller::new("acme").with_instance(if k < 6 { "a" } else { "b" });
+        let Ok(ticket) = limiter.admit(&who, "search", Cost(1.0)).await else {
+            continue;
+        };
+        left_of_tenant -= 1.0;
+        let a = ticket.admission.expect("metered");
+        assert!(
+            a.remaining <= left_of_tenant,
+            "call {k}: r = {} but the tenant has {left_of_tenant} left",
+            a.remaining
+        );
+        checked += 1;
+    }
+    assert!(checked >= 8, "{checked}");
+}
+
 #[tokio::test]
 async fn shadow_mode_decides_but_never_refuses() {
     let (limiter, _clock) = limiter();

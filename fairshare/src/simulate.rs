@@ -185,24 +185,45 @@ pub struct PeriodRow {
     pub unserved_floors: f64,
 }
 
-/// Units of a tool's reserved floors that one period left unused, given what each caller was
-/// admitted in it: each listed tenant's reserved floor less what its callers were admitted
-/// (never below 0), whether it called or not, and the same for each template tenant that
-/// called. A floor is kept for its tenant and never lent, so this much of the capacity goes
-/// unused while its tenants are idle — the gap between what a saturated tool admits and its
-/// capacity that `fairshare check` announces.
-pub fn unserved_floors(alloc: &ToolAllocation, callers: &[CallerRow]) -> f64 {
-    let mut used: Vec<(&str, u64)> = Vec::new();
-    for c in callers {
-        let Some(t) = c.tenant.as_deref() else {
-            continue;
-        };
+/// Units of a tool's reserved floors that one period left unused, given the units each
+/// caller's tenant was admitted in it (`(tenant, units)`, a tenant may come more than once):
+/// each listed tenant's reserved floor less what its callers were admitted (never below 0),
+/// whether it called or not, and the same for each template tenant that called. A floor is
+/// kept for its tenant and never lent, so this much of the capacity goes unused while its
+/// tenants are idle — the gap between what a saturated tool admits and its capacity that
+/// `fairshare check` announces. (Counted per tenant: an instance's own floor left unused
+/// while its siblings use the tenant's is not in it.)
+///
+/// ```
+/// use fairshare::simulate::unserved_floors;
+/// use tower_fairshare::Policy;
+///
+/// let policy = Policy::from_toml_str(r#"
+///     [[tool]]
+///     name = "llm"
+///     unit = "tokens"
+///     rate = { limit = 1000, per = "1m" }
+///     [tool.tenants.A]
+///     floor = 100
+///     [tool.tenants.B]
+///     floor = 50
+/// "#).unwrap();
+/// let alloc = &policy.allocation().tools[0];
+/// // A was admitted three calls of 20 tokens (40 of its floor unused), B nothing (all 50).
+/// assert_eq!(unserved_floors(alloc, [("A", 60.0)]), 90.0);
+/// ```
+pub fn unserved_floors<'a>(
+    alloc: &ToolAllocation,
+    admitted: impl IntoIterator<Item = (&'a str, f64)>,
+) -> f64 {
+    let mut used: Vec<(&str, f64)> = Vec::new();
+    for (t, units) in admitted {
         match used.iter_mut().find(|(n, _)| *n == t) {
-            Some(e) => e.1 += c.admitted,
-            None => used.push((t, c.admitted)),
+            Some(e) => e.1 += units,
+            None => used.push((t, units)),
         }
     }
-    let admitted = |t: &str| used.iter().find(|(n, _)| *n == t).map_or(0, |e| e.1) as f64;
+    let admitted = |t: &str| used.iter().find(|(n, _)| *n == t).map_or(0.0, |e| e.1);
     let listed = alloc.tenants.iter().filter(|t| t.name != "*");
     let mut total: f64 = listed
         .map(|t| (t.reserved_floor - admitted(&t.name)).max(0.0))
@@ -210,7 +231,7 @@ pub fn unserved_floors(alloc: &ToolAllocation, callers: &[CallerRow]) -> f64 {
     if let Some(template) = alloc.tenants.iter().find(|t| t.name == "*") {
         for (name, n) in &used {
             if !alloc.tenants.iter().any(|t| t.name == *name) {
-                total += (template.reserved_floor - *n as f64).max(0.0);
+                total += (template.reserved_floor - *n).max(0.0);
             }
         }
     }
@@ -431,7 +452,13 @@ pub async fn simulate_with<S: Store>(
     }
     for p in periods.iter_mut() {
         p.admitted = p.callers.iter().map(|c| c.admitted).sum();
-        p.unserved_floors = unserved_floors(alloc, &p.callers);
+        p.unserved_floors = unserved_floors(
+            alloc,
+            p.callers
+                .iter()
+                .zip(&sources)
+                .filter_map(|(c, s)| Some((c.tenant.as_deref()?, c.admitted as f64 * s.cost))),
+        );
     }
     let totals = (0..sources.len())
         .map(|i| {

@@ -367,7 +367,11 @@ async fn metrics_need_a_key_or_a_listener_of_their_own() {
         state.contains("\"tools\"") && state.contains("generate_report"),
         "{state}"
     );
-    let (status, page) = get(format!("http://{}/fairshare/?key=s3cret", keyed.addr), None).await;
+    let (status, page) = get(
+        format!("http://{}/fairshare/?key=s%33cret", keyed.addr),
+        None,
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     assert!(page.contains("fairshare console"), "{page}");
     let (status, _) = get(format!("http://{}/fairshare/state", open.addr), None).await;

@@ -414,7 +414,16 @@ pub(crate) fn figures(
         used: l.state.total,
         floor: l.numbers.floor,
         share: l.numbers.share,
-        slack: l.state.ceiling.max(0.0),
+        // What its ceiling bucket holds; at the tool, no more than its per-window cap on
+        // non-floor units leaves (callers have no such cap).
+        slack: if l.scope == Scope::Tool {
+            l.state
+                .ceiling
+                .min(l.numbers.ceiling_rate - l.state.non_floor)
+        } else {
+            l.state.ceiling
+        }
+        .max(0.0),
     };
     let mut out = vec![of(&tool_level(plan, b, tool_state))];
     out.extend(b.levels[1..b.n].iter().map(of));
@@ -658,12 +667,15 @@ pub(crate) fn commit_below(
     }
 
     let leaf = n - 1;
-    let lf = &b.levels[leaf];
-    // What is left of the caller's quota (its ceiling per period) in this aligned window: the
-    // `r` a client reads against `q`, counting down to 0 by the window's end (`t`). A burst
-    // limit or a busy tool can still make a call wait inside the window; the refusal says
-    // how long.
-    let remaining = (lf.numbers.ceiling - lf.state.total).max(0.0);
+    // What is left of the caller's quota (its ceiling per period) in this aligned window, and
+    // of its tenant's when siblings share it: the `r` a client reads against `q`, counting
+    // down to 0 by the window's end (`t`). A burst limit or a busy tool can still make a call
+    // wait inside the window; the refusal says how long.
+    let mut remaining = f64::INFINITY;
+    for l in &b.levels[1..n] {
+        remaining = remaining.min(l.numbers.ceiling - l.state.total);
+    }
+    let remaining = remaining.max(0.0);
 
     let view = |l: &Level<'_>| LevelView {
         weight: l.numbers.weight,

@@ -1250,12 +1250,14 @@ pub fn explain_agrees<F: Factory>(f: &F) {
                             Err(r) => (false, Some(r.reason.as_str()), r.scope.map(|s| s.as_str())),
                         };
                         check(
-                            e.admitted == admitted && e.reason == reason && e.binding == scope,
+                            e.admitted == admitted
+                                && e.why.reason == reason
+                                && e.why.binding == scope,
                             || {
                                 format!(
                                     "op {k} ({caller:?}, cost {cost}, t {t}): explain said \
                                      {:?}/{:?}/{:?}, the call got {got:?}",
-                                    e.admitted, e.reason, e.binding
+                                    e.admitted, e.why.reason, e.why.binding
                                 )
                             },
                         )?;

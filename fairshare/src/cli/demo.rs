@@ -406,7 +406,12 @@ fn chart_report(t: &[Tally], owed: &[Owed], alloc: &ToolAllocation) -> fairshare
             PeriodRow {
                 start_ms: 0,
                 admitted: callers.iter().map(|c| c.admitted).sum(),
-                unserved_floors: unserved_floors(alloc, &callers),
+                unserved_floors: unserved_floors(
+                    alloc,
+                    callers
+                        .iter()
+                        .filter_map(|c| Some((c.tenant.as_deref()?, c.admitted as f64))),
+                ),
                 callers,
             }
         })

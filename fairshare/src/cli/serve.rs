@@ -110,9 +110,11 @@ pub(crate) fn router_with<S: Store, C: Clock>(
                     let key = key.clone();
                     async move {
                         let by_query = req.uri().query().is_some_and(|q| {
-                            q.split('&').any(|kv| kv.strip_prefix("key=") == Some(&*key))
+                            q.split('&')
+                                .filter_map(|kv| kv.strip_prefix("key="))
+                                .any(|v| percent_decoded(v).is_some_and(|v| same(&v, &key)))
                         });
-                        if by_query || bearer(&req).is_some_and(|k| k == &*key) {
+                        if by_query || bearer(&req).is_some_and(|k| same(k, &key)) {
                             next.run(req).await
                         } else {
                             (
@@ -133,7 +135,7 @@ pub(crate) fn router_with<S: Store, C: Clock>(
             get(move |req: Request| {
                 let (handle, key) = (handle.clone(), key.clone());
                 async move {
-                    if bearer(&req).is_some_and(|k| k == &*key) {
+                    if bearer(&req).is_some_and(|k| same(k, &key)) {
                         render(&handle)
                     } else {
                         (
@@ -164,6 +166,38 @@ pub(crate) fn router_with<S: Store, C: Clock>(
         limits.request_timeout,
         time_limit,
     ))
+}
+
+/// `a == b`, in a time that does not depend on where they first differ (a key check).
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// A query value with `%XX` and `+` decoded; `None` if it does not decode to UTF-8.
+fn percent_decoded(v: &str) -> Option<String> {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+                if !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+                    return None;
+                }
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 2;
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok()
 }
 
 /// `/metrics` alone, for a listener of its own (e.g. one only the scraper can reach).
