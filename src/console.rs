@@ -360,11 +360,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// it could pass. Runs the same decision as [`admit`](Self::admit) on the states the store
     /// holds, and writes nothing.
     ///
-    /// It decides at this limiter's clock. A Redis store decides at Redis's clock by default
-    /// and counts only permits that have not lapsed, while reading a state counts every
-    /// permit still held in Redis: near a window's edge, with clocks apart, or after a replica
-    /// died holding permits, the answer can differ from the call that follows. (With the
-    /// memory store, or an injected time source, they agree: the conformance suite checks it.)
+    /// It decides at this limiter's clock. A Redis store decides at Redis's clock by default:
+    /// near a window's edge, with the two clocks apart, the answer can differ from the call
+    /// that follows. (With the memory store, or an injected time source, they agree: the
+    /// conformance suite checks it.) Calls in flight count as the decision counts them:
+    /// permits a dead replica held stop counting once they lapse.
     pub async fn explain(
         &self,
         caller: &Caller,

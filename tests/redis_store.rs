@@ -962,3 +962,67 @@ fn an_outage_fails_fast_with_one_probe_per_100_ms() {
         }
     });
 }
+
+/// Reading a state (the console, `Limiter::explain`) counts a caller's calls in flight as the
+/// decision does: a dead replica's permits that have lapsed do not count, although nothing
+/// has pruned them yet; and `explain` agrees with the call that follows.
+#[test]
+fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 100000, per = "1s" }
+        [tool.default_tenant]
+        max_concurrency = 1
+        "#,
+    )
+    .unwrap();
+    let rt = current_thread();
+    let ttl = Duration::from_secs(5);
+    rt.block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let replica = || {
+            let (url, policy, clock) = (server.url(), policy.clone(), clock.clone());
+            async move {
+                let store = RedisStore::builder(url)
+                    .injected_clock()
+                    .refusal_cache(false)
+                    .permit_ttl(ttl)
+                    .connect()
+                    .await
+                    .unwrap();
+                Limiter::with_store(policy, store, clock)
+            }
+        };
+        let d = Caller::new("d");
+        let doomed = replica().await;
+        doomed.admit(&d, "t", Cost(1.0)).await.unwrap();
+        drop(doomed);
+        let live = replica().await;
+        let keys = live.call_keys(&d, "t").unwrap();
+        clock.set(EPOCH.saturating_add(Duration::from_secs(1)));
+        live.admit(&Caller::new("other"), "t", Cost(1.0))
+            .await
+            .unwrap();
+        let held = live.store().inspect(&keys).await.unwrap()[1].unwrap();
+        assert_eq!(
+            held.in_flight, 1.0,
+            "the dead replica's permit, not lapsed yet"
+        );
+        let e = live.explain(&d, "t", Cost(1.0)).await.unwrap();
+        assert_eq!(e.why.reason, Some("concurrency_exceeded"), "{e:?}");
+        // Past the permit TTL: lapsed, though still in Redis (nobody wrote `d` since).
+        clock.set(EPOCH.saturating_add(ttl + Duration::from_secs(1)));
+        live.admit(&Caller::new("other"), "t", Cost(1.0))
+            .await
+            .unwrap();
+        let held = live.store().inspect(&keys).await.unwrap()[1].unwrap();
+        assert_eq!(held.in_flight, 0.0, "a lapsed permit counted");
+        let e = live.explain(&d, "t", Cost(1.0)).await.unwrap();
+        assert!(e.admitted, "{e:?}");
+        assert!(live.admit(&d, "t", Cost(1.0)).await.is_ok());
+    });
+}

@@ -276,21 +276,6 @@ impl Backend {
         }
     }
 
-    pub(super) async fn query_pipe<T: redis::FromRedisValue>(
-        &self,
-        pipe: &redis::Pipeline,
-    ) -> redis::RedisResult<T> {
-        match self {
-            Backend::Multiplexed(c) => pipe.query_async(&mut c.clone()).await,
-            Backend::Cluster(c) => pipe.query_async(&mut c.clone()).await,
-            #[cfg(feature = "redis-bb8")]
-            Backend::Pool(p) => {
-                let mut c = p.get().await.map_err(pool_error)?;
-                pipe.query_async(&mut *c).await
-            }
-        }
-    }
-
     pub(super) fn is_cluster(&self) -> bool {
         matches!(self, Backend::Cluster(_))
     }

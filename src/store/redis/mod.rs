@@ -15,7 +15,7 @@
 //! counts no permits) is decided on them, at Redis's clock as of the last round trip plus the
 //! time since, without a read, and its write checks their versions like any other. So a busy
 //! tool costs one round trip per batch, and a caller alone one per call. The arithmetic therefore exists once, in Rust: the Lua scripts
-//! (`cycle.lua`, `release.lua`, `renew.lua`, `sweep.lua`) do no fair-share arithmetic. Any
+//! (`cycle.lua`, `release.lua`, `renew.lua`, `sweep.lua`, `inspect.lua`) do no fair-share arithmetic. Any
 //! number of replicas share one exact budget: a write lands only on the state it was decided
 //! from, so the capacity bound holds with no overshoot from races.
 //!
@@ -162,7 +162,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use redis::{ErrorKind, ServerErrorKind, Value};
+use redis::{ErrorKind, ServerErrorKind};
 
 pub use builder::{Connection, RedisStoreBuilder, TimeSource};
 pub use upkeep::StoreHealth;
@@ -193,6 +193,7 @@ struct Scripts {
     release: Script,
     renew: Script,
     sweep: Script,
+    inspect: Script,
 }
 
 impl Scripts {
@@ -203,6 +204,7 @@ impl Scripts {
             release: script(include_str!("release.lua")),
             renew: script(include_str!("renew.lua")),
             sweep: script(include_str!("sweep.lua")),
+            inspect: script(include_str!("inspect.lua")),
         }
     }
 }
@@ -332,6 +334,9 @@ struct Shared {
     breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
+    /// With an injected clock: the latest `now` a decision was asked at (µs), the clock
+    /// `inspect` counts permits at.
+    latest: AtomicU64,
     /// Each tool's queue of decisions and corrections (see `batch`).
     queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
@@ -389,6 +394,7 @@ impl RedisStore {
                 breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
+                latest: AtomicU64::new(0),
                 queues: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
             }),
@@ -720,6 +726,11 @@ impl Store for RedisStore {
         plan: &'a Plan<'a>,
         keys: &'a CallKeys,
     ) -> Result<Decision, StoreError> {
+        if self.shared.config.time == TimeSource::Injected {
+            self.shared
+                .latest
+                .fetch_max(plan.now.as_micros(), Ordering::Relaxed);
+        }
         if let Some(cache) = &self.shared.cache {
             if let Some(r) = cache.lookup(keys, plan, self.shared.config.time) {
                 self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
@@ -777,31 +788,19 @@ impl Store for RedisStore {
             .enumerate()
             .filter_map(|(i, k)| k.as_deref().map(|k| (i, k)))
             .collect();
-        let mut pipe = redis::pipe();
-        let mut mget = redis::cmd("MGET");
-        for (_, k) in &present {
-            mget.arg(*k);
-        }
-        pipe.add_command(mget);
-        for (_, k) in &present {
-            pipe.cmd("ZCARD").arg(wire::permits_key(k));
-        }
-        let timeout = sh.config.timeout;
+        let mut script_keys: Vec<String> = present.iter().map(|(_, k)| (*k).to_owned()).collect();
+        script_keys.extend(present.iter().map(|(_, k)| wire::permits_key(k)));
+        // Permits count as the decision counts them: those not lapsed at Redis's clock, or,
+        // with an injected clock, at the latest time a decision was asked at.
+        let now = match sh.config.time {
+            TimeSource::Redis => b"-1".to_vec(),
+            TimeSource::Injected => sh.latest.load(Ordering::Relaxed).to_string().into_bytes(),
+        };
         let (values, held): (Vec<Option<Vec<u8>>>, Vec<u64>) = sh
             .guarded("inspect", &keys.tool, async {
-                let backend = sh.backend()?;
-                let mut replies: Vec<Value> = backend
-                    .query_pipe(&pipe)
-                    .await
-                    .map_err(|e| map_error(e, timeout))?;
-                let values = redis::from_redis_value(replies.remove(0))
-                    .map_err(|e| map_error(e.into(), timeout))?;
-                let held = replies
-                    .into_iter()
-                    .map(redis::from_redis_value)
-                    .collect::<Result<Vec<u64>, _>>()
-                    .map_err(|e| map_error(e.into(), timeout))?;
-                Ok((values, held))
+                let reply: (Vec<Option<Vec<u8>>>, Vec<u64>) =
+                    sh.eval(&sh.scripts.inspect, &script_keys, &[now]).await?;
+                Ok(reply)
             })
             .await?;
         let mut out: [Option<NodeState>; 3] = Default::default();
@@ -810,7 +809,7 @@ impl Store for RedisStore {
                 Some(bytes) => Some(record::Record::decode(&bytes)?.state),
                 None => None,
             };
-            // Calls in flight are the permits held (lapsed or not: as the store holds them).
+            // Calls in flight: the permits that count (see above).
             out[*level] = match state {
                 Some(mut s) => {
                     s.in_flight = held as f64;
