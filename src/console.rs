@@ -12,7 +12,7 @@
 //! | `…/refusals?tool=T&tenant=A` | the last refusals of that tenant (a bounded ring), newest first: when, which instance, reason, binding level, window, limit, used, the wait asked and the earliest time it could pass (the tenant's floor, share and ceiling are on its `state` row) |
 //!
 //! Nothing on it changes the policy or any counter: `state` and `explain` read the store
-//! ([`Store::inspect`]) and `explain` runs the same decision as
+//! ([`Store::inspect_at`]) and `explain` runs the same decision as
 //! [`Limiter::admit`] on what it read, without writing it back.
 //!
 //! Refusals are counted (by tool, tenant and reason) and kept (the last
@@ -377,7 +377,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let (now, verdict, levels, decided) = match self.prepared(&policy, caller, tool, cost) {
             Err(r) => (self.clock().now(), Err(r), Vec::new(), false),
             Ok((plan, keys)) => {
-                let states = self.store().inspect(&keys).await?;
+                let states = self.store().inspect_at(&keys, plan.now).await?;
                 let snap = crate::admission::engine::Snapshot {
                     tool: states[0].unwrap_or_default(),
                     tenant: states[1].unwrap_or_default(),
@@ -625,7 +625,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                     continue;
                 };
                 let keys = keys_of(tp, &t.name, None);
-                let states = limiter.store().inspect(&keys).await?;
+                let states = limiter.store().inspect_at(&keys, now).await?;
                 if let Some(s) = &states[0] {
                     tool_used = used_now(s, window, now, &tp.budgets).0;
                 }
@@ -639,7 +639,8 @@ impl<S: Store, C: Clock> Console<S, C> {
                             continue;
                         };
                         let keys = keys_of(tp, &t.name, Some(&i.name));
-                        let s = limiter.store().inspect(&keys).await?[2].unwrap_or_default();
+                        let s =
+                            limiter.store().inspect_at(&keys, now).await?[2].unwrap_or_default();
                         let (used, budgets) = used_now(&s, window, now, &i.budgets);
                         rows.push(Row {
                             name: i.name.to_string(),
@@ -703,7 +704,7 @@ impl<S: Store, C: Clock> Console<S, C> {
             }
             if tp.tenants().is_empty() {
                 let keys = keys_of(tp, &Arc::from(""), None);
-                if let Some(s) = &limiter.store().inspect(&keys).await?[0] {
+                if let Some(s) = &limiter.store().inspect_at(&keys, now).await?[0] {
                     tool_used = used_now(s, window, now, &tp.budgets).0;
                 }
             }

@@ -963,9 +963,10 @@ fn an_outage_fails_fast_with_one_probe_per_100_ms() {
     });
 }
 
-/// Reading a state (the console, `Limiter::explain`) counts a caller's calls in flight as the
-/// decision does: a dead replica's permits that have lapsed do not count, although nothing
-/// has pruned them yet; and `explain` agrees with the call that follows.
+/// Reading a state as a decision would (`inspect_at`: the console, `Limiter::explain`) counts
+/// a caller's calls in flight as the decision does: a dead replica's permits that have lapsed
+/// do not count, although nothing has pruned them yet; and `explain` agrees with the call that
+/// follows. (`inspect` still shows every permit held.)
 #[test]
 fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
     let server = RedisServer::start();
@@ -1007,7 +1008,12 @@ fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
         live.admit(&Caller::new("other"), "t", Cost(1.0))
             .await
             .unwrap();
-        let held = live.store().inspect(&keys).await.unwrap()[1].unwrap();
+        let held = live
+            .store()
+            .inspect_at(&keys, tower_fairshare::Clock::now(&clock))
+            .await
+            .unwrap()[1]
+            .unwrap();
         assert_eq!(
             held.in_flight, 1.0,
             "the dead replica's permit, not lapsed yet"
@@ -1019,8 +1025,15 @@ fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
         live.admit(&Caller::new("other"), "t", Cost(1.0))
             .await
             .unwrap();
-        let held = live.store().inspect(&keys).await.unwrap()[1].unwrap();
+        let held = live
+            .store()
+            .inspect_at(&keys, tower_fairshare::Clock::now(&clock))
+            .await
+            .unwrap()[1]
+            .unwrap();
         assert_eq!(held.in_flight, 0.0, "a lapsed permit counted");
+        let raw = live.store().inspect(&keys).await.unwrap()[1].unwrap();
+        assert_eq!(raw.in_flight, 1.0, "still held in Redis");
         let e = live.explain(&d, "t", Cost(1.0)).await.unwrap();
         assert!(e.admitted, "{e:?}");
         assert!(live.admit(&d, "t", Cost(1.0)).await.is_ok());

@@ -157,6 +157,19 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a;
+
+    /// The same states as [`inspect`](Self::inspect), as a decision at `now` reads them: calls
+    /// in flight are the permits that have not lapsed by then (a store whose permits never
+    /// lapse, like the memory store, answers as `inspect`). Writes nothing. What
+    /// [`Limiter::explain`](crate::Limiter::explain) and the console read.
+    fn inspect_at<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        let _ = now;
+        self.inspect(keys)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -192,5 +205,12 @@ impl<S: Store> Store for Arc<S> {
         keys: &'a CallKeys,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
         (**self).inspect(keys)
+    }
+    fn inspect_at<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        (**self).inspect_at(keys, now)
     }
 }

@@ -334,9 +334,6 @@ struct Shared {
     breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
-    /// With an injected clock: the latest `now` a decision was asked at (µs), the clock
-    /// `inspect` counts permits at.
-    latest: AtomicU64,
     /// Each tool's queue of decisions and corrections (see `batch`).
     queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
@@ -394,7 +391,6 @@ impl RedisStore {
                 breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
-                latest: AtomicU64::new(0),
                 queues: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
             }),
@@ -726,11 +722,6 @@ impl Store for RedisStore {
         plan: &'a Plan<'a>,
         keys: &'a CallKeys,
     ) -> Result<Decision, StoreError> {
-        if self.shared.config.time == TimeSource::Injected {
-            self.shared
-                .latest
-                .fetch_max(plan.now.as_micros(), Ordering::Relaxed);
-        }
         if let Some(cache) = &self.shared.cache {
             if let Some(r) = cache.lookup(keys, plan, self.shared.config.time) {
                 self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
@@ -781,7 +772,33 @@ impl Store for RedisStore {
         &'a self,
         keys: &'a CallKeys,
     ) -> Result<[Option<NodeState>; 3], StoreError> {
-        let sh = &self.shared;
+        // Every permit held, lapsed or not (their scores are when they lapse: all above 0).
+        self.shared.read_states(keys, b"0".to_vec()).await
+    }
+
+    async fn inspect_at<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+        now: Timestamp,
+    ) -> Result<[Option<NodeState>; 3], StoreError> {
+        // The permits that have not lapsed at the decisions' clock: Redis's (`-1`) or `now`.
+        let at = match self.shared.config.time {
+            TimeSource::Redis => b"-1".to_vec(),
+            TimeSource::Injected => now.as_micros().to_string().into_bytes(),
+        };
+        self.shared.read_states(keys, at).await
+    }
+}
+
+impl Shared {
+    /// The records of `keys`' levels and the permits they hold that have not lapsed by `at`
+    /// (µs; `-1`: Redis `TIME`), through `inspect.lua`, writing nothing.
+    async fn read_states(
+        &self,
+        keys: &CallKeys,
+        at: Vec<u8>,
+    ) -> Result<[Option<NodeState>; 3], StoreError> {
+        let sh = self;
         let encoded = sh.state_keys(keys);
         let present: Vec<(usize, &str)> = encoded
             .iter()
@@ -790,16 +807,10 @@ impl Store for RedisStore {
             .collect();
         let mut script_keys: Vec<String> = present.iter().map(|(_, k)| (*k).to_owned()).collect();
         script_keys.extend(present.iter().map(|(_, k)| wire::permits_key(k)));
-        // Permits count as the decision counts them: those not lapsed at Redis's clock, or,
-        // with an injected clock, at the latest time a decision was asked at.
-        let now = match sh.config.time {
-            TimeSource::Redis => b"-1".to_vec(),
-            TimeSource::Injected => sh.latest.load(Ordering::Relaxed).to_string().into_bytes(),
-        };
         let (values, held): (Vec<Option<Vec<u8>>>, Vec<u64>) = sh
             .guarded("inspect", &keys.tool, async {
                 let reply: (Vec<Option<Vec<u8>>>, Vec<u64>) =
-                    sh.eval(&sh.scripts.inspect, &script_keys, &[now]).await?;
+                    sh.eval(&sh.scripts.inspect, &script_keys, &[at]).await?;
                 Ok(reply)
             })
             .await?;
