@@ -488,11 +488,9 @@ fn idle_callers_keys_expire_from_redis() {
     let rt = current_thread();
     let mut conn = server.conn();
     rt.block_on(async {
-        let store = RedisStore::builder(server.url())
-            .injected_clock()
-            .connect()
-            .await
-            .unwrap();
+        // Redis's own clock: the TTLs are what a deployment gets (an injected clock's records
+        // are kept at least ten minutes, whatever their expiry).
+        let store = RedisStore::builder(server.url()).connect().await.unwrap();
         let clock = ManualClock::new(EPOCH);
         let limiter = Limiter::with_store(policy, store, clock.clone());
         let callers = [
@@ -1037,5 +1035,46 @@ fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
         let e = live.explain(&d, "t", Cost(1.0)).await.unwrap();
         assert!(e.admitted, "{e:?}");
         assert!(live.admit(&d, "t", Cost(1.0)).await.is_ok());
+    });
+}
+
+/// An injected clock need not pass at Redis's pace (the differential test spends real
+/// milliseconds on virtual ones): its records are kept at least ten minutes of real time, so
+/// Redis never drops one its virtual expiry still needs (as good as fresh after that).
+#[test]
+fn with_an_injected_clock_records_outlive_a_slow_virtual_clock() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 10, per = "1s" }
+        max_concurrency = 2
+        [tool.default_tenant]
+        "#,
+    )
+    .unwrap();
+    let rt = current_thread();
+    let mut conn = server.conn();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, ManualClock::new(EPOCH));
+        let t = limiter
+            .admit(&Caller::new("g"), "t", Cost(1.0))
+            .await
+            .unwrap();
+        limiter.release(&t).await;
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
+        assert!(keys.len() >= 2, "{keys:?}");
+        for k in keys.iter().filter(|k| !k.ends_with('@')) {
+            let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).unwrap();
+            // A virtual second's expiry; at least ten real minutes (less what has passed).
+            assert!(ttl > 590_000, "{k}: PTTL {ttl}");
+        }
     });
 }

@@ -759,7 +759,10 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                                     zc.prune = Some(now_f);
                                     zc.adds
                                         .push((now_f + permit_ttl_us, call.to_le_bytes().to_vec()));
-                                    zc.ttl_ms = Some(sh.config.permit_ttl.as_millis() as u64);
+                                    zc.ttl_ms = Some(
+                                        (sh.config.permit_ttl.as_millis() as u64)
+                                            .max(sh.least_ttl_ms()),
+                                    );
                                 }
                             }
                         }
@@ -847,7 +850,10 @@ async fn cycle(
                 if d.holds[i] {
                     keep = keep.max(d.now + permit_ttl_us);
                 }
-                ttl_ms(keep, d.now).to_string().into_bytes()
+                ttl_ms(keep, d.now)
+                    .max(sh.least_ttl_ms())
+                    .to_string()
+                    .into_bytes()
             } else {
                 Vec::new()
             });

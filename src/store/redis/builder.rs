@@ -71,7 +71,10 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Use the limiter's clock (the plan's `now`) instead of Redis `TIME`.
+    /// Use the limiter's clock (the plan's `now`) instead of Redis `TIME`: for tests and
+    /// simulations. Such a clock need not pass at Redis's pace, so records are kept in Redis at
+    /// least ten minutes of real time (a record kept past its expiry is as good as a fresh one;
+    /// one dropped before it would lose what it counts).
     pub fn injected_clock(mut self) -> Self {
         self.time = TimeSource::Injected;
         self

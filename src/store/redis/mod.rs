@@ -601,6 +601,18 @@ impl Shared {
         encoded
     }
 
+    /// The least TTL a record is given, ms. With Redis's clock, 1: a TTL is the time until
+    /// the record is as good as fresh. With an injected clock, whose time need not pass at
+    /// Redis's pace (a test or a simulation may spend a real second on a virtual
+    /// millisecond), ten minutes: a record kept past its expiry is as good as fresh, one
+    /// dropped before it is not.
+    pub(super) fn least_ttl_ms(&self) -> u64 {
+        match self.config.time {
+            TimeSource::Redis => 1,
+            TimeSource::Injected => 600_000,
+        }
+    }
+
     fn now_arg(&self, now: Timestamp) -> f64 {
         match self.config.time {
             TimeSource::Redis => -1.0,
@@ -670,6 +682,7 @@ impl Shared {
         let args = [
             admission.call.to_le_bytes().to_vec(),
             format!("{}", self.now_arg(admission.at)).into_bytes(),
+            self.least_ttl_ms().to_string().into_bytes(),
         ];
         let _: i64 = self
             .guarded(

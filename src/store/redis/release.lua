@@ -9,6 +9,9 @@ if now < 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+-- 3: the least TTL to set, ms (an injected clock need not keep Redis's pace: see
+-- `RedisStoreBuilder::injected_clock`).
+local floor = tonumber(ARGV[3]) or 1
 local released = 0
 for i = 1, #KEYS, 2 do
   local permits, key = KEYS[i], KEYS[i + 1]
@@ -19,7 +22,7 @@ for i = 1, #KEYS, 2 do
       if raw and #raw >= 16 then
         local expires = struct.unpack('<d', raw, 9)
         local ms = math.ceil((expires - now) / 1000)
-        if ms < 1 then ms = 1 end
+        if ms < floor then ms = floor end
         if ms < redis.call('PTTL', key) then
           redis.call('PEXPIRE', key, ms)
         end
