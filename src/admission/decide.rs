@@ -186,13 +186,24 @@ pub(crate) fn decide_in_place(
         tenants_counted(plan, tool_state),
     );
     let mut top = above(plan, &mut b, tool_state)?;
-    Ok(commit_below(
+    let mut charge = Charge::default();
+    let s = commit_below(
         plan,
         &mut b,
         &mut top,
         tenant_state,
         instance_state,
-    ))
+        &mut charge,
+    );
+    Ok(Outcome {
+        expires: s.expires,
+        charge,
+        remaining: s.remaining,
+        quota: s.quota,
+        reset_in: s.reset_in,
+        slack: s.slack,
+        views: s.views,
+    })
 }
 
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::bucket::{bucket, expiry, refill, roll_window, EPS};
-use super::decide::{Outcome, Plan};
+use super::decide::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
     BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars,
@@ -512,7 +512,8 @@ pub(crate) fn above(
     }
 
     // 6. Commit the tool.
-    let (charge, mut expires) = commit_level(plan, b, 0, takes[0], tool_state);
+    let mut charge = LevelCharge::default();
+    let mut expires = commit_level(plan, b, 0, takes[0], tool_state, &mut charge);
     // The tool counts every floor unit drawn below it, for the window report.
     let mut floor_units = 0.0;
     for take in &takes[..b.n] {
@@ -562,7 +563,8 @@ fn commit_level(
     idx: usize,
     take: [f64; 3],
     target: &mut NodeState,
-) -> (LevelCharge, f64) {
+    out: &mut LevelCharge,
+) -> f64 {
     let c = plan.cost;
     let l = &mut b.levels[idx];
     let [f, h, k] = take;
@@ -601,7 +603,7 @@ fn commit_level(
         }
         charged.push(bud.period, start);
     }
-    let charge = LevelCharge {
+    *out = LevelCharge {
         present: true,
         floor: f,
         floor_depth: l.floor_b.depth,
@@ -612,7 +614,7 @@ fn commit_level(
         permit,
         budgets: charged,
     };
-    let expires = expiry(
+    expiry(
         &l.state,
         &target.budgets,
         &l.floor_b,
@@ -621,30 +623,44 @@ fn commit_level(
         b.now,
         b.period,
         b.next_window,
-    );
-    (charge, expires)
+    )
+}
+
+/// What an admitted call's outcome says besides its charge (see [`Outcome`]).
+pub(crate) struct Summary {
+    pub(crate) expires: [f64; 3],
+    pub(crate) remaining: f64,
+    pub(crate) quota: f64,
+    pub(crate) reset_in: f64,
+    pub(crate) slack: f64,
+    pub(crate) views: [LevelView; 2],
 }
 
 /// A decision's last part, once [`above`] admitted it: writes the tenant's and the
-/// instance's states. Needs no tool state.
+/// instance's states, and what the call charged into `charge` (in place: a store may hand in
+/// the one its answer holds, so the record is not copied). Needs no tool state.
 pub(crate) fn commit_below(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
     top: &mut Top,
     tenant_state: &mut NodeState,
     instance_state: Option<&mut NodeState>,
-) -> Outcome {
+    charge: &mut Charge,
+) -> Summary {
     let n = b.n;
-    let mut charge = Charge {
-        cost: plan.cost,
-        window: b.window,
-        levels: Default::default(),
-    };
+    charge.cost = plan.cost;
+    charge.window = b.window;
     let mut expires = [b.now; 3];
     charge.levels[0] = std::mem::take(&mut top.charge);
     expires[0] = top.expires;
-    let (c1, mut e1) = commit_level(plan, b, 1, top.takes[1], tenant_state);
-    charge.levels[1] = c1;
+    let mut e1 = commit_level(
+        plan,
+        b,
+        1,
+        top.takes[1],
+        tenant_state,
+        &mut charge.levels[1],
+    );
     let instance_template = n == 3 && plan.instance.is_some_and(|i| i.policy.template);
     if instance_template {
         let s = &mut b.levels[1].state;
@@ -656,9 +672,9 @@ pub(crate) fn commit_below(
     }
     expires[1] = e1;
     b.levels[1].state.write(tenant_state);
+    charge.levels[2] = LevelCharge::default();
     if let (3, Some(s)) = (n, instance_state) {
-        let (c2, mut e2) = commit_level(plan, b, 2, top.takes[2], s);
-        charge.levels[2] = c2;
+        let mut e2 = commit_level(plan, b, 2, top.takes[2], s, &mut charge.levels[2]);
         if instance_template {
             e2 = e2.max(template::counted_until(b.window, b.period));
         }
@@ -691,9 +707,8 @@ pub(crate) fn commit_below(
             LevelView::default()
         },
     ];
-    Outcome {
+    Summary {
         expires,
-        charge,
         remaining,
         quota: b.levels[leaf].numbers.ceiling,
         reset_in: b.next_window - b.now,

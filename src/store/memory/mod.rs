@@ -341,11 +341,35 @@ fn decide_on(
         publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
-    let o = engine::commit_below(plan, &mut below, &mut top, tenant_state, inst_state);
-    let expires = [micros_ceil(o.expires[1]), micros_ceil(o.expires[2])];
+    // The answer is built where it will live, and the charge written into it: no copy of
+    // the record on the way.
+    let mut admission = Box::new(Admission {
+        keys: keys.clone(),
+        charge: engine::Charge::default(),
+        remaining: 0.0,
+        quota: 0.0,
+        reset_in: 0.0,
+        slack: 0.0,
+        views: Default::default(),
+        at: plan.now,
+        call: 0,
+    });
+    let s = engine::commit_below(
+        plan,
+        &mut below,
+        &mut top,
+        tenant_state,
+        inst_state,
+        &mut admission.charge,
+    );
+    admission.remaining = s.remaining;
+    admission.quota = s.quota;
+    admission.reset_in = s.reset_in;
+    admission.slack = s.slack;
+    admission.views = s.views;
     Ok((
-        Box::new(o.into_admission(keys.clone(), plan.now, 0)),
-        expires,
+        admission,
+        [micros_ceil(s.expires[1]), micros_ceil(s.expires[2])],
     ))
 }
 
