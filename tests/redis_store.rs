@@ -1040,7 +1040,8 @@ fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
 
 /// An injected clock need not pass at Redis's pace (the differential test spends real
 /// milliseconds on virtual ones): its records are kept at least ten minutes of real time, so
-/// Redis never drops one its virtual expiry still needs (as good as fresh after that).
+/// Redis does not drop one its virtual expiry still needs within ten real minutes (a record
+/// kept past its expiry is as good as fresh).
 #[test]
 fn with_an_injected_clock_records_outlive_a_slow_virtual_clock() {
     let server = RedisServer::start();
@@ -1068,6 +1069,18 @@ fn with_an_injected_clock_records_outlive_a_slow_virtual_clock() {
             .admit(&Caller::new("g"), "t", Cost(1.0))
             .await
             .unwrap();
+        // While the call holds its permit, renewing it keeps its zset's TTL (never shortens it
+        // to the permit TTL).
+        limiter.store().renew_permits(EPOCH).await.unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
+        assert!(
+            keys.iter().any(|k| k.ends_with('!')),
+            "a permit zset: {keys:?}"
+        );
+        for k in keys.iter().filter(|k| !k.ends_with('@')) {
+            let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).unwrap();
+            assert!(ttl > 590_000, "{k}: PTTL {ttl} while a permit is held");
+        }
         limiter.release(&t).await;
         let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
         assert!(keys.len() >= 2, "{keys:?}");

@@ -610,4 +610,12 @@ impl<S: Store> Store for Recorder<S> {
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
         self.store.inspect(keys)
     }
+
+    fn inspect_at<'a>(
+        &'a self,
+        keys: &'a CallKeys,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+        self.store.inspect_at(keys, now)
+    }
 }

@@ -589,3 +589,37 @@ async fn serve_reloads_its_policy_file_and_rejects_an_invalid_one() {
     assert_eq!(still.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(still.json["limit"], 10);
 }
+
+/// `fairshare simulate --redis` gives the report the in-process store gives, and clears its
+/// keys when it is done (an injected clock's keys would otherwise outlive the run by minutes).
+#[test]
+fn simulate_on_redis_matches_memory_and_leaves_no_keys() {
+    let redis = support::RedisServer::start();
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+            .current_dir(root)
+            .args([
+                "simulate",
+                "--policy",
+                "examples/seed000/policy.toml",
+                "--scenario",
+                "examples/seed000/saturation.toml",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .expect("fairshare runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let memory = run(&[]);
+    let url = redis.url();
+    let on_redis = run(&["--redis", &url]);
+    assert_eq!(memory, on_redis);
+    assert_eq!(redis.dbsize(), 0, "keys left behind");
+}

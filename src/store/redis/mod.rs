@@ -53,8 +53,10 @@
 //! counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
 //! state is equivalent to a fresh one (for a template caller, until it stops counting; for its
 //! parent, until its counts are back to zero), and at least the permit TTL while calls hold
-//! permits at its level; permits until the latest lapses. With an injected clock, TTLs assume
-//! the virtual time runs at least as fast as real time (tests and simulations do).
+//! permits at its level; permits until the latest lapses. With an injected clock, whose time
+//! need not pass at Redis's pace, every record and permit zset is kept at least ten minutes of
+//! real time as well (a record kept past its expiry is as good as fresh; `sweep` clears them
+//! at a virtual time).
 //!
 //! ## Template callers
 //!

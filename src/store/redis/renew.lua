@@ -22,7 +22,10 @@ for i, key in ipairs(KEYS) do
   end
   if #args > 5 then
     renewed = renewed + redis.call(unpack(args))
-    redis.call('PEXPIRE', key, ttl)
+    -- Lengthen only: an injected clock's zsets are kept longer than the permit TTL.
+    if redis.call('PTTL', key) < ttl then
+      redis.call('PEXPIRE', key, ttl)
+    end
   end
 end
 return renewed
