@@ -106,7 +106,7 @@ pub(super) fn expiry(
     }
     for b in budgets {
         if b.used > 0.0 {
-            let (_, end) = b.period.window(Timestamp(b.start as u64));
+            let end = b.period.end_of(Timestamp(b.start as u64));
             at = at.max(end.as_micros() as f64);
         }
     }

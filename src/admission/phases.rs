@@ -41,6 +41,23 @@ pub(crate) struct Below<'a> {
     budgets: Option<Fail>,
     /// The walk up to the tool, share first (floor first is walked only if needed).
     walk: Result<Walk, Fail>,
+    /// The budgets' windows at this instant.
+    windows: Windows,
+}
+
+/// The calendar windows of one decision's instant, worked out once per period (a division
+/// each, and a calendar for months) however many levels have budgets in it: (start, end) µs.
+#[derive(Copy, Clone, Default)]
+struct Windows([Option<(f64, f64)>; 3]);
+
+impl Windows {
+    #[inline]
+    fn get(&mut self, period: crate::policy::BudgetPeriod, now: Timestamp) -> (f64, f64) {
+        *self.0[period.index()].get_or_insert_with(|| {
+            let (start, end) = period.window(now);
+            (start.as_micros() as f64, end.as_micros() as f64)
+        })
+    }
 }
 
 /// The worst failure so far: the longest wait, the first one on a tie.
@@ -87,6 +104,7 @@ impl Below<'_> {
             concurrency: None,
             budgets: None,
             walk: Ok(walk),
+            windows: Windows::default(),
         }
     }
 }
@@ -113,6 +131,7 @@ pub(crate) fn below<'a>(
     b.callers = None;
     b.concurrency = None;
     b.budgets = None;
+    b.windows = Windows::default();
 
     // 1. Template callers counted: a flood of new identities stops here.
     b.standing = [Standing::NotCounted; 2];
@@ -236,6 +255,7 @@ pub(crate) fn below<'a>(
                 s,
                 b.levels[idx].scope,
                 &mut b.budgets,
+                &mut b.windows,
             );
         }
     }
@@ -285,19 +305,18 @@ fn budget_fails(
     s: &NodeState,
     scope: Scope,
     worst: &mut Option<Fail>,
+    windows: &mut Windows,
 ) {
     let now = plan.now.as_micros() as f64;
     let c = plan.cost;
     for b in list {
-        let (start, end) = b.period.window(plan.now);
-        let start = start.as_micros() as f64;
+        let (start, end) = windows.get(b.period, plan.now);
         let used = s
             .budgets
             .iter()
             .find(|x| x.period == b.period && x.start == start)
             .map_or(0.0, |x| x.used);
         if used + c > b.max + EPS {
-            let end = end.as_micros() as f64;
             worse(
                 worst,
                 Fail {
@@ -476,7 +495,14 @@ pub(crate) fn above(
 
     // 4. Budgets, the tool's first; 5. the tool's part of the walk.
     let mut worst = None;
-    budget_fails(plan, &tool.budgets, tool_state, Scope::Tool, &mut worst);
+    budget_fails(
+        plan,
+        &tool.budgets,
+        tool_state,
+        Scope::Tool,
+        &mut worst,
+        &mut b.windows,
+    );
     if let Some(f) = b.budgets {
         worse(&mut worst, f);
     }
@@ -588,7 +614,7 @@ fn commit_level(
     let list = budget_list(plan, idx);
     let mut charged = ChargedBudgets::default();
     for bud in list {
-        let start = bud.period.window(plan.now).0.as_micros() as f64;
+        let start = b.windows.get(bud.period, plan.now).0;
         match target.budgets.iter_mut().find(|x| x.period == bud.period) {
             Some(x) if x.start == start => x.used += c,
             Some(x) => {

@@ -130,6 +130,16 @@ impl BudgetPeriod {
         }
     }
 
+    /// The end of the window that starts at `start` (a window's own start: no division for
+    /// hours and days).
+    pub(crate) fn end_of(self, start: Timestamp) -> Timestamp {
+        match self {
+            BudgetPeriod::Hour => Timestamp(start.as_micros() + 3_600_000_000),
+            BudgetPeriod::Day => Timestamp(start.as_micros() + 86_400_000_000),
+            BudgetPeriod::Month => self.window(start).1,
+        }
+    }
+
     /// The window containing `t`: (start, end), end exclusive.
     pub fn window(self, t: Timestamp) -> (Timestamp, Timestamp) {
         const HOUR: u64 = 3_600_000_000;
