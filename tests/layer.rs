@@ -554,8 +554,8 @@ async fn ratelimit_headers_on_admitted_responses_when_asked() {
 }
 
 /// `r` is what is left of `q` in the window, counting down call by call to the window's end
-/// `t` — not a token-bucket level a client cannot relate to `q` (it used to say `r=21` after
-/// one call of a 400-a-minute quota with a burst of 22).
+/// `t` — not a token-bucket level a client cannot relate to `q` (it used to say `r=121` after
+/// each of these five calls: the floor bucket, 100, and what the burst of 22 had left).
 #[tokio::test]
 async fn ratelimit_r_is_what_is_left_of_q_in_the_window() {
     let policy = Policy::from_toml_str(
