@@ -61,6 +61,16 @@ const REASONS: [Reason; 6] = [
     Reason::StoreUnavailable,
 ];
 
+/// Refusal counts by reason name, the reasons seen only.
+fn by_reason(counts: [u64; REASONS.len()]) -> HashMap<&'static str, u64> {
+    REASONS
+        .iter()
+        .zip(counts)
+        .filter(|(_, n)| *n > 0)
+        .map(|(r, n)| (r.as_str(), n))
+        .collect()
+}
+
 fn reason_index(r: Reason) -> usize {
     REASONS.iter().position(|x| *x == r).unwrap_or(0)
 }
@@ -374,9 +384,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let policy = self.policy();
         // Identity, tool and tier refusals come before the store, and shadow mode does not
         // apply to them (as in `admit`).
-        let (now, verdict, levels, decided) = match self.prepared(&policy, caller, tool, cost) {
+        let (now, verdict, levels, decided) = match self.prepare(&policy, caller, tool, cost) {
             Err(r) => (self.clock().now(), Err(r), Vec::new(), false),
-            Ok((plan, keys)) => {
+            Ok(p) => {
+                let (plan, keys) = (p.plan, p.keys);
                 let states = self.store().inspect_at(&keys, plan.now).await?;
                 let snap = crate::admission::engine::Snapshot {
                     tool: states[0].unwrap_or_default(),
@@ -670,12 +681,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                     borrowed: (used - ta.floor - ta.share).max(0.0),
                     in_flight: s.in_flight,
                     budgets,
-                    refused: REASONS
-                        .iter()
-                        .zip(counts)
-                        .filter(|(_, n)| *n > 0)
-                        .map(|(r, n)| (r.as_str(), n))
-                        .collect(),
+                    refused: by_reason(counts),
                     instances,
                 });
             }
@@ -693,12 +699,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                     borrowed: 0.0,
                     in_flight: 0.0,
                     budgets: Vec::new(),
-                    refused: REASONS
-                        .iter()
-                        .zip(counts)
-                        .filter(|(_, n)| *n > 0)
-                        .map(|(r, n)| (r.as_str(), n))
-                        .collect(),
+                    refused: by_reason(counts),
                     instances: None,
                 });
             }

@@ -194,19 +194,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self.inner.recorder
     }
 
-    /// Everything before the store for a call, as [`admit`](Self::admit) works it out: the
-    /// plan and the keys, or the refusal its identity alone earns.
-    pub(crate) fn prepared<'p>(
-        &self,
-        policy: &'p Policy,
-        caller: &'p Caller,
-        tool: &str,
-        cost: Cost,
-    ) -> Result<(Plan<'p>, CallKeys), Box<Refusal>> {
-        self.prepare(policy, caller, tool, cost)
-            .map(|p| (p.plan, p.keys))
-    }
-
     /// The store.
     pub fn store(&self) -> &S {
         &self.inner.store
@@ -283,7 +270,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Everything before the store: who is charged for what, at what time.
-    fn prepare<'p>(
+    pub(crate) fn prepare<'p>(
         &self,
         policy: &'p Policy,
         caller: &'p Caller,
@@ -551,9 +538,9 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Bo
 type Outcome = Result<Ticket, Box<Refusal>>;
 
 /// A call resolved and timed, ready for the store.
-struct Prepared<'p> {
-    plan: Plan<'p>,
-    keys: CallKeys,
+pub(crate) struct Prepared<'p> {
+    pub(crate) plan: Plan<'p>,
+    pub(crate) keys: CallKeys,
 }
 
 /// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every

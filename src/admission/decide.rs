@@ -1,6 +1,6 @@
 //! The decision's entry points: the plan of one call, and the pure decision over a snapshot
-//! of the stored states (for stores that read, decide and write atomically), or over the
-//! stored states themselves (for the in-process store).
+//! of the stored states (for stores that read, decide and write atomically; the in-process
+//! store runs the same halves around its tool's lock).
 
 use super::phases::{above, below, commit_below, figures, Below};
 use super::refusal::Refusal;
@@ -85,16 +85,17 @@ impl Admitted {
         at: Timestamp,
         call: u128,
     ) -> crate::store::Admission {
-        Outcome {
-            expires: self.expires,
+        crate::store::Admission {
+            keys,
             charge: self.charge,
             remaining: self.remaining,
             quota: self.quota,
             reset_in: self.reset_in,
             slack: self.slack,
             views: self.views,
+            at,
+            call,
         }
-        .into_admission(keys, at, call)
     }
 }
 
@@ -116,86 +117,31 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     } else {
         NodeState::default()
     };
-    let inst = plan.instance.is_some().then_some(&mut instance);
-    match decide_in_place(plan, &mut tool, &mut tenant, inst) {
-        Err(r) => Verdict::Refuse(r),
-        Ok(o) => Verdict::Admit(Box::new(Admitted {
-            tool,
-            tenant,
-            instance,
-            expires: o.expires,
-            charge: o.charge,
-            remaining: o.remaining,
-            quota: o.quota,
-            reset_in: o.reset_in,
-            slack: o.slack,
-            views: o.views,
-        })),
-    }
-}
-
-/// What an admitted call changed besides the states: [`Admitted`] without them.
-#[derive(Clone, Debug)]
-pub(crate) struct Outcome {
-    pub(crate) expires: [f64; 3],
-    pub(crate) charge: Charge,
-    pub(crate) remaining: f64,
-    pub(crate) quota: f64,
-    pub(crate) reset_in: f64,
-    pub(crate) slack: f64,
-    pub(crate) views: [LevelView; 2],
-}
-
-impl Outcome {
-    /// The admission a store answers (see [`Admitted::into_admission`]).
-    pub(crate) fn into_admission(
-        self,
-        keys: crate::store::CallKeys,
-        at: Timestamp,
-        call: u128,
-    ) -> crate::store::Admission {
-        crate::store::Admission {
-            keys,
-            charge: self.charge,
-            remaining: self.remaining,
-            quota: self.quota,
-            reset_in: self.reset_in,
-            slack: self.slack,
-            views: self.views,
-            at,
-            call,
-        }
-    }
-}
-
-/// [`decide`] over the stored states themselves: they are read, and written only when the call
-/// is admitted (a refusal leaves them untouched). `instance` is `Some` exactly when the plan
-/// has an instance.
-pub(crate) fn decide_in_place(
-    plan: &Plan<'_>,
-    tool_state: &mut NodeState,
-    tenant_state: &mut NodeState,
-    instance_state: Option<&mut NodeState>,
-) -> Result<Outcome, Box<Refusal>> {
     let mut b = Below::new();
     below(
         &mut b,
         plan,
-        tenant_state,
-        instance_state.as_deref(),
-        tenants_counted(plan, tool_state),
+        &tenant,
+        plan.instance.is_some().then_some(&instance),
+        tenants_counted(plan, &tool),
     );
-    let mut top = above(plan, &mut b, tool_state)?;
+    let mut top = match above(plan, &mut b, &mut tool) {
+        Ok(top) => top,
+        Err(r) => return Verdict::Refuse(r),
+    };
     let mut charge = Charge::default();
     let s = commit_below(
         plan,
         &mut b,
         &mut top,
-        tenant_state,
-        instance_state,
+        &mut tenant,
+        plan.instance.is_some().then_some(&mut instance),
         &mut charge,
     );
-    Ok(Outcome {
+    Verdict::Admit(Box::new(Admitted {
+        tool,
+        tenant,
+        instance,
         expires: s.expires,
         charge,
         remaining: s.remaining,
@@ -203,7 +149,7 @@ pub(crate) fn decide_in_place(
         reset_in: s.reset_in,
         slack: s.slack,
         views: s.views,
-    })
+    }))
 }
 
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with

@@ -652,7 +652,7 @@ fn commit_level(
     )
 }
 
-/// What an admitted call's outcome says besides its charge (see [`Outcome`]).
+/// What an admitted call's answer says besides its charge and the new states.
 pub(crate) struct Summary {
     pub(crate) expires: [f64; 3],
     pub(crate) remaining: f64,

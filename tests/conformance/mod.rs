@@ -582,41 +582,48 @@ pub fn borrowing<F: Factory>(f: &F) {
     );
 }
 
-/// Nesting, all-or-nothing: a refusal at any level consumes nothing anywhere.
-pub fn all_or_nothing<F: Factory>(f: &F) {
-    let rt = runtime();
-    let policy = Policy::from_toml_str(
-        r#"
-        [[tool]]
-        name = "t"
-        unit = "tokens"
-        rate = { limit = 100, per = "10s" }
-        max_concurrency = 6
-        budgets = [{ period = "hour", max = 400 }]
-        [tool.tenants.A]
-        weight = 2
-        floor = 10
-        budgets = [{ period = "day", max = 300 }]
-        [tool.tenants.A.instances.x]
-        floor = 5
-        max_concurrency = 2
-        [tool.tenants.A.default_instance]
-        max_instances = 3
-        [tool.tenants.B]
-        weight = 1
-        floor = 20
-        ceiling = 60
-        "#,
-    )
-    .unwrap();
-    let callers = [
+/// One tool with a limit of every kind: a tool cap, concurrency caps at three levels, budgets at
+/// two, floors, weights, a ceiling, a listed and a template instance.
+const EVERY_LIMIT: &str = r#"
+[[tool]]
+name = "t"
+unit = "tokens"
+rate = { limit = 100, per = "10s" }
+max_concurrency = 6
+budgets = [{ period = "hour", max = 400 }]
+[tool.tenants.A]
+weight = 2
+floor = 10
+budgets = [{ period = "day", max = 300 }]
+[tool.tenants.A.instances.x]
+floor = 5
+max_concurrency = 2
+[tool.tenants.A.default_instance]
+max_instances = 3
+[tool.tenants.B]
+weight = 1
+floor = 20
+ceiling = 60
+"#;
+
+/// Callers of [`EVERY_LIMIT`]: A's listed instance, four template instances (one more than
+/// `max_instances`), and B.
+fn every_limit_callers() -> Vec<Caller> {
+    vec![
         Caller::new("A").with_instance("x"),
         Caller::new("A").with_instance("y"),
         Caller::new("A").with_instance("z"),
         Caller::new("A").with_instance("w"),
         Caller::new("A").with_instance("v"),
         Caller::new("B"),
-    ];
+    ]
+}
+
+/// Nesting, all-or-nothing: a refusal at any level consumes nothing anywhere.
+pub fn all_or_nothing<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = Policy::from_toml_str(EVERY_LIMIT).unwrap();
+    let callers = every_limit_callers();
     runner(f.cases())
         .run(
             &prop::collection::vec(
@@ -1177,43 +1184,13 @@ async fn futures_join<S: Store>(l: &Limiter<S, ManualClock>, c: &Caller, n: usiz
 /// concurrency caps, costs from 1 to 30), and explaining writes nothing.
 pub fn explain_agrees<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
-        r#"
-        [[tool]]
-        name = "t"
-        unit = "tokens"
-        rate = { limit = 100, per = "10s" }
-        max_concurrency = 6
-        budgets = [{ period = "hour", max = 400 }]
-        [tool.tenants.A]
-        weight = 2
-        floor = 10
-        budgets = [{ period = "day", max = 300 }]
-        [tool.tenants.A.instances.x]
-        floor = 5
-        max_concurrency = 2
-        [tool.tenants.A.default_instance]
-        max_instances = 3
-        [tool.tenants.B]
-        weight = 1
-        floor = 20
-        ceiling = 60
-        [tool.default_tenant]
-        max_tenants = 2
-        "#,
-    )
+    // Template tenants too (at most two counted), beside the listed ones.
+    let policy = Policy::from_toml_str(&format!(
+        "{EVERY_LIMIT}\n[tool.default_tenant]\nmax_tenants = 2\n"
+    ))
     .unwrap();
-    let callers = [
-        Caller::new("A").with_instance("x"),
-        Caller::new("A").with_instance("y"),
-        Caller::new("A").with_instance("z"),
-        Caller::new("A").with_instance("w"),
-        Caller::new("A").with_instance("v"),
-        Caller::new("B"),
-        Caller::new("C"),
-        Caller::new("D"),
-        Caller::new("E"),
-    ];
+    let mut callers = every_limit_callers();
+    callers.extend(["C", "D", "E"].map(Caller::new));
     runner(f.cases())
         .run(
             &prop::collection::vec(
