@@ -25,6 +25,18 @@ max_tenants = 100000
 budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
 max_instances = 100
+
+# As "search", leasing: `FS_TOOL=leased` counts a decision spent from a lease.
+[[tool]]
+name = "leased"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+lease = { max = 64 }
+[tool.default_tenant]
+max_tenants = 100000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
 "#;
 
 /// The in-memory store answers at once: poll the decision once, no runtime needed.
@@ -109,11 +121,12 @@ fn main() {
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
     {
+        let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());
         let l = limiter();
         let one = callers("tenant", 1);
         let mut admitted = 0u64;
         for _ in 0..n {
-            admitted += u64::from(now(l.admit(&one[0], "search", Cost(1.0))).is_ok());
+            admitted += u64::from(now(l.admit(&one[0], &tool, Cost(1.0))).is_ok());
         }
         assert_eq!(admitted, n);
         return;

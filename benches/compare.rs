@@ -125,6 +125,18 @@ budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
 max_instances = 1000
 
+# As "search", with leases: most decisions are spent from a lease this process holds.
+[[tool]]
+name = "leased"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+lease = { max = 64 }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
 [[tool]]
 name = "exhausted"
 unit = "calls"
@@ -281,11 +293,24 @@ fn decisions(c: &mut Criterion) {
         "the saturated case must refuse most calls: {refused} of {calls}"
     );
 
+    // The same nested decision on a tool that leases: spent from the caller's lease.
+    let l = limiter();
+    g.bench_function("fairshare leased 1 caller", |b| {
+        b.iter(|| now(l.admit(black_box(&one[0]), "leased", Cost(1.0))).is_ok())
+    });
+
     // Threaded: each thread cycles over 64 callers, of its own tenants or of one shared tenant.
-    for (name, threads, shared) in [
-        ("fairshare 1 thread", 1, false),
-        ("fairshare 2 threads distinct tenants", 2, false),
-        ("fairshare 2 threads shared tenant", 2, true),
+    for (name, threads, shared, tool) in [
+        ("fairshare 1 thread", 1, false, "search"),
+        ("fairshare 2 threads distinct tenants", 2, false, "search"),
+        ("fairshare 2 threads shared tenant", 2, true, "search"),
+        ("fairshare leased 1 thread", 1, false, "leased"),
+        (
+            "fairshare leased 2 threads distinct tenants",
+            2,
+            false,
+            "leased",
+        ),
     ] {
         let l = limiter();
         let who: Vec<Vec<Caller>> = (0..threads)
@@ -304,7 +329,7 @@ fn decisions(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 threaded(iters, threads, |t, k| {
                     let mine = &who[t];
-                    let _ = black_box(now(l.admit(&mine[k % mine.len()], "search", Cost(1.0))));
+                    let _ = black_box(now(l.admit(&mine[k % mine.len()], tool, Cost(1.0))));
                 })
             })
         });

@@ -86,6 +86,7 @@ mod identity;
 mod integrations;
 mod key;
 mod layer;
+mod lease;
 mod limiter;
 pub mod policy;
 pub mod store;

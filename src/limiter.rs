@@ -9,8 +9,9 @@ use crate::admission::engine::{LevelRef, Plan};
 use crate::admission::{Reason, Refusal, Scope};
 use crate::clock::{Clock, SystemClock};
 use crate::identity::{Caller, Cost};
+use crate::lease::{self, Leases, Take};
 use crate::policy::{OnStoreError, Policy, ToolPolicy};
-use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store};
+use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
 use crate::telemetry;
 
 /// How many of a tool's tenants the metrics label by name unless told otherwise.
@@ -72,6 +73,27 @@ struct Inner<S, C> {
     tenant_labels: usize,
     /// Refusals counted and kept for the console (off until one is made).
     recorder: crate::console::Recorder,
+    /// Units of callers' own allocations this process holds, charged in advance (tools with
+    /// `lease = { max = N }`).
+    leases: Leases,
+    on_drop: fn(&mut Inner<S, C>),
+}
+
+impl<S, C> Drop for Inner<S, C> {
+    fn drop(&mut self) {
+        (self.on_drop)(self)
+    }
+}
+
+/// Gives every lease back to a store that can take it at once, when the limiter goes; a store
+/// that needs I/O gets them back when its leases lapse (call [`Limiter::return_leases`] before
+/// dropping). A function pointer in `Inner`, made where the bounds hold, so the types
+/// themselves need none.
+fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
+    let now = inner.clock.now();
+    for r in inner.leases.drain() {
+        let _ = inner.store.adjust_now(&r.grant, r.factor, now);
+    }
 }
 
 /// An admitted call: what to correct, refund or release later.
@@ -117,6 +139,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 instance_labels: false,
                 tenant_labels: DEFAULT_TENANT_LABELS,
                 recorder: Default::default(),
+                leases: Leases::new(),
+                on_drop: give_back_on_drop::<S, C>,
             }),
         }
     }
@@ -159,10 +183,28 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Replaces the policy. State is keyed by names, so usage so far, windows and permits
     /// carry over; the new limits apply from the next decision.
+    ///
+    /// Leases end with the policy they were granted under: what they hold goes back to the
+    /// store now (to a store that needs I/O for it, with the next decision).
     pub fn set_policy(&self, policy: Policy) {
         let policy = Arc::new(policy);
         self.inner.recorder.retain(&policy);
-        self.inner.policy.store(policy);
+        let old = self.inner.policy.swap(policy);
+        let now = self.inner.clock.now();
+        for r in self.inner.leases.drain() {
+            if self
+                .inner
+                .store
+                .adjust_now(&r.grant, r.factor, now)
+                .is_none()
+            {
+                self.inner.leases.park(r);
+                continue;
+            }
+            if let Some(t) = old.tool(&r.grant.keys.tool) {
+                telemetry::lease_returned(t.name_arc(), r.units);
+            }
+        }
     }
 
     /// Loads the policy file at `path` and, only if it is valid, puts it in force (see
@@ -246,6 +288,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let policy = self.inner.policy.load();
         let outcome = match self.prepare(&policy, caller, tool, cost) {
             Err(r) => Err(r),
+            Ok(p) if lease::eligible(&p.plan) => {
+                let decided = self.leased_now(&p)?;
+                self.conclude(p, caller, tool, decided)
+            }
             Ok(p) => {
                 let started = telemetry::Started::now();
                 let decided = self.inner.store.decide_now(&p.plan, &p.keys)?;
@@ -259,6 +305,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     async fn decide(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
         let p = self.prepare(policy, caller, tool, cost)?;
+        if lease::eligible(&p.plan) {
+            let decided = self.leased(&p).await;
+            return self.conclude(p, caller, tool, decided);
+        }
         let store = &self.inner.store;
         let started = telemetry::Started::now();
         let decided = match store.decide_now(&p.plan, &p.keys) {
@@ -267,6 +317,161 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         started.record(store.kind());
         self.conclude(p, caller, tool, decided)
+    }
+
+    /// A call on a leasing tool: spent from its caller's lease, or decided at the store with
+    /// a grant for the lease (see the `lease` module's notes). Leases that ended on the way
+    /// are given back before it answers.
+    async fn leased(&self, p: &Prepared<'_>) -> Result<Decision, StoreError> {
+        let store = &self.inner.store;
+        let mut returns = self.inner.leases.take_pending();
+        let decided = match self.inner.leases.take(&p.plan, &p.keys, &mut returns) {
+            Take::Hit(a) => {
+                telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+                Ok(Decision::Admitted(a))
+            }
+            Take::Miss { grant } => {
+                let started = telemetry::Started::now();
+                let mut ask = grant;
+                let d = loop {
+                    let plan = Plan {
+                        cost: ask,
+                        ..p.plan
+                    };
+                    let d = store.decide(&plan, &p.keys).await;
+                    match self.granted(p, ask, d, &mut returns) {
+                        Next::Done(d) => break d,
+                        Next::Alone(None) => {}
+                        Next::Alone(Some(grant)) => {
+                            if let Err(e) = store.adjust(&grant, -1.0, p.plan.now).await {
+                                // Not given back: it stays charged, so it may as well be spent.
+                                tracing::warn!(error = %e, "could not give back a grant that borrowed; keeping it as a lease");
+                                break Ok(self.keep(p, grant, ask, &mut returns));
+                            }
+                        }
+                    }
+                    ask = p.plan.cost;
+                };
+                started.record(store.kind());
+                d
+            }
+        };
+        for r in returns {
+            telemetry::lease_returned(p.plan.tool.name_arc(), r.units);
+            let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
+        }
+        decided
+    }
+
+    /// [`leased`](Self::leased) without waiting: `None` when the store needs I/O for it (then
+    /// nothing was decided; leases that ended on the way are given back by a later call).
+    fn leased_now(&self, p: &Prepared<'_>) -> Option<Result<Decision, StoreError>> {
+        let store = &self.inner.store;
+        let leases = &self.inner.leases;
+        let mut returns = Vec::new();
+        let decided = match leases.take(&p.plan, &p.keys, &mut returns) {
+            Take::Hit(a) => {
+                telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+                Some(Ok(Decision::Admitted(a)))
+            }
+            Take::Miss { grant } => {
+                let started = telemetry::Started::now();
+                let mut ask = grant;
+                let d = loop {
+                    let plan = Plan {
+                        cost: ask,
+                        ..p.plan
+                    };
+                    let Some(d) = store.decide_now(&plan, &p.keys) else {
+                        break None;
+                    };
+                    match self.granted(p, ask, d, &mut returns) {
+                        Next::Done(d) => break Some(d),
+                        Next::Alone(None) => {}
+                        Next::Alone(Some(grant)) => {
+                            if !matches!(store.adjust_now(&grant, -1.0, p.plan.now), Some(Ok(()))) {
+                                break Some(Ok(self.keep(p, grant, ask, &mut returns)));
+                            }
+                        }
+                    }
+                    ask = p.plan.cost;
+                };
+                started.record(store.kind());
+                d
+            }
+        };
+        for r in returns {
+            match store.adjust_now(&r.grant, r.factor, p.plan.now) {
+                Some(_) => telemetry::lease_returned(p.plan.tool.name_arc(), r.units),
+                None => leases.park(r),
+            }
+        }
+        decided
+    }
+
+    /// What follows the store's answer `d` to a call asking for `ask` units (more than the
+    /// call's cost: a grant for a lease).
+    fn granted(
+        &self,
+        p: &Prepared<'_>,
+        ask: f64,
+        d: Result<Decision, StoreError>,
+        returns: &mut Vec<lease::Return>,
+    ) -> Next {
+        let leases = &self.inner.leases;
+        let alone = ask <= p.plan.cost;
+        match d {
+            Ok(Decision::Admitted(a)) if alone || !lease::borrowed(&a) => {
+                Next::Done(Ok(self.keep(p, a, ask, returns)))
+            }
+            // Units lent by others are never leased: all back, and the call decided alone.
+            Ok(Decision::Admitted(a)) => {
+                leases.cool(&p.keys);
+                Next::Alone(Some(a))
+            }
+            Ok(Decision::Refused(_)) if !alone => {
+                leases.cool(&p.keys);
+                Next::Alone(None)
+            }
+            d => Next::Done(d),
+        }
+    }
+
+    /// Keeps an admitted grant of `ask` units as the caller's lease; the call's admission.
+    fn keep(
+        &self,
+        p: &Prepared<'_>,
+        grant: Box<Admission>,
+        ask: f64,
+        returns: &mut Vec<lease::Return>,
+    ) -> Decision {
+        if ask > p.plan.cost {
+            telemetry::lease_granted(p.plan.tool.name_arc(), ask, ask - p.plan.cost);
+        }
+        Decision::Admitted(
+            self.inner
+                .leases
+                .granted(&p.plan, &p.keys, grant, ask, returns),
+        )
+    }
+
+    /// Units charged at the store and not yet spent, held in this limiter's leases now (what
+    /// leasing may leave unused at most; see the crate's notes on leases).
+    pub fn leased_units(&self) -> f64 {
+        self.inner.leases.held().0
+    }
+
+    /// Gives back every unit this limiter holds in leases (each refunded through every level
+    /// it was charged at): for a graceful shutdown, before the limiter is dropped. Dropping
+    /// the limiter gives them back too, to a store that needs no I/O for it.
+    pub async fn return_leases(&self) {
+        let now = self.inner.clock.now();
+        for r in self.inner.leases.drain() {
+            if let Some(name) = self.policy().tool(&r.grant.keys.tool) {
+                telemetry::lease_returned(name.name_arc(), r.units);
+            }
+            let _ = self.inner.store.adjust(&r.grant, r.factor, now).await;
+        }
     }
 
     /// Everything before the store: who is charged for what, at what time.
@@ -536,6 +741,14 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Bo
 
 /// A decision as it travels inside the limiter: the refusal boxed.
 type Outcome = Result<Ticket, Box<Refusal>>;
+
+/// What a leasing call does after the store answered.
+enum Next {
+    /// The answer.
+    Done(Result<Decision, StoreError>),
+    /// Decide the call alone, after giving back this grant (it borrowed), if any.
+    Alone(Option<Box<Admission>>),
+}
 
 /// A call resolved and timed, ready for the store.
 pub(crate) struct Prepared<'p> {

@@ -10,6 +10,11 @@
 //! | [`STORE_ERRORS`] `fairshare_store_errors_total` | counter | errors | `tool`, `store` |
 //! | [`STORE_FALLBACKS`] `fairshare_store_fallbacks_total` | counter | decisions | `tool`, `mode` (`allow`: let through unmetered, `deny`: refused) |
 //! | [`UNMAPPED`] `fairshare_unmapped_requests_total` | counter | requests | none: requests the layer let through because they name no tool (a path outside the tool prefix, no `ToolName`); each is also a `debug` event with its path, target `tower_fairshare::unmapped` |
+//! | [`LEASE_HITS`] `fairshare_lease_hits_total` | counter | decisions | `tool`: calls admitted from a lease this process held, without the store (the lease hit ratio is this over the tool's admitted decisions) |
+//! | [`LEASE_GRANTS`] `fairshare_lease_grants_total` | counter | grants | `tool`: grants of more than one call's cost the store charged for a lease |
+//! | [`LEASE_GRANTED_UNITS`] `fairshare_lease_granted_units_total` | counter | units | `tool`: units those grants charged |
+//! | [`LEASE_RETURNED_UNITS`] `fairshare_lease_returned_units_total` | counter | units | `tool`: units given back to the store unspent (idle callers, ended windows, reloads, shutdown) |
+//! | [`LEASE_HELD_UNITS`] `fairshare_lease_held_units` | gauge | units | `tool`: units charged and not yet spent, held in this process's leases |
 //!
 //! The `instance` label is off by default: label cardinality is a production hazard, and a
 //! tool with a `default_instance` template may see thousands. Turn it on with
@@ -35,6 +40,16 @@ pub const STORE_ERRORS: &str = "fairshare_store_errors_total";
 pub const STORE_FALLBACKS: &str = "fairshare_store_fallbacks_total";
 /// Counter of requests a layer let through unmetered because they name no tool.
 pub const UNMAPPED: &str = "fairshare_unmapped_requests_total";
+/// Counter of calls admitted from a lease, without the store.
+pub const LEASE_HITS: &str = "fairshare_lease_hits_total";
+/// Counter of grants for leases (more than one call's cost).
+pub const LEASE_GRANTS: &str = "fairshare_lease_grants_total";
+/// Counter of units granted for leases.
+pub const LEASE_GRANTED_UNITS: &str = "fairshare_lease_granted_units_total";
+/// Counter of leased units given back unspent.
+pub const LEASE_RETURNED_UNITS: &str = "fairshare_lease_returned_units_total";
+/// Gauge of units held in this process's leases.
+pub const LEASE_HELD_UNITS: &str = "fairshare_lease_held_units";
 /// Counter of decisions a store finished after their caller went away (dropped, timed out)
 /// and gave back: units refunded, permits released.
 pub const ABANDONED: &str = "fairshare_abandoned_decisions_total";
@@ -93,6 +108,25 @@ pub fn describe_metrics() {
             STORE_STATE_LOST,
             Unit::Count,
             "Times the store found its state lost (restart without persistence, flush, eviction)."
+        );
+        describe_counter!(
+            LEASE_HITS,
+            Unit::Count,
+            "Calls admitted from a lease this process held, without the store."
+        );
+        describe_counter!(
+            LEASE_GRANTS,
+            Unit::Count,
+            "Grants of more than one call's cost charged for a lease."
+        );
+        describe_counter!(LEASE_GRANTED_UNITS, "Units charged by grants for leases.");
+        describe_counter!(
+            LEASE_RETURNED_UNITS,
+            "Leased units given back to the store unspent."
+        );
+        describe_gauge!(
+            LEASE_HELD_UNITS,
+            "Units charged and not yet spent, held in this process's leases."
         );
         describe_gauge!(
             STORE_RISK,
@@ -193,6 +227,40 @@ impl Started {
 
     #[cfg(not(feature = "metrics"))]
     pub(crate) fn record(self, _: &'static str) {}
+}
+
+/// A call admitted from a lease.
+pub(crate) fn lease_hit(tool: &std::sync::Arc<str>, cost: f64) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(LEASE_HITS, "tool" => tool.clone()).increment(1);
+        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).decrement(cost);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (tool, cost);
+}
+
+/// A grant of `units` for a lease, `held` of them kept after its first call.
+pub(crate) fn lease_granted(tool: &std::sync::Arc<str>, units: f64, held: f64) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(LEASE_GRANTS, "tool" => tool.clone()).increment(1);
+        metrics::counter!(LEASE_GRANTED_UNITS, "tool" => tool.clone()).increment(units as u64);
+        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).increment(held);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (tool, units, held);
+}
+
+/// `units` of a lease given back unspent.
+pub(crate) fn lease_returned(tool: &std::sync::Arc<str>, units: f64) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(LEASE_RETURNED_UNITS, "tool" => tool.clone()).increment(units as u64);
+        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).decrement(units);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (tool, units);
 }
 
 #[cfg(feature = "metrics")]

@@ -63,6 +63,7 @@ impl ToolBuilder {
                 enforce: None,
                 on_store_error: None,
                 default_ceiling: None,
+                lease: None,
                 default_tenant: None,
                 tenants: Default::default(),
             },
@@ -108,6 +109,13 @@ impl ToolBuilder {
     /// the tool lends all its idle capacity. Floors stay reserved.
     pub fn work_conserving(mut self) -> Self {
         self.raw.default_ceiling = Some(super::raw::DefaultCeiling::Capacity);
+        self
+    }
+    /// Lets a process hold up to `max` units of a caller's own allocation at a time, charged
+    /// at every level in advance, so most decisions touch no shared state (see the crate's
+    /// notes on leases). `max` ≤ 1 (the default) decides every call at the store.
+    pub fn lease_max(mut self, max: f64) -> Self {
+        self.raw.lease = Some(super::raw::RawLease::Max(max));
         self
     }
     /// The template for unlisted tenants.

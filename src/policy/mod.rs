@@ -125,6 +125,8 @@ pub struct ToolPolicy {
     pub(crate) budgets: Vec<Budget>,
     pub(crate) enforce: bool,
     pub(crate) on_store_error: OnStoreError,
+    /// The largest lease a process may hold for one caller, in units (≤ 1: no leases).
+    pub(crate) lease_max: f64,
     pub(crate) tenants: Vec<LevelPolicy>,
     pub(crate) tenant_index: NameIndex,
     pub(crate) default_tenant: Option<LevelPolicy>,
@@ -287,6 +289,11 @@ impl ToolPolicy {
     /// What happens when the store is unreachable.
     pub fn on_store_error(&self) -> OnStoreError {
         self.on_store_error
+    }
+    /// The largest lease one caller's path may hold in a process, in units (`lease = { max =
+    /// N }`); `None` when every call is decided at the store (`lease = "off"`, the default).
+    pub fn lease_max(&self) -> Option<f64> {
+        (self.lease_max > 1.0).then_some(self.lease_max)
     }
     /// The configured tenants, in file order.
     pub fn tenants(&self) -> &[LevelPolicy] {
@@ -467,6 +474,9 @@ impl fmt::Display for Num {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Problem {
+    /// A tool's `lease` is a word other than `"off"`.
+    #[error("`lease = \"{0}\"` is not a setting: write `lease = \"off\"` or `lease = {{ max = 64 }}` (the most units one caller's path may hold in a process)")]
+    BadLease(String),
     /// A number that must be above zero is not.
     #[error("must be a positive, finite number, not {}", Num(*.0))]
     NotPositive(f64),

@@ -103,10 +103,65 @@ pub(crate) struct RawTool {
     pub(crate) on_store_error: Option<OnStoreError>,
     #[serde(default)]
     pub(crate) default_ceiling: Option<DefaultCeiling>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) lease: Option<RawLease>,
     #[serde(default)]
     pub(crate) default_tenant: Option<RawTenant>,
     #[serde(default)]
     pub(crate) tenants: UniqueMap<RawTenant>,
+}
+
+/// A tool's `lease` setting as written: `"off"`, or `{ max = N }`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum RawLease {
+    /// A word: only `"off"` is valid (checked in validation, which names the path).
+    Word(String),
+    /// The largest grant, in the tool's units.
+    Max(f64),
+}
+
+impl Serialize for RawLease {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self {
+            RawLease::Word(w) => s.serialize_str(w),
+            RawLease::Max(m) => {
+                let mut map = s.serialize_map(Some(1))?;
+                map.serialize_entry("max", m)?;
+                map.end()
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RawLease {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawLease;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"off\" or a table `{ max = N }`")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawLease, E> {
+                Ok(RawLease::Word(v.to_owned()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawLease, A::Error> {
+                let mut max = None;
+                while let Some(k) = map.next_key::<String>()? {
+                    if k != "max" {
+                        return Err(serde::de::Error::custom(format!(
+                            "unknown field `{k}` in `lease`: the only field is `max`"
+                        )));
+                    }
+                    max = Some(map.next_value::<f64>()?);
+                }
+                max.map(RawLease::Max).ok_or_else(|| {
+                    serde::de::Error::custom("`lease` needs `max`, e.g. `lease = { max = 64 }`")
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::raw::{DefaultCeiling, RawBudget, RawInstance, RawPolicy, RawTenant, RawTool};
+use super::raw::{DefaultCeiling, RawBudget, RawInstance, RawLease, RawPolicy, RawTenant, RawTool};
 use super::{
     Budget, BudgetPeriod, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation,
     Warning,
@@ -200,6 +200,15 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         .max_concurrency
         .map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
     let budgets = cx.budgets(path, &raw.budgets);
+    let lease_max = match &raw.lease {
+        None => 0.0,
+        Some(RawLease::Word(w)) if w == "off" => 0.0,
+        Some(RawLease::Word(w)) => {
+            cx.err(format!("{path}.lease"), Problem::BadLease(w.clone()));
+            0.0
+        }
+        Some(RawLease::Max(m)) => cx.units(&format!("{path}.lease.max"), *m),
+    };
 
     // First pass: each tenant's own numbers.
     let mut tenants = Vec::new();
@@ -415,6 +424,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         budgets,
         enforce: raw.enforce.unwrap_or(true),
         on_store_error: raw.on_store_error.unwrap_or_default(),
+        lease_max,
         tenants,
         tenant_index,
         default_tenant,

@@ -144,6 +144,19 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
 
+    /// Corrects a charge like [`adjust`](Self::adjust) without waiting, when this store can
+    /// (the in-process store always can); `None` when it needs I/O, and then nothing has been
+    /// done. The default is `None`.
+    fn adjust_now(
+        &self,
+        admission: &Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> Option<Result<(), StoreError>> {
+        let _ = (admission, factor, now);
+        None
+    }
+
     /// Returns the concurrency permits an admitted call took.
     fn release<'a>(
         &'a self,
@@ -193,6 +206,14 @@ impl<S: Store> Store for Arc<S> {
         now: Timestamp,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).adjust(admission, factor, now)
+    }
+    fn adjust_now(
+        &self,
+        admission: &Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> Option<Result<(), StoreError>> {
+        (**self).adjust_now(admission, factor, now)
     }
     fn release<'a>(
         &'a self,

@@ -40,6 +40,20 @@ pub trait Factory: Sync {
     fn cases(&self) -> u32 {
         48
     }
+    /// Whether every tool of the suite's policies leases (`lease = { max = 64 }`): the same
+    /// properties, with most calls spent from leases.
+    fn leased(&self) -> bool {
+        false
+    }
+}
+
+/// The suite's policy `toml`, with leases on every tool when the factory asks for them.
+pub fn policy_of<F: Factory>(f: &F, toml: &str) -> Result<Policy, tower_fairshare::PolicyError> {
+    if f.leased() {
+        Policy::from_toml_str(&toml.replace("[[tool]]\n", "[[tool]]\nlease = { max = 64 }\n"))
+    } else {
+        Policy::from_toml_str(toml)
+    }
 }
 
 /// Generates one `#[test]` per property for `$factory`.
@@ -294,7 +308,7 @@ pub fn floor_guarantee<F: Factory>(f: &F) {
         .run(
             &(policy_strategy(), 0usize..4, 0.0f64..1.0, prop::bool::ANY),
             |((toml, _cap, floors, _w, _c), victim, phase, hundred)| {
-                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let policy = policy_of(f, &toml).expect("valid");
                 let alloc = policy.allocation();
                 let tool = &alloc.tools[0];
                 let n = floors.len();
@@ -342,7 +356,7 @@ pub fn floor_when_offering_more<F: Factory>(f: &F) {
         .run(
             &(policy_strategy(), 0usize..4),
             |((toml, _cap, floors, _w, _c), victim)| {
-                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let policy = policy_of(f, &toml).expect("valid");
                 let alloc = policy.allocation();
                 let n = floors.len();
                 let victim = victim % n;
@@ -388,7 +402,7 @@ pub fn capacity_bound<F: Factory>(f: &F) {
                 prop::collection::vec((0.0f64..12.0, 0.0f64..1.0, 0u64..3), 4),
             ),
             |((toml, cap, floors, _w, _c), mults)| {
-                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let policy = policy_of(f, &toml).expect("valid");
                 let tool = policy.tool("t").unwrap().clone();
                 let alloc = policy.allocation();
                 let n = floors.len();
@@ -431,7 +445,7 @@ pub fn ceiling_bound<F: Factory>(f: &F) {
                 prop::collection::vec((0.5f64..20.0, 0u64..3), 4),
             ),
             |((toml, _cap, floors, _w, _c), mults)| {
-                let policy = Policy::from_toml_str(&toml).expect("valid");
+                let policy = policy_of(f, &toml).expect("valid");
                 let alloc = policy.allocation();
                 let tenants = &alloc.tools[0].tenants;
                 let n = floors.len();
@@ -488,7 +502,7 @@ pub fn weighted_share<F: Factory>(f: &F) {
     let strat = policy_strategy();
     runner(f.cases().min(24))
         .run(&strat, |(toml, cap, floors, weights, _c)| {
-            let policy = Policy::from_toml_str(&toml).expect("valid");
+            let policy = policy_of(f, &toml).expect("valid");
             let alloc = policy.allocation();
             let tenants = &alloc.tools[0].tenants;
             let n = floors.len();
@@ -526,7 +540,8 @@ pub fn weighted_share<F: Factory>(f: &F) {
 pub fn borrowing<F: Factory>(f: &F) {
     let rt = runtime();
     // C = 600; floors 100 + 60 + 60; spare 380 split 6:2:2 → nominal 328 / 136 / 136.
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "t"
@@ -622,7 +637,7 @@ fn every_limit_callers() -> Vec<Caller> {
 /// Nesting, all-or-nothing: a refusal at any level consumes nothing anywhere.
 pub fn all_or_nothing<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(EVERY_LIMIT).unwrap();
+    let policy = policy_of(f, EVERY_LIMIT).unwrap();
     let callers = every_limit_callers();
     runner(f.cases())
         .run(
@@ -687,8 +702,10 @@ pub fn runaway_instance<F: Factory>(f: &F) {
         .run(
             &(10u32..40, 1u32..20, 0.0f64..1.0),
             |(inst_floor, other_floor, phase)| {
-                let policy = Policy::from_toml_str(&format!(
-                    r#"
+                let policy = policy_of(
+                    f,
+                    &format!(
+                        r#"
                 [[tool]]
                 name = "t"
                 unit = "calls"
@@ -708,7 +725,8 @@ pub fn runaway_instance<F: Factory>(f: &F) {
                 weight = 1
                 floor = 30
                 "#
-                ))
+                    ),
+                )
                 .unwrap();
                 let loads = vec![
                     Load {
@@ -761,7 +779,8 @@ pub fn runaway_instance<F: Factory>(f: &F) {
 /// get independent state.
 pub fn tenant_qualified_identity<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "generate_report"
@@ -818,7 +837,8 @@ pub fn tenant_qualified_identity<F: Factory>(f: &F) {
 /// expires, so memory stays bounded.
 pub fn bounded_state<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "t"
@@ -877,7 +897,8 @@ pub fn bounded_state<F: Factory>(f: &F) {
 pub fn template_counting<F: Factory>(f: &F) {
     use std::collections::HashMap;
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "t"
@@ -976,7 +997,8 @@ pub fn template_counting<F: Factory>(f: &F) {
 /// and inside a tenant.
 pub fn templates_share_with_listed<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "t"
@@ -1030,7 +1052,8 @@ pub fn templates_share_with_listed<F: Factory>(f: &F) {
 /// reset time.
 pub fn budgets<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "web_search"
@@ -1098,7 +1121,8 @@ pub fn budgets<F: Factory>(f: &F) {
 /// Cost: the actual cost corrects the charge; a refund gives it all back.
 pub fn cost_and_refund<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "llm"
@@ -1141,7 +1165,8 @@ pub fn cost_and_refund<F: Factory>(f: &F) {
 /// Concurrency: max_concurrency caps calls in flight; releasing gives the permit back.
 pub fn concurrency<F: Factory>(f: &F) {
     let rt = runtime();
-    let policy = Policy::from_toml_str(
+    let policy = policy_of(
+        f,
         r#"
         [[tool]]
         name = "t"
@@ -1185,9 +1210,10 @@ async fn futures_join<S: Store>(l: &Limiter<S, ManualClock>, c: &Caller, n: usiz
 pub fn explain_agrees<F: Factory>(f: &F) {
     let rt = runtime();
     // Template tenants too (at most two counted), beside the listed ones.
-    let policy = Policy::from_toml_str(&format!(
-        "{EVERY_LIMIT}\n[tool.default_tenant]\nmax_tenants = 2\n"
-    ))
+    let policy = policy_of(
+        f,
+        &format!("{EVERY_LIMIT}\n[tool.default_tenant]\nmax_tenants = 2\n"),
+    )
     .unwrap();
     let mut callers = every_limit_callers();
     callers.extend(["C", "D", "E"].map(Caller::new));

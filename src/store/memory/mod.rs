@@ -552,10 +552,19 @@ impl Store for MemoryStore {
         factor: f64,
         now: Timestamp,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        ready(self.adjust_now(admission, factor, now).unwrap_or(Ok(())))
+    }
+
+    fn adjust_now(
+        &self,
+        admission: &Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> Option<Result<(), StoreError>> {
         self.update(&admission.keys, |level, s| {
             engine::adjust(s, &admission.charge, level, factor, now)
         });
-        ready(Ok(()))
+        Some(Ok(()))
     }
 
     fn release<'a>(

@@ -1,0 +1,442 @@
+//! Leases: a process's local balance of one caller's units, charged at every level in advance.
+//!
+//! A call on a tool with `lease = { max = N }` asks the store for more than it costs — a
+//! *grant* — through the same decision as any call: every level (tool, tenant, instance) is
+//! charged the whole grant at once, all or nothing, its floors, shares, ceilings, budgets and
+//! template counts included. What the call does not use is kept here, in this process, under
+//! the caller's path; the caller's next calls spend it without touching the store (no tool
+//! lock, no Redis command). So nothing is ever admitted that the store did not charge first:
+//! capacity, ceilings and budgets stay exact however many processes hold leases.
+//!
+//! What a lease may cost is only under-use: units charged and not yet spent. They are bounded:
+//! - a grant only ever holds the caller's **own** units (its floor and its own share): a grant
+//!   that had to borrow idle capacity from others is given back at once and the call decided
+//!   alone, so no lease ever parks units lent by someone else, and no caller's floor is ever
+//!   held in another caller's lease;
+//! - one lease per caller path per process, of at most `max` units;
+//! - a grant grows from one call's cost, doubling at most, with what the caller spent in the
+//!   last ~100 ms, and stays at one call's cost while the caller, its tenant or the tool is
+//!   near its limit (a quarter of the room left, a quarter of the smallest burst on the path)
+//!   or a grant was just refused: a small limit (`3 per minute`) is decided call by call
+//!   exactly as without leases;
+//! - a lease lives until the end of its aligned window or of any budget window it was charged
+//!   in, and at most a second; it goes back to the store (refunded through every level) when
+//!   it ends, when its caller is idle for 100 ms, on policy reload, and when the limiter is
+//!   dropped or told to return its leases.
+
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use foldhash::fast::RandomState;
+use hashbrown::HashTable;
+
+use crate::admission::engine::Plan;
+use crate::clock::Timestamp;
+use crate::policy::ToolPolicy;
+use crate::store::{Admission, CallKeys};
+
+/// How long a lease's balance should last at the rate its caller spends: the grant is sized
+/// to what the caller spent over about this long.
+const TARGET_US: f64 = 100_000.0;
+/// A lease not drawn on for this long goes back to the store.
+const IDLE_US: u64 = 100_000;
+/// The longest a lease lives, however busy its caller.
+const LIFETIME_US: u64 = 1_000_000;
+/// A grant takes at most this part of the room left above it (the caller's quota left in
+/// the window, the tool's pool) and of the smallest burst on its path.
+const ROOM_PART: f64 = 0.25;
+/// A shard is swept for idle leases at most this often.
+const SWEEP_US: u64 = 50_000;
+/// Tolerance for float comparisons, as in the engine.
+const EPS: f64 = 1e-9;
+
+/// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
+pub(crate) struct Return {
+    pub(crate) grant: Box<Admission>,
+    pub(crate) factor: f64,
+    pub(crate) units: f64,
+}
+
+/// What the table answers for a call.
+pub(crate) enum Take {
+    /// Spent from the caller's lease: the call's admission (its share of the grant's charge).
+    Hit(Box<Admission>),
+    /// Not covered: ask the store for `grant` units (at least the call's cost; exactly its
+    /// cost means an ordinary, unleased decision).
+    Miss { grant: f64 },
+}
+
+/// Every lease this process holds, sharded by caller path.
+pub(crate) struct Leases {
+    /// Made at the first leasing call: a limiter whose policy never leases holds none.
+    shards: std::sync::OnceLock<Box<[Padded]>>,
+    hasher: RandomState,
+    /// Returns that could not be applied where they were decided (a store that needs I/O,
+    /// in a call that cannot wait): the next call that can wait applies them.
+    pending: Mutex<Vec<Return>>,
+    has_pending: AtomicBool,
+    /// When the shards were last swept (µs).
+    swept_at: AtomicU64,
+}
+
+impl std::fmt::Debug for Leases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leases")
+            .field("shards", &self.shards.get().map_or(0, |s| s.len()))
+            .finish_non_exhaustive()
+    }
+}
+
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+#[derive(Default)]
+struct Shard {
+    leases: HashTable<Lease>,
+}
+
+struct Lease {
+    keys: CallKeys,
+    /// The tool policy the grant was decided under (by address): a reload ends the lease.
+    tool: usize,
+    /// The grant as the store admitted it; `None` once nothing is left to return.
+    grant: Option<Box<Admission>>,
+    granted: f64,
+    left: f64,
+    /// When the lease ends (µs): its aligned window's or a budget window's end, or its
+    /// lifetime.
+    until: u64,
+    started: u64,
+    last: u64,
+    /// The room the last grant left above the caller (its quota left in the window, the
+    /// tool's pool): the next grant takes at most a part of it.
+    room: f64,
+    /// Set after a refused or borrowing grant: the next one is one call's cost.
+    cool: bool,
+}
+
+impl Lease {
+    /// Takes what is left for a return, leaving the lease empty (its history stays).
+    fn give_back(&mut self) -> Option<Return> {
+        let grant = self.grant.take()?;
+        let left = std::mem::take(&mut self.left);
+        (left > EPS).then(|| Return {
+            factor: -left / self.granted,
+            units: left,
+            grant,
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn tool_id(t: &Arc<ToolPolicy>) -> usize {
+    Arc::as_ptr(t) as usize
+}
+
+/// Whether calls of this plan may be leased: the tool allows it and no level on the path caps
+/// calls in flight (a permit is per call, and must be counted where every process sees it).
+pub(crate) fn eligible(plan: &Plan<'_>) -> bool {
+    plan.tool.lease_max > 1.0
+        && plan.cost <= plan.tool.lease_max
+        && plan.tool.max_concurrency.is_none()
+        && plan.tenant.policy.max_concurrency.is_none()
+        && plan
+            .instance
+            .is_none_or(|i| i.policy.max_concurrency.is_none())
+}
+
+impl Leases {
+    pub(crate) fn new() -> Self {
+        Leases {
+            shards: std::sync::OnceLock::new(),
+            hasher: RandomState::default(),
+            pending: Mutex::new(Vec::new()),
+            has_pending: AtomicBool::new(false),
+            swept_at: AtomicU64::new(0),
+        }
+    }
+
+    /// The shards, made on first use: enough that threads deciding for distinct callers
+    /// seldom share one (each is on cache lines of its own).
+    fn shards(&self) -> &[Padded] {
+        self.shards.get_or_init(|| {
+            let n = std::thread::available_parallelism()
+                .map_or(4, |n| n.get())
+                .saturating_mul(256)
+                .next_power_of_two()
+                .max(512);
+            (0..n)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect()
+        })
+    }
+
+    /// The shards if any lease was ever made.
+    fn made(&self) -> &[Padded] {
+        self.shards.get().map_or(&[], |s| &s[..])
+    }
+
+    fn hash(&self, k: &CallKeys) -> u64 {
+        hash_keys(&self.hasher, k)
+    }
+
+    fn shard(&self, hash: u64) -> &Mutex<Shard> {
+        let shards = self.shards();
+        &shards[(hash >> 48) as usize & (shards.len() - 1)].0
+    }
+
+    /// Spends `plan`'s cost from its caller's lease, or says how much to ask the store for.
+    /// Leases that ended on the way are pushed to `returns`.
+    pub(crate) fn take(&self, plan: &Plan<'_>, keys: &CallKeys, returns: &mut Vec<Return>) -> Take {
+        let now = plan.now.as_micros();
+        let c = plan.cost;
+        let hash = self.hash(keys);
+        let mut shard = lock(self.shard(hash));
+        self.maybe_sweep(&mut shard, now, returns);
+        let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) else {
+            return Take::Miss { grant: c };
+        };
+        let same = l.tool == tool_id(plan.tool) && now >= l.started;
+        if same && now < l.until && l.left + EPS >= c {
+            if let Some(g) = l.grant.as_deref() {
+                l.left = (l.left - c).max(0.0);
+                l.last = now;
+                return Take::Hit(share_of(g, l.granted, l.left, keys, plan));
+            }
+        }
+        returns.extend(l.give_back());
+        if !same || l.cool || now >= l.last.saturating_add(IDLE_US) {
+            l.cool = false;
+            return Take::Miss { grant: c };
+        }
+        Take::Miss {
+            grant: Self::size(plan, l, now),
+        }
+    }
+
+    /// The next grant for a caller whose lease ran out: what it spent over the last
+    /// lease's life, stretched to [`TARGET_US`], at most twice the last grant, within the
+    /// room the last grant left and the path's bursts, and `max`.
+    fn size(plan: &Plan<'_>, l: &Lease, now: u64) -> f64 {
+        let c = plan.cost;
+        let life = now.saturating_sub(l.started).max(1) as f64;
+        let mut want = (l.granted * TARGET_US / life).min(2.0 * l.granted);
+        let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
+        if let Some(i) = plan.instance {
+            burst = burst.min(i.policy.burst);
+        }
+        want = want.min(burst * ROOM_PART);
+        want = want.min(l.room * ROOM_PART);
+        want = want.min(plan.tool.lease_max);
+        want.max(c)
+    }
+
+    /// Keeps what a grant of `granted` units left after its first call (`plan`'s cost) as the
+    /// caller's lease, and answers that call's admission. A lease this one replaces (another
+    /// thread's grant for the same caller, decided meanwhile) is pushed to `returns`.
+    pub(crate) fn granted(
+        &self,
+        plan: &Plan<'_>,
+        keys: &CallKeys,
+        grant: Box<Admission>,
+        granted: f64,
+        returns: &mut Vec<Return>,
+    ) -> Box<Admission> {
+        let now = plan.now.as_micros();
+        let left = (granted - plan.cost).max(0.0);
+        // The room the grant left above the caller: its quota left in the window, the tool's
+        // pool. The next grant takes a part of it at most.
+        let room = grant.remaining.min(grant.slack).max(0.0);
+        let (call, grant) = if left > EPS {
+            let call = share_of(&grant, granted, left, keys, plan);
+            (call, Some(grant))
+        } else {
+            // One call's cost: an ordinary decision; only its history is kept.
+            (grant, None)
+        };
+        let until = grant.as_deref().map_or(now, |g| ends(g, now));
+        let lease = Lease {
+            keys: keys.clone(),
+            tool: tool_id(plan.tool),
+            granted,
+            left,
+            grant,
+            until,
+            started: now,
+            last: now,
+            room,
+            cool: false,
+        };
+        let hash = self.hash(keys);
+        let mut shard = lock(self.shard(hash));
+        match shard.leases.find_mut(hash, |l| l.keys == *keys) {
+            Some(l) => {
+                returns.extend(l.give_back());
+                *l = lease;
+            }
+            None => {
+                let hasher = &self.hasher;
+                shard
+                    .leases
+                    .insert_unique(hash, lease, |l| hash_keys(hasher, &l.keys));
+            }
+        }
+        call
+    }
+
+    /// Notes that a grant above one call's cost was refused or had to borrow: the caller's
+    /// next grant is one call's cost.
+    pub(crate) fn cool(&self, keys: &CallKeys) {
+        let hash = self.hash(keys);
+        let mut shard = lock(self.shard(hash));
+        if let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) {
+            l.cool = true;
+        }
+    }
+
+    /// Sweeps every shard for leases that ended or went idle, at most every [`SWEEP_US`]
+    /// (the first call after that does it; a shard another thread holds is left for the next
+    /// sweep): with any traffic at all, an idle caller's balance goes back within
+    /// [`IDLE_US`] + [`SWEEP_US`].
+    fn maybe_sweep(&self, own: &mut Shard, now: u64, returns: &mut Vec<Return>) {
+        let due = self.swept_at.load(Relaxed);
+        if now < due.saturating_add(SWEEP_US)
+            || self
+                .swept_at
+                .compare_exchange(due, now, Relaxed, Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        sweep(own, now, returns);
+        for s in self.made() {
+            if let Ok(mut other) = s.0.try_lock() {
+                sweep(&mut other, now, returns);
+            }
+        }
+    }
+
+    /// Every lease, ended: what each holds goes back.
+    pub(crate) fn drain(&self) -> Vec<Return> {
+        let mut out = self.take_pending();
+        for s in self.made() {
+            let mut s = lock(&s.0);
+            for l in s.leases.iter_mut() {
+                out.extend(l.give_back());
+            }
+            s.leases.clear();
+        }
+        out
+    }
+
+    /// Returns parked for a call that can wait.
+    pub(crate) fn park(&self, r: Return) {
+        lock(&self.pending).push(r);
+        self.has_pending.store(true, Relaxed);
+    }
+
+    /// The parked returns, if any.
+    pub(crate) fn take_pending(&self) -> Vec<Return> {
+        if !self.has_pending.load(Relaxed) {
+            return Vec::new();
+        }
+        let mut p = lock(&self.pending);
+        self.has_pending.store(false, Relaxed);
+        std::mem::take(&mut *p)
+    }
+
+    /// Units held in leases now, and how many leases hold any.
+    pub(crate) fn held(&self) -> (f64, usize) {
+        let mut units = 0.0;
+        let mut n = 0;
+        for s in self.made() {
+            for l in lock(&s.0).leases.iter() {
+                if l.grant.is_some() && l.left > EPS {
+                    units += l.left;
+                    n += 1;
+                }
+            }
+        }
+        (units, n)
+    }
+}
+
+fn hash_keys(h: &RandomState, k: &CallKeys) -> u64 {
+    let mut s = h.build_hasher();
+    k.tool.hash(&mut s);
+    k.tenant.hash(&mut s);
+    k.untenanted.hash(&mut s);
+    k.instance.hash(&mut s);
+    s.finish()
+}
+
+fn sweep(shard: &mut Shard, now: u64, returns: &mut Vec<Return>) {
+    shard.leases.retain(|l| {
+        let idle = now >= l.last.saturating_add(IDLE_US) || now >= l.until;
+        if idle {
+            returns.extend(l.give_back());
+        }
+        // An idle lease's history is forgotten with it: the next grant starts at one call.
+        !idle
+    });
+}
+
+/// When a grant decided at `now` must end: the end of its aligned window, of any budget
+/// window it was charged in, or its lifetime.
+fn ends(grant: &Admission, now: u64) -> u64 {
+    let mut until = now.saturating_add(LIFETIME_US);
+    let window_end = grant.at.as_micros() as f64 + grant.reset_in;
+    until = until.min(window_end.max(0.0) as u64);
+    for l in grant.charge.levels.iter().filter(|l| l.present) {
+        for (period, start) in l.budgets.iter() {
+            let end = period.end_of(Timestamp(start as u64)).as_micros();
+            until = until.min(end);
+        }
+    }
+    until
+}
+
+/// A call's admission out of a grant: its part of what the grant charged at each level
+/// (so settling or refunding it corrects the store exactly), and the grant's figures with the
+/// units still held counted as the caller's.
+fn share_of(
+    grant: &Admission,
+    granted: f64,
+    left: f64,
+    keys: &CallKeys,
+    plan: &Plan<'_>,
+) -> Box<Admission> {
+    let part = if granted > 0.0 {
+        plan.cost / granted
+    } else {
+        0.0
+    };
+    // One copy of the grant, written over where the call differs (its keys are the grant's).
+    debug_assert!(grant.keys == *keys);
+    let mut a = Box::new(grant.clone());
+    a.charge.cost = plan.cost;
+    for l in a.charge.levels.iter_mut() {
+        l.floor *= part;
+        l.share *= part;
+        l.ceiling *= part;
+        l.permit = false;
+    }
+    let since = plan.now.as_micros().saturating_sub(grant.at.as_micros()) as f64;
+    a.remaining = grant.remaining + left;
+    a.reset_in = (grant.reset_in - since).max(0.0);
+    a.at = plan.now;
+    a.call = 0;
+    a
+}
+
+/// Whether an admitted grant drew, at the tenant or the instance, more than that level's own
+/// share and floor (it borrowed idle capacity lent by others): such units are never leased.
+pub(crate) fn borrowed(grant: &Admission) -> bool {
+    grant.charge.levels[1..]
+        .iter()
+        .any(|l| l.present && l.ceiling > l.share + EPS)
+}
