@@ -232,7 +232,14 @@ impl Leases {
         want = want.min(burst * ROOM_PART);
         want = want.min(l.room * ROOM_PART);
         want = want.min(plan.tool.lease_max);
-        want.max(c)
+        // Whole calls: a grant that would leave less than one more call is one call's cost
+        // (a fraction left over would only go back).
+        let calls = if c > 0.0 { (want / c).floor() } else { 1.0 };
+        if calls >= 2.0 {
+            calls * c
+        } else {
+            c
+        }
     }
 
     /// Keeps what a grant of `granted` units left after its first call (`plan`'s cost) as the

@@ -22,12 +22,22 @@ use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, S
 /// One redis-server per test function; every case starts from an empty database.
 struct Redis {
     server: RedisServer,
+    /// Every tool of the suite's policies leases.
+    leased: bool,
 }
 
 impl Redis {
     fn new() -> Self {
         Redis {
             server: RedisServer::start(),
+            leased: false,
+        }
+    }
+
+    fn leased() -> Self {
+        Redis {
+            leased: true,
+            ..Redis::new()
         }
     }
 }
@@ -74,9 +84,20 @@ impl conformance::Factory for Redis {
     fn cases(&self) -> u32 {
         6
     }
+    fn leased(&self) -> bool {
+        self.leased
+    }
 }
 
 suite!(Redis::new());
+
+/// The same suite with every tool leasing, on Redis.
+mod leased {
+    use super::{conformance, Redis};
+    use crate::suite;
+
+    suite!(Redis::leased());
+}
 
 /// A generated policy for the differential test: two tools with every feature the engine has
 /// — floors, weights, ceilings, bursts, budgets of every period, concurrency caps at every

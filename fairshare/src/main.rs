@@ -101,6 +101,10 @@ enum Command {
         /// Also write an SVG chart of admitted calls per caller per window.
         #[arg(long, value_name = "OUT")]
         svg: Option<PathBuf>,
+        /// Let the demo tool lease up to this many calls per caller (`lease = { max = N }`):
+        /// the same properties must hold.
+        #[arg(long, value_name = "N")]
+        lease: Option<u32>,
     },
 }
 
@@ -147,9 +151,11 @@ fn main() -> ExitCode {
             };
             serve(&policy, &keys, options)
         }
-        Command::Demo { duration, svg } => {
-            runtime().block_on(cli::demo::run(duration, svg.as_deref()))
-        }
+        Command::Demo {
+            duration,
+            svg,
+            lease,
+        } => runtime().block_on(cli::demo::run(duration, svg.as_deref(), lease)),
     }
 }
 

@@ -145,8 +145,25 @@ struct Tally {
 }
 
 /// Runs the demo; exit code 0 when every property held.
-pub(crate) async fn run(duration: Duration, svg: Option<&std::path::Path>) -> ExitCode {
-    let policy = Policy::from_toml_str(POLICY).expect("the demo policy is valid");
+pub(crate) async fn run(
+    duration: Duration,
+    svg: Option<&std::path::Path>,
+    lease: Option<u32>,
+) -> ExitCode {
+    let text = match lease {
+        Some(n) => POLICY.replace(
+            "[[tool]]\n",
+            &format!("[[tool]]\nlease = {{ max = {n} }}\n"),
+        ),
+        None => POLICY.to_owned(),
+    };
+    let policy = match Policy::from_toml_str(&text) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: the demo policy with --lease: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let keys = Keys::from_toml_str(KEYS).expect("the demo keys are valid");
     let allocation = policy.allocation();
     let alloc = allocation
