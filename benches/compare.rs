@@ -779,6 +779,42 @@ return {1, 0}
                 rows.push(ours.json("fairshare"));
             }
 
+            // Leases: 64 calls in flight over two replicas (two stores, two limiters) on one
+            // Redis, each task a caller of its own on the leasing tool.
+            let replicas: Vec<Limiter<RedisStore, SystemClock>> = {
+                let mut v = Vec::new();
+                for _ in 0..2 {
+                    let store = RedisStore::connect(url).await.expect("RedisStore connects");
+                    let policy = Policy::from_toml_str(super::POLICY).expect("valid");
+                    v.push(Limiter::with_store(policy, store, SystemClock));
+                }
+                v
+            };
+            let replicas = std::sync::Arc::new(replicas);
+            let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
+                (0..64)
+                    .map(|t| Caller::new(format!("lease-{t}")).with_instance("agent"))
+                    .collect(),
+            );
+            let leased = drive(64, secs, move |t| {
+                let (replicas, callers) = (replicas.clone(), callers.clone());
+                async move {
+                    match replicas[t % 2]
+                        .admit(&callers[t], "leased", Cost(1.0))
+                        .await
+                    {
+                        Ok(_) => true,
+                        Err(r) => {
+                            static ONCE: std::sync::Once = std::sync::Once::new();
+                            ONCE.call_once(|| eprintln!("DEBUG refusal: {r:?}"));
+                            false
+                        }
+                    }
+                }
+            });
+            let leased = measured(&mut info, leased).await;
+            rows.push(leased.json("leased-2-replicas"));
+
             // A parasite whose tenant is used up: after its first refusal, no Redis command
             // until its retry time.
             let parasite = Caller::new("parasite").with_instance("agent");

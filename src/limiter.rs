@@ -328,6 +328,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let decided = match self.inner.leases.take(&p.plan, &p.keys, &mut returns) {
             Take::Hit(a) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+                // A decision from a lease never waits: it spends a unit of tokio's cooperative
+                // budget, so a task that loops on leased decisions still lets the runtime run
+                // its other tasks (a store's own among them).
+                #[cfg(feature = "tokio")]
+                tokio::task::coop::consume_budget().await;
                 Ok(Decision::Admitted(a))
             }
             Take::Miss { grant } => {

@@ -1091,3 +1091,67 @@ fn with_an_injected_clock_records_outlive_a_slow_virtual_clock() {
         }
     });
 }
+
+/// Two replicas deciding back to back for one tool: every write of the tool's records races
+/// the other replica's. A replica whose reads ride on its writes used to win every race, and
+/// the other's decisions failed after 16 lost races ("other replicas kept writing"), which
+/// also tripped its breaker: every call of it then failed as `store_unavailable`. The turn
+/// (a replica that lost a race claims the next write) lets both progress: no call fails.
+#[test]
+fn two_replicas_racing_for_one_tool_both_progress() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 1000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 1000
+"#,
+    )
+    .unwrap();
+    let rt = multi_thread();
+    let clock = ManualClock::new(EPOCH);
+    let (ok, failed) = rt.block_on(async {
+        let mut handles = Vec::new();
+        for r in 0..2 {
+            let store = RedisStore::builder(server.url())
+                .injected_clock()
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
+            for k in 0..32 {
+                let limiter = limiter.clone();
+                let caller = Caller::new(format!("t-{r}-{k}"));
+                handles.push(tokio::spawn(async move {
+                    let (mut ok, mut failed) = (0u32, Vec::new());
+                    for _ in 0..1500 {
+                        match limiter.admit(&caller, "search", Cost(1.0)).await {
+                            Ok(_) => ok += 1,
+                            Err(e) => failed.push(e.to_string()),
+                        }
+                    }
+                    (ok, failed)
+                }));
+            }
+        }
+        let (mut ok, mut failed) = (0, Vec::new());
+        for h in handles {
+            let (o, f) = h.await.unwrap();
+            ok += o;
+            failed.extend(f);
+        }
+        (ok, failed)
+    });
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed, first: {}",
+        failed.len(),
+        64 * 1500,
+        failed[0]
+    );
+    assert_eq!(ok, 64 * 1500);
+}

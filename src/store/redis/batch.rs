@@ -40,8 +40,12 @@ use crate::store::{Admission, CallKeys, Decision, StoreError};
 
 /// The most jobs one batch decides.
 const MAX_BATCH: usize = 64;
-/// How many times a batch is read and decided again when another replica wrote first.
-const MAX_ATTEMPTS: usize = 16;
+/// How many times a batch is read and decided again when another replica wrote first (or
+/// held the tool's turn).
+const MAX_ATTEMPTS: usize = 64;
+/// How long a worker waits before reading again while another replica holds the tool's turn
+/// (it gives the turn back with its write, one round trip later).
+const TURN_WAIT: Duration = Duration::from_millis(1);
 
 /// Which policy of a tool applies to a level: a listed one, by its position, or the template.
 #[derive(Copy, Clone, Debug)]
@@ -158,7 +162,7 @@ pub(super) fn submit(shared: &Arc<Shared>, tool: &Arc<str>, job: Job) {
     };
     let _ = tx.send(job);
     queues.insert(tool.clone(), tx);
-    rt.spawn(work(Arc::downgrade(shared), rx));
+    rt.spawn(work(Arc::downgrade(shared), rx, tool.clone()));
 }
 
 fn drop_job(job: Job, why: &str) {
@@ -178,10 +182,16 @@ fn drop_job(job: Job, why: &str) {
 /// A tool's worker, until the store is gone: one round trip per batch when nothing else
 /// writes the tool's records — the script that writes a batch also reads for the next, or the
 /// next is decided on the records remembered.
-async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
-    let Some(namespace) = shared.upgrade().map(|s| s.config.namespace.clone()) else {
+async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<str>) {
+    let Some((namespace, me)) = shared
+        .upgrade()
+        .map(|s| (s.config.namespace.clone(), format!("{:016x}", s.ids.prefix)))
+    else {
         return;
     };
+    let turn_key = super::wire::turn_key(&format!("{namespace}{}", crate::key::tool_key(&tool)));
+    // Whether this worker's next read claims the tool's turn: after its write lost a race.
+    let mut claim = false;
     let mut queue = Queue {
         rx,
         backlog: std::collections::VecDeque::new(),
@@ -197,15 +207,29 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
                 let Some(time) = shared.upgrade().map(|s| s.config.time) else {
                     return;
                 };
-                let Some(batch) = queue.next_batch(time == TimeSource::Injected, true).await else {
+                let Some(mut batch) = queue.next_batch(time == TimeSource::Injected, true).await
+                else {
                     return;
                 };
                 if let Some(read) = cache.read(&batch, time) {
                     (batch, read)
                 } else {
                     let Some(sh) = shared.upgrade() else { return };
-                    match cycle(&sh, None, Some(&batch)).await {
+                    let turn = Turn {
+                        key: &turn_key,
+                        me: &me,
+                        claim,
+                    };
+                    match cycle(&sh, None, Some(&batch), turn).await {
+                        Ok(c) if c.others_turn && batch.attempts + 1 < MAX_ATTEMPTS => {
+                            // Another replica's turn: read again once it has written.
+                            batch.attempts += 1;
+                            queue.put_front(batch);
+                            tokio::time::sleep(TURN_WAIT).await;
+                            continue;
+                        }
                         Ok(c) => {
+                            claim = false;
                             let read = c.read.expect("a read was asked for");
                             cache.clock(c.now);
                             cache.read_from_redis(&batch, &read);
@@ -233,7 +257,12 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
         let injected = sh.config.time == TimeSource::Injected;
         let next = queue.next_batch(injected, false).await;
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
-        match cycle(&sh, Some((&batch, &decided)), read_next).await {
+        let turn = Turn {
+            key: &turn_key,
+            me: &me,
+            claim: false,
+        };
+        match cycle(&sh, Some((&batch, &decided)), read_next, turn).await {
             Ok(c) if c.written => {
                 cache.clock(c.now);
                 cache.wrote(&batch, &decided);
@@ -260,9 +289,11 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>) {
                 )));
                 queue.put_back(next);
             }
-            // Another replica wrote first: decide again, with the next batch, on a fresh read.
+            // Another replica wrote first: decide again, with the next batch, on a fresh read
+            // that claims the tool's turn, so the other replica waits for this write.
             Ok(_) => {
                 cache.conflict();
+                claim = true;
                 batch.attempts += 1;
                 let mut jobs = std::mem::take(&mut batch.jobs);
                 if let Some(n) = next {
@@ -814,17 +845,30 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
 /// What a round trip came back with.
 struct Cycle {
     written: bool,
+    /// Another replica holds the tool's turn: this replica's writes are refused until it
+    /// writes (or its turn lapses).
+    others_turn: bool,
     /// Redis's clock when the script ran (µs; the read's `now` when it read).
     now: u64,
     read: Option<Read>,
 }
 
-/// One round trip: `write` (the last batch's records, if nothing it read has changed), then
-/// the read for `next`.
+/// Who this replica is to the tool's turn (see the batch script), and whether its read claims
+/// it.
+#[derive(Copy, Clone)]
+struct Turn<'a> {
+    key: &'a str,
+    me: &'a str,
+    claim: bool,
+}
+
+/// One round trip: `write` (the last batch's records, if nothing it read has changed and no
+/// other replica holds the tool's turn), then the read for `next`.
 async fn cycle(
     sh: &Shared,
     write: Option<(&Batch, &Decided)>,
     next: Option<&Batch>,
+    turn: Turn<'_>,
 ) -> Result<Cycle, StoreError> {
     let mut keys: Vec<String> = Vec::new();
     let mut args: Vec<Vec<u8>> = Vec::new();
@@ -894,6 +938,13 @@ async fn cycle(
     args.push(read_now.into_bytes());
     args.push(read_records.to_string().into_bytes());
     args.extend(write_args);
+    keys.push(turn.key.to_owned());
+    args.push(turn.me.as_bytes().to_vec());
+    args.push(if turn.claim {
+        b"1".to_vec()
+    } else {
+        b"0".to_vec()
+    });
     let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
     parse_cycle(reply, next.is_some())
 }
@@ -923,12 +974,18 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
         return Err(bad("something other than an array"));
     };
     let mut it = items.into_iter();
-    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts)) =
-        (it.next(), it.next(), it.next(), it.next(), it.next())
-    else {
+    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts), Some(others)) = (
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+    ) else {
         return Err(bad("the wrong number of parts"));
     };
     let written = matches!(written, Value::Int(1));
+    let others_turn = matches!(others, Value::Int(1));
     let now: u64 = redis::from_redis_value::<String>(now)
         .map_err(|_| bad("no time"))?
         .parse::<f64>()
@@ -936,6 +993,7 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
     if !read {
         return Ok(Cycle {
             written,
+            others_turn,
             now,
             read: None,
         });
@@ -961,6 +1019,7 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
     }
     Ok(Cycle {
         written,
+        others_turn,
         now,
         read: Some(Read {
             now,

@@ -5,8 +5,14 @@
 -- score is when its permit lapses). The decisions are made in Rust: this script
 -- compares and copies, it does no arithmetic.
 --
+-- Under contention a turn decides who writes: a replica whose write found a record changed
+-- claims the tool's turn with its next read (for 20 ms, if nobody holds it); while another
+-- replica holds the turn, a write is refused as if a record had changed; the holder's write
+-- gives the turn back. Without it, a replica whose reads ride on its writes would win every
+-- race and starve the others.
+--
 -- KEYS: the write's keys (the records it checks, in order, then the zsets it changes), then the
--- read's record keys, then the read's zset keys.
+-- read's record keys, then the read's zset keys, then the tool's turn key.
 -- ARGV: 1 how many KEYS the write uses, 2 how many of those are checked records, 3 now for the
 --   read in µs ("-1": Redis TIME; "": no read), 4 how many read record keys; then the write:
 --   the checked records' versions when read ("": absent; a version then '*': that record or,
@@ -14,12 +20,18 @@
 --   each, the index of its key, the record, its TTL in ms ("": keep the key's); the number of
 --   zsets changed and, for each, the index of its key, the score up to which members are
 --   dropped ("": none), its TTL in ms ("": keep), the number of members added and, for each,
---   its score and name.
--- Returns { 1 written or 0, the index of the record that had changed (0: none), now (the
---   read's; without a read, Redis TIME), the records read (nil where absent), the counts }.
+--   its score and name; last, this replica's name and "1" to claim the turn with the read.
+-- Returns { 1 written or 0, the index of the record that had changed (0: none; -1: another
+--   replica's turn), now (the read's; without a read, Redis TIME), the records read (nil where
+--   absent), the counts, 1 if another replica holds the turn when the script ends or 0 }.
 local a, n = tonumber(ARGV[1]), tonumber(ARGV[2])
+local turn, me, claim = KEYS[#KEYS], ARGV[#ARGV - 1], ARGV[#ARGV]
+local holder = redis.call('GET', turn)
 local written, changed = 1, 0
-for i = 1, n do
+if holder and holder ~= me then
+  written, changed = 0, -1
+end
+for i = 1, written == 1 and n or 0 do
   local want, have = ARGV[4 + i], redis.call('GETRANGE', KEYS[i], 0, 7)
   -- A version followed by '*': that record, or none (it expired: the same as a fresh one).
   if have ~= want and not (#want == 9 and (have == '' or have == string.sub(want, 1, 8))) then
@@ -59,11 +71,20 @@ if written == 1 and a > 0 then
     end
     at = at + 4 + 2 * m
   end
+  if holder == me then
+    redis.call('DEL', turn)
+    holder = false
+  end
 end
 local t = redis.call('TIME')
 local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+if claim == '1' and not holder then
+  redis.call('SET', turn, me, 'PX', 20)
+  holder = me
+end
+local others = (holder and holder ~= me) and 1 or 0
 if ARGV[3] == '' then
-  return { written, changed, string.format('%.17g', clock), {}, {} }
+  return { written, changed, string.format('%.17g', clock), {}, {}, others }
 end
 local now = tonumber(ARGV[3])
 if now < 0 then
@@ -76,7 +97,7 @@ if r > 0 then
 end
 local after = '(' .. string.format('%.17g', now)
 local counts = {}
-for i = a + r + 1, #KEYS do
+for i = a + r + 1, #KEYS - 1 do
   counts[#counts + 1] = redis.call('ZCOUNT', KEYS[i], after, '+inf')
 end
-return { written, changed, string.format('%.17g', now), records, counts }
+return { written, changed, string.format('%.17g', now), records, counts, others }

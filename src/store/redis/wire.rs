@@ -15,6 +15,12 @@ pub(super) fn epoch_key(tool_key: &str) -> String {
     suffixed(tool_key, '@')
 }
 
+/// The key of a tool's turn: which replica may write the tool's records next after another
+/// replica's write got in first (see the batch script), its state key and `%`.
+pub(super) fn turn_key(tool_key: &str) -> String {
+    suffixed(tool_key, '%')
+}
+
 fn suffixed(key: &str, mark: char) -> String {
     let mut k = String::with_capacity(key.len() + 1);
     k.push_str(key);
