@@ -297,3 +297,163 @@ burst = 100
     assert!(admitted > 5_900, "a borrowed only {admitted}");
     same(&x, &y).unwrap();
 }
+
+/// A busy tool with 2–4 tenants (floors, weights, some ceilings, bursts deep enough for leases
+/// to grow), each offering a multiple of its nominal share: (TOML, capacity per minute, tool
+/// burst, each tenant's burst, floors, per-minute offers).
+fn busy_tool() -> impl proptest::strategy::Strategy<Value = (String, f64, Vec<f64>, Vec<f64>)> {
+    use proptest::prelude::*;
+    (
+        60u32..600,
+        proptest::collection::vec((1u32..6, 0u32..100, proptest::bool::weighted(0.3), 0.2f64..3.0), 2..5),
+    )
+        .prop_map(|(per_s, tenants)| {
+            let cap = per_s as f64 * 60.0;
+            let frac: f64 = tenants.iter().map(|t| t.1 as f64).sum::<f64>().max(1.0);
+            let wsum: f64 = tenants.iter().map(|t| t.0 as f64).sum();
+            let mut toml = format!(
+                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {cap}, per = \"1m\" }}\nburst = {}\n",
+                cap / 10.0
+            );
+            let (mut floors, mut offers) = (Vec::new(), Vec::new());
+            for (i, (w, f, ceiled, mult)) in tenants.iter().enumerate() {
+                let floor = ((*f as f64 / frac) * 0.5 * cap).floor();
+                let nominal = floor + (cap - 0.5 * cap) * *w as f64 / wsum;
+                toml += &format!(
+                    "[tool.tenants.T{i}]\nweight = {w}\nfloor = {floor}\nburst = {}\n",
+                    cap / 40.0
+                );
+                if *ceiled {
+                    toml += &format!("ceiling = {}\n", (nominal * 1.5).min(cap).floor().max(floor));
+                }
+                floors.push(floor);
+                offers.push(nominal * mult);
+            }
+            (toml, cap, floors, offers)
+        })
+}
+
+/// Every call of `offers` (calls per minute per tenant, evenly spaced, `minutes` long) in time
+/// order through `l`; admitted calls per tenant per aligned minute.
+fn drive(
+    l: &Limiter<MemoryStore, ManualClock>,
+    clock: &ManualClock,
+    offers: &[f64],
+    minutes: u64,
+) -> Vec<Vec<u64>> {
+    let minute = 60_000_000u64;
+    let mut calls: Vec<(u64, usize)> = Vec::new();
+    for (i, per_min) in offers.iter().enumerate() {
+        let gap = (minute as f64 / per_min.max(1.0)) as u64;
+        let mut t = (i as u64 * 7) % gap.max(1);
+        while t < minutes * minute {
+            calls.push((t, i));
+            t += gap.max(1);
+        }
+    }
+    calls.sort_unstable();
+    let callers: Vec<Caller> = (0..offers.len())
+        .map(|i| Caller::new(format!("T{i}")))
+        .collect();
+    let mut got = vec![vec![0u64; minutes as usize]; offers.len()];
+    for (t, i) in calls {
+        clock.set(Timestamp(EPOCH.as_micros() + t));
+        if now(l.admit(&callers[i], "t", Cost(1.0))).is_ok() {
+            got[i][(t / minute) as usize] += 1;
+        }
+    }
+    got
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, failure_persistence: None, ..Default::default() })]
+
+    /// The same random workloads with leases off and on: with leases, every tenant still gets
+    /// at most its ceiling + burst and the tool at most its capacity in every aligned minute,
+    /// every floor is served, and what each tenant gets differs from the unleased run by at
+    /// most what the leases can hold at once (each caller path at most `max`, and a quarter of
+    /// the smallest burst on its path): the bound the README states.
+    #[test]
+    fn leased_and_unleased_runs_differ_by_at_most_the_stated_bound((toml, cap, floors, offers) in busy_tool()) {
+        let minutes = 2;
+        let (plain, c1) = limiter(&toml);
+        let (leased, c2) = limiter(&with_lease(&toml));
+        let a = drive(&plain, &c1, &offers, minutes);
+        let b = drive(&leased, &c2, &offers, minutes);
+        let policy = Policy::from_toml_str(&toml).unwrap();
+        let tool = policy.tool("t").unwrap();
+        let alloc = policy.allocation();
+        let held_at_most: f64 = alloc.tools[0]
+            .tenants
+            .iter()
+            .map(|t| 64f64.min((t.burst.min(tool.burst()) * 0.25).floor()))
+            .sum();
+        for w in 0..minutes as usize {
+            let total: u64 = b.iter().map(|x| x[w]).sum();
+            proptest::prop_assert!(total as f64 <= cap + 1e-6, "minute {w}: {total} > C {cap}");
+            for (i, t) in alloc.tools[0].tenants.iter().enumerate() {
+                proptest::prop_assert!(
+                    b[i][w] as f64 <= t.ceiling + t.burst + 1e-6,
+                    "T{i} got {} in minute {w}, above ceiling {} + burst {}", b[i][w], t.ceiling, t.burst
+                );
+                let floor_offered = offers[i].min(floors[i]);
+                proptest::prop_assert!(
+                    b[i][w] as f64 + 1.0 >= floor_offered.min(a[i][w] as f64),
+                    "T{i} got {} in minute {w}, below its floor {} (unleased: {})", b[i][w], floors[i], a[i][w]
+                );
+                let diff = (a[i][w] as f64 - b[i][w] as f64).abs();
+                proptest::prop_assert!(
+                    diff <= held_at_most + 1.0,
+                    "T{i} minute {w}: {} unleased, {} leased: {diff} apart, bound {held_at_most}", a[i][w], b[i][w]
+                );
+            }
+        }
+    }
+}
+
+/// A lease ends with the aligned window it was charged in: units granted in one window are
+/// never spent in the next, where they would come on top of that window's own capacity. A
+/// caller below capacity holds a lease when the first minute ends; then it floods: the second
+/// minute still admits at most the tool's capacity. (The calls are timed so that no sweep of
+/// ended leases runs between the last call of the first minute and the first of the second:
+/// only the lease's own end stops it.)
+#[test]
+fn a_lease_never_outlives_its_window() {
+    let toml = r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 8000, per = "1m" }
+burst = 2000
+lease = { max = 64 }
+default_ceiling = "capacity"
+[tool.tenants.a]
+burst = 1000
+"#;
+    let (l, clock) = limiter(toml);
+    let a = Caller::new("a");
+    let minute = 60_000_000u64;
+    // Minute 0: a call every 10 ms from 5 ms on (6,000 a minute, below the capacity of 8,000).
+    let mut t = 5_000;
+    while t < minute {
+        clock.set(Timestamp(EPOCH.as_micros() + t));
+        now(l.admit(&a, "t", Cost(1.0))).unwrap();
+        t += 10_000;
+    }
+    assert!(
+        l.leased_units() >= 1.0,
+        "a lease is held as the minute ends"
+    );
+    // Minute 1: a call every 100 µs (600,000 offered).
+    let mut admitted = 0;
+    let mut t = minute;
+    while t < 2 * minute {
+        clock.set(Timestamp(EPOCH.as_micros() + t));
+        admitted += usize::from(now(l.admit(&a, "t", Cost(1.0))).is_ok());
+        t += 100;
+    }
+    assert!(
+        admitted <= 8_000,
+        "minute 1 admitted {admitted}, above the capacity of 8,000"
+    );
+}

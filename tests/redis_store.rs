@@ -1155,3 +1155,114 @@ max_tenants = 1000
     );
     assert_eq!(ok, 64 * 1500);
 }
+
+/// Four replicas (four stores on one Redis, each limiter with its own leases) × 16 tasks flood
+/// one tenant on a leasing tool, on a virtual clock each call moves on: every aligned second
+/// admits at most the tenant's ceiling + burst (nothing admitted that Redis did not charge)
+/// and at least 95 % of it (what leases leave unused is bounded), a quiet tenant beside it
+/// gets every call within its floor, and a replica that dies holding a lease (its units never
+/// given back) over-admits nothing.
+#[test]
+fn four_leasing_replicas_on_one_tenant_stay_exact_and_lose_little() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 10000, per = "1s" }
+burst = 1000
+lease = { max = 64 }
+[tool.tenants.busy]
+ceiling = 3000
+burst = 400
+[tool.tenants.quiet]
+floor = 50
+"#,
+    )
+    .unwrap();
+    let rt = multi_thread();
+    let clock = ManualClock::new(EPOCH);
+    let second = 1_000_000u64;
+    let end = 4 * second;
+    let busy_at: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let quiet = Arc::new(Mutex::new((0u64, Vec::<String>::new())));
+    rt.block_on(async {
+        let mut handles = Vec::new();
+        for r in 0..4 {
+            let store = RedisStore::builder(server.url())
+                .injected_clock()
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
+            for _ in 0..16 {
+                let (limiter, clock, busy_at) = (limiter.clone(), clock.clone(), busy_at.clone());
+                handles.push(tokio::spawn(async move {
+                    let busy = Caller::new("busy");
+                    loop {
+                        let t = tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros();
+                        // Replica 0 dies halfway through the third second, holding its lease.
+                        if t >= end || (r == 0 && t >= 2 * second + second / 2) {
+                            break;
+                        }
+                        if let Ok(ticket) = limiter.admit(&busy, "t", Cost(1.0)).await {
+                            busy_at
+                                .lock()
+                                .unwrap()
+                                .push(ticket.admission.unwrap().at.as_micros());
+                        }
+                        clock.advance(Duration::from_micros(10));
+                    }
+                }));
+            }
+            if r == 0 {
+                // Its leases are never given back: as if the process died.
+                std::mem::forget(limiter.clone());
+            }
+            // The quiet tenant: a call every 25 ms of virtual time (40 a second; floor 50),
+            // from each replica in turn.
+            let (limiter, clock, quiet) = (limiter.clone(), clock.clone(), quiet.clone());
+            handles.push(tokio::spawn(async move {
+                let caller = Caller::new("quiet");
+                let mut next = r as u64 * 25_000;
+                while next < end {
+                    if tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros() < next {
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    match limiter.admit(&caller, "t", Cost(1.0)).await {
+                        Ok(_) => quiet.lock().unwrap().0 += 1,
+                        Err(e) => quiet.lock().unwrap().1.push(e.to_string()),
+                    }
+                    next += 100_000;
+                }
+            }));
+        }
+        for h in handles {
+            h.await.unwrap();
+        }
+    });
+    let mut per_second = [0u64; 4];
+    for at in busy_at.lock().unwrap().iter() {
+        per_second[((at - EPOCH.as_micros()) / second) as usize] += 1;
+    }
+    eprintln!("busy admitted per second: {per_second:?}");
+    for (s, got) in per_second.iter().enumerate() {
+        assert!(
+            *got <= 3_000 + 400,
+            "second {s}: {got} admitted, above ceiling + burst"
+        );
+        assert!(
+            *got as f64 >= 0.95 * 3_000.0,
+            "second {s}: only {got} admitted of 3,000"
+        );
+    }
+    let (ok, refused) = std::mem::take(&mut *quiet.lock().unwrap());
+    assert!(
+        refused.is_empty(),
+        "the quiet tenant was refused within its floor: {refused:?}"
+    );
+    assert!(ok >= 150, "the quiet tenant got only {ok} calls");
+}
