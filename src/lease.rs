@@ -13,7 +13,9 @@
 //!   that had to borrow idle capacity from others is given back at once and the call decided
 //!   alone, so no lease ever parks units lent by someone else, and no caller's floor is ever
 //!   held in another caller's lease;
-//! - one lease per caller path per process, of at most `max` units;
+//! - one lease per caller path per process, of at most `max` units, and on a tokio runtime
+//!   the next grant, fetched ahead by a task of its own once half of the current one is spent
+//!   (so a busy caller's calls do not wait for the store): at most two grants per path;
 //! - a grant grows from one call's cost, doubling at most, with what the caller spent in the
 //!   last ~100 ms, and stays at one call's cost while the caller, its tenant or the tool is
 //!   near its limit (a quarter of the room left, a quarter of the smallest burst on the path)
@@ -46,6 +48,8 @@ const LIFETIME_US: u64 = 1_000_000;
 /// A grant takes at most this part of the room left above it (the caller's quota left in
 /// the window, the tool's pool) and of the smallest burst on its path.
 const ROOM_PART: f64 = 0.25;
+/// A grant is fetched ahead once less than this part of the current one is left.
+const FETCH_AHEAD_AT: f64 = 0.5;
 /// A shard is swept for idle leases at most this often.
 const SWEEP_US: u64 = 50_000;
 /// Tolerance for float comparisons, as in the engine.
@@ -60,8 +64,10 @@ pub(crate) struct Return {
 
 /// What the table answers for a call.
 pub(crate) enum Take {
-    /// Spent from the caller's lease: the call's admission (its share of the grant's charge).
-    Hit(Box<Admission>),
+    /// Spent from the caller's lease: the call's admission (its share of the grant's charge),
+    /// and, once half of the grant is spent and the caller may fetch ahead, the size of the
+    /// next grant to fetch now (in the background) so that the caller never waits for one.
+    Hit(Box<Admission>, Option<f64>),
     /// Not covered: ask the store for `grant` units (at least the call's cost; exactly its
     /// cost means an ordinary, unleased decision).
     Miss { grant: f64 },
@@ -114,18 +120,48 @@ struct Lease {
     room: f64,
     /// Set after a refused or borrowing grant: the next one is one call's cost.
     cool: bool,
+    /// The next grant, fetched ahead while this one is spent (see [`Take::Hit`]).
+    next: Option<Spare>,
+    /// A grant is being fetched ahead for this lease.
+    refreshing: bool,
+}
+
+/// A grant fetched ahead of need, whole until its lease runs out.
+struct Spare {
+    grant: Box<Admission>,
+    granted: f64,
+    until: u64,
+    room: f64,
+    tool: usize,
 }
 
 impl Lease {
-    /// Takes what is left for a return, leaving the lease empty (its history stays).
-    fn give_back(&mut self) -> Option<Return> {
-        let grant = self.grant.take()?;
+    /// Pushes what is left of the current grant, and the whole next one, for a return,
+    /// leaving the lease empty (its history stays).
+    fn give_back(&mut self, out: &mut Vec<Return>) {
+        self.give_back_current(out);
+        if let Some(n) = self.next.take() {
+            out.push(Return {
+                factor: -1.0,
+                units: n.granted,
+                grant: n.grant,
+            });
+        }
+    }
+
+    /// Pushes what is left of the current grant for a return.
+    fn give_back_current(&mut self, out: &mut Vec<Return>) {
+        let Some(grant) = self.grant.take() else {
+            return;
+        };
         let left = std::mem::take(&mut self.left);
-        (left > EPS).then(|| Return {
-            factor: -left / self.granted,
-            units: left,
-            grant,
-        })
+        if left > EPS {
+            out.push(Return {
+                factor: -left / self.granted,
+                units: left,
+                grant,
+            });
+        }
     }
 }
 
@@ -191,7 +227,13 @@ impl Leases {
 
     /// Spends `plan`'s cost from its caller's lease, or says how much to ask the store for.
     /// Leases that ended on the way are pushed to `returns`.
-    pub(crate) fn take(&self, plan: &Plan<'_>, keys: &CallKeys, returns: &mut Vec<Return>) -> Take {
+    pub(crate) fn take(
+        &self,
+        plan: &Plan<'_>,
+        keys: &CallKeys,
+        returns: &mut Vec<Return>,
+        may_fetch_ahead: bool,
+    ) -> Take {
         let now = plan.now.as_micros();
         let c = plan.cost;
         let hash = self.hash(keys);
@@ -200,15 +242,44 @@ impl Leases {
         let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) else {
             return Take::Miss { grant: c };
         };
-        let same = l.tool == tool_id(plan.tool) && now >= l.started;
+        let tool = tool_id(plan.tool);
+        let same = l.tool == tool && now >= l.started;
         if same && now < l.until && l.left + EPS >= c {
             if let Some(g) = l.grant.as_deref() {
                 l.left = (l.left - c).max(0.0);
                 l.last = now;
-                return Take::Hit(share_of(g, l.granted, l.left, keys, plan));
+                let call = share_of(g, l.granted, l.left, keys, plan);
+                let ahead = (may_fetch_ahead
+                    && l.next.is_none()
+                    && !l.refreshing
+                    && !l.cool
+                    && l.left < l.granted * FETCH_AHEAD_AT)
+                    .then(|| Self::size(plan, l, now))
+                    .filter(|g| *g > c);
+                l.refreshing |= ahead.is_some();
+                return Take::Hit(call, ahead);
             }
         }
-        returns.extend(l.give_back());
+        // The current grant is spent: the next one, if it was fetched in time.
+        let next_fits = l
+            .next
+            .as_ref()
+            .is_some_and(|n| same && n.tool == tool && now < n.until && n.granted + EPS >= c);
+        if next_fits {
+            l.give_back_current(returns);
+            let n = l.next.take().expect("checked");
+            let left = (n.granted - c).max(0.0);
+            let call = share_of(&n.grant, n.granted, left, keys, plan);
+            l.grant = Some(n.grant);
+            l.granted = n.granted;
+            l.left = left;
+            l.until = n.until;
+            l.room = n.room;
+            l.started = now;
+            l.last = now;
+            return Take::Hit(call, None);
+        }
+        l.give_back(returns);
         if !same || l.cool || now >= l.last.saturating_add(IDLE_US) {
             l.cool = false;
             return Take::Miss { grant: c };
@@ -218,13 +289,60 @@ impl Leases {
         }
     }
 
+    /// Keeps a grant fetched ahead as the next one of the caller's lease, or hands it back for
+    /// a return when the lease it was fetched for is gone (idle, ended, reloaded, replaced).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn fetched(
+        &self,
+        plan: &Plan<'_>,
+        keys: &CallKeys,
+        grant: Box<Admission>,
+        granted: f64,
+    ) -> Option<Return> {
+        let now = plan.now.as_micros();
+        let tool = tool_id(plan.tool);
+        let hash = self.hash(keys);
+        let mut shard = lock(self.shard(hash));
+        match shard.leases.find_mut(hash, |l| l.keys == *keys) {
+            Some(l) if l.refreshing && l.tool == tool && l.next.is_none() => {
+                l.refreshing = false;
+                l.next = Some(Spare {
+                    room: grant.remaining.min(grant.slack).max(0.0),
+                    until: ends(&grant, now),
+                    grant,
+                    granted,
+                    tool,
+                });
+                None
+            }
+            _ => Some(Return {
+                factor: -1.0,
+                units: granted,
+                grant,
+            }),
+        }
+    }
+
+    /// A grant fetched ahead was not kept (refused, borrowed, or the store failed): the next
+    /// one is fetched when the lease runs out, one call's cost if `cool`.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn fetch_failed(&self, keys: &CallKeys, cool: bool) {
+        let hash = self.hash(keys);
+        let mut shard = lock(self.shard(hash));
+        if let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) {
+            l.refreshing = false;
+            l.cool |= cool;
+        }
+    }
+
     /// The next grant for a caller whose lease ran out: what it spent over the last
     /// lease's life, stretched to [`TARGET_US`], at most twice the last grant, within the
     /// room the last grant left and the path's bursts, and `max`.
     fn size(plan: &Plan<'_>, l: &Lease, now: u64) -> f64 {
         let c = plan.cost;
         let life = now.saturating_sub(l.started).max(1) as f64;
-        let mut want = (l.granted * TARGET_US / life).min(2.0 * l.granted);
+        let spent = (l.granted - l.left).max(c);
+        let mut want = (spent * TARGET_US / life).min(2.0 * l.granted);
         let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
         if let Some(i) = plan.instance {
             burst = burst.min(i.policy.burst);
@@ -277,13 +395,20 @@ impl Leases {
             last: now,
             room,
             cool: false,
+            next: None,
+            refreshing: false,
         };
         let hash = self.hash(keys);
         let mut shard = lock(self.shard(hash));
         match shard.leases.find_mut(hash, |l| l.keys == *keys) {
             Some(l) => {
-                returns.extend(l.give_back());
+                // What is left of the current grant goes back; a grant fetched ahead (or on its
+                // way) stays the next one.
+                l.give_back_current(returns);
+                let (next, refreshing) = (l.next.take(), l.refreshing);
                 *l = lease;
+                l.next = next.filter(|n| n.tool == l.tool);
+                l.refreshing = refreshing;
             }
             None => {
                 let hasher = &self.hasher;
@@ -333,7 +458,7 @@ impl Leases {
         for s in self.made() {
             let mut s = lock(&s.0);
             for l in s.leases.iter_mut() {
-                out.extend(l.give_back());
+                l.give_back(&mut out);
             }
             s.leases.clear();
         }
@@ -362,8 +487,9 @@ impl Leases {
         let mut n = 0;
         for s in self.made() {
             for l in lock(&s.0).leases.iter() {
-                if l.grant.is_some() && l.left > EPS {
-                    units += l.left;
+                let next = l.next.as_ref().map_or(0.0, |n| n.granted);
+                if (l.grant.is_some() && l.left > EPS) || next > 0.0 {
+                    units += l.left + next;
                     n += 1;
                 }
             }
@@ -385,7 +511,7 @@ fn sweep(shard: &mut Shard, now: u64, returns: &mut Vec<Return>) {
     shard.leases.retain(|l| {
         let idle = now >= l.last.saturating_add(IDLE_US) || now >= l.until;
         if idle {
-            returns.extend(l.give_back());
+            l.give_back(returns);
         }
         // An idle lease's history is forgotten with it: the next grant starts at one call.
         !idle

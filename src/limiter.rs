@@ -306,7 +306,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn decide(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
         let p = self.prepare(policy, caller, tool, cost)?;
         if lease::eligible(&p.plan) {
-            let decided = self.leased(&p).await;
+            let decided = self.leased(&p, caller, tool).await;
             return self.conclude(p, caller, tool, decided);
         }
         let store = &self.inner.store;
@@ -322,12 +322,25 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A call on a leasing tool: spent from its caller's lease, or decided at the store with
     /// a grant for the lease (see the `lease` module's notes). Leases that ended on the way
     /// are given back before it answers.
-    async fn leased(&self, p: &Prepared<'_>) -> Result<Decision, StoreError> {
+    async fn leased(
+        &self,
+        p: &Prepared<'_>,
+        caller: &Caller,
+        tool: &str,
+    ) -> Result<Decision, StoreError> {
         let store = &self.inner.store;
         let mut returns = self.inner.leases.take_pending();
-        let decided = match self.inner.leases.take(&p.plan, &p.keys, &mut returns) {
-            Take::Hit(a) => {
+        let ahead = self.may_fetch_ahead();
+        let decided = match self
+            .inner
+            .leases
+            .take(&p.plan, &p.keys, &mut returns, ahead)
+        {
+            Take::Hit(a, fetch) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+                if let Some(size) = fetch {
+                    self.fetch_ahead(caller, tool, size);
+                }
                 // A decision from a lease never waits: it spends a unit of tokio's cooperative
                 // budget, so a task that loops on leased decisions still lets the runtime run
                 // its other tasks (a store's own among them).
@@ -368,14 +381,73 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         decided
     }
 
+    /// Whether grants can be fetched ahead here: on a tokio runtime (they are fetched by a task
+    /// of their own, so no call waits for one).
+    fn may_fetch_ahead(&self) -> bool {
+        #[cfg(feature = "tokio")]
+        return tokio::runtime::Handle::try_current().is_ok();
+        #[cfg(not(feature = "tokio"))]
+        false
+    }
+
+    /// Fetches the next grant of `caller`'s lease on `tool` (`size` units) in a task of its
+    /// own: kept as the lease's next grant if it is admitted within the caller's own share,
+    /// given back otherwise.
+    fn fetch_ahead(&self, caller: &Caller, tool: &str, size: f64) {
+        #[cfg(feature = "tokio")]
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (this, caller, tool) = (self.clone(), caller.clone(), tool.to_owned());
+            rt.spawn(async move { this.fetch(&caller, &tool, size).await });
+            return;
+        }
+        let _ = (caller, tool, size);
+    }
+
+    #[cfg(feature = "tokio")]
+    async fn fetch(&self, caller: &Caller, tool: &str, size: f64) {
+        let policy = self.inner.policy.load_full();
+        let (leases, store) = (&self.inner.leases, &self.inner.store);
+        let Ok(p) = self.prepare(&policy, caller, tool, Cost(size)) else {
+            return;
+        };
+        let back = match store.decide(&p.plan, &p.keys).await {
+            Ok(Decision::Admitted(a)) if !lease::borrowed(&a) => {
+                let back = leases.fetched(&p.plan, &p.keys, a, size);
+                if back.is_none() {
+                    telemetry::lease_granted(p.plan.tool.name_arc(), size, size);
+                }
+                back
+            }
+            Ok(Decision::Admitted(a)) => {
+                leases.fetch_failed(&p.keys, true);
+                Some(lease::Return {
+                    grant: a,
+                    factor: -1.0,
+                    units: 0.0,
+                })
+            }
+            Ok(Decision::Refused(_)) => {
+                leases.fetch_failed(&p.keys, true);
+                None
+            }
+            Err(_) => {
+                leases.fetch_failed(&p.keys, false);
+                None
+            }
+        };
+        if let Some(r) = back {
+            let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
+        }
+    }
+
     /// [`leased`](Self::leased) without waiting: `None` when the store needs I/O for it (then
     /// nothing was decided; leases that ended on the way are given back by a later call).
     fn leased_now(&self, p: &Prepared<'_>) -> Option<Result<Decision, StoreError>> {
         let store = &self.inner.store;
         let leases = &self.inner.leases;
         let mut returns = Vec::new();
-        let decided = match leases.take(&p.plan, &p.keys, &mut returns) {
-            Take::Hit(a) => {
+        let decided = match leases.take(&p.plan, &p.keys, &mut returns, false) {
+            Take::Hit(a, _) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                 Some(Ok(Decision::Admitted(a)))
             }

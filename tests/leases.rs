@@ -457,3 +457,104 @@ burst = 1000
         "minute 1 admitted {admitted}, above the capacity of 8,000"
     );
 }
+
+/// The memory store, counting the decisions it is asked for, and those a call waited for.
+#[derive(Default)]
+struct Counting {
+    inner: MemoryStore,
+    decisions: std::sync::atomic::AtomicU64,
+    waited: std::sync::atomic::AtomicU64,
+}
+
+thread_local! {
+    /// Set while the test's own call is being decided (not a task fetching ahead).
+    static IN_CALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Store for Counting {
+    async fn decide(
+        &self,
+        plan: &tower_fairshare::admission::engine::Plan<'_>,
+        keys: &tower_fairshare::store::CallKeys,
+    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
+        self.decisions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if IN_CALL.get() {
+            self.waited
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.inner.decide(plan, keys).await
+    }
+    async fn adjust(
+        &self,
+        admission: &tower_fairshare::store::Admission,
+        factor: f64,
+        now: Timestamp,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        self.inner.adjust(admission, factor, now).await
+    }
+    async fn release(
+        &self,
+        admission: &tower_fairshare::store::Admission,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        self.inner.release(admission).await
+    }
+    async fn inspect(
+        &self,
+        keys: &tower_fairshare::store::CallKeys,
+    ) -> Result<
+        [Option<tower_fairshare::admission::engine::NodeState>; 3],
+        tower_fairshare::StoreError,
+    > {
+        self.inner.inspect(keys).await
+    }
+}
+
+/// On a tokio runtime the next grant is fetched ahead, in a task of its own, once half of the
+/// current one is spent: a busy caller's calls seldom wait for the store, at most two grants
+/// are held per caller path, and the store still counts exactly the calls admitted once the
+/// leases are given back.
+#[test]
+fn the_next_grant_is_fetched_ahead_and_held_within_two_grants() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let clock = ManualClock::new(EPOCH);
+    let store = std::sync::Arc::new(Counting::default());
+    let plenty = BUSY.replace("limit = 100000,", "limit = 1000000000,");
+    let l = Limiter::with_store(
+        Policy::from_toml_str(&plenty).unwrap(),
+        store.clone(),
+        clock.clone(),
+    );
+    let acme = Caller::new("acme");
+    let calls = 20_000u64;
+    rt.block_on(async {
+        for _ in 0..calls {
+            clock.advance(Duration::from_micros(10));
+            IN_CALL.set(true);
+            l.admit(&acme, "search", Cost(1.0)).await.unwrap();
+            IN_CALL.set(false);
+            assert!(l.leased_units() <= 2.0 * 64.0, "held {}", l.leased_units());
+            // What a server does between two requests: lets other tasks run.
+            tokio::task::yield_now().await;
+        }
+        let decisions = store.decisions.load(std::sync::atomic::Ordering::Relaxed);
+        let waited = store.waited.load(std::sync::atomic::Ordering::Relaxed);
+        // Grants grow to 64 within a few calls: a few hundred decisions at the store, and
+        // once they are fetched ahead, hardly a call waits for one.
+        assert!(
+            decisions * 40 < calls,
+            "{decisions} store decisions for {calls} calls"
+        );
+        assert!(
+            waited <= 20,
+            "{waited} calls waited for the store ({decisions} decisions)"
+        );
+        l.return_leases().await;
+        let keys = l.call_keys(&acme, "search").unwrap();
+        let [_, tenant, _] = store.inspect(&keys).await.unwrap();
+        assert_eq!(tenant.unwrap().total, calls as f64);
+    });
+}
