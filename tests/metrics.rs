@@ -399,3 +399,54 @@ fn the_console_counts_refusals_as_the_metrics_do() {
     );
     assert!(!state.to_string().contains("made-up"), "{state}");
 }
+
+/// Lease metrics add up: every unit granted for a lease is a grant's first call, a call
+/// spent from the lease (a hit) or a unit given back; once the leases are given back, none is
+/// held.
+#[test]
+fn lease_grants_hits_returns_and_held_units_add_up() {
+    use tower_fairshare::telemetry::{
+        LEASE_GRANTED_UNITS, LEASE_GRANTS, LEASE_HELD_UNITS, LEASE_HITS, LEASE_RETURNED_UNITS,
+    };
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let clock = ManualClock::new(EPOCH);
+    let calls = 1_000;
+    metrics::with_local_recorder(&recorder, || {
+        let policy = Policy::from_toml_str(
+            r#"
+            [[tool]]
+            name = "search"
+            unit = "calls"
+            rate = { limit = 1000000, per = "1m" }
+            lease = { max = 64 }
+            [tool.tenants.acme]
+            burst = 1000
+            "#,
+        )
+        .unwrap();
+        let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
+        let acme = Caller::new("acme");
+        for _ in 0..calls {
+            clock.advance(std::time::Duration::from_micros(10));
+            now(limiter.admit(&acme, "search", Cost(1.0))).unwrap();
+        }
+        assert!(limiter.leased_units() > 0.0);
+        now(limiter.return_leases());
+    });
+    let text = handle.render();
+    let tool = ["tool=\"search\""];
+    let (hits, grants) = (
+        value(&text, LEASE_HITS, &tool),
+        value(&text, LEASE_GRANTS, &tool),
+    );
+    let granted = value(&text, LEASE_GRANTED_UNITS, &tool);
+    let returned = value(&text, LEASE_RETURNED_UNITS, &tool);
+    assert!(
+        hits > 0.9 * calls as f64,
+        "{hits} of {calls} calls from leases"
+    );
+    assert!(returned > 0.0, "the last lease was given back");
+    assert_eq!(granted, grants + hits + returned);
+    assert_eq!(value(&text, LEASE_HELD_UNITS, &tool), 0.0);
+}
