@@ -1156,7 +1156,7 @@ max_tenants = 1000
     assert_eq!(ok, 64 * 1500);
 }
 
-/// Four replicas (four stores on one Redis, each limiter with its own leases) × 16 tasks flood
+/// Four replicas (four stores on one Redis, each limiter with its own leases) × 64 tasks flood
 /// one tenant on a leasing tool, on a virtual clock each call moves on: every aligned second
 /// admits at most the tenant's ceiling + burst (nothing admitted that Redis did not charge)
 /// and at least 95 % of it (what leases leave unused is bounded), a quiet tenant beside it
@@ -1197,7 +1197,7 @@ floor = 50
                 .await
                 .unwrap();
             let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
-            for _ in 0..16 {
+            for _ in 0..64 {
                 let (limiter, clock, busy_at) = (limiter.clone(), clock.clone(), busy_at.clone());
                 handles.push(tokio::spawn(async move {
                     let busy = Caller::new("busy");
