@@ -104,8 +104,8 @@ struct Shard {
 
 struct Lease {
     keys: CallKeys,
-    /// The tool policy the grant was decided under (by address): a reload ends the lease.
-    tool: usize,
+    /// The tool policy the grant was decided under: a reload ends the lease.
+    tool: Arc<ToolPolicy>,
     /// The grant as the store admitted it; `None` once nothing is left to return.
     grant: Option<Box<Admission>>,
     granted: f64,
@@ -132,7 +132,7 @@ struct Spare {
     granted: f64,
     until: u64,
     room: f64,
-    tool: usize,
+    tool: Arc<ToolPolicy>,
 }
 
 impl Lease {
@@ -169,8 +169,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn tool_id(t: &Arc<ToolPolicy>) -> usize {
-    Arc::as_ptr(t) as usize
+/// Whether a lease granted under `a` may be spent under `b`: the same policy, not a reload.
+fn same_policy(a: &Arc<ToolPolicy>, b: &Arc<ToolPolicy>) -> bool {
+    Arc::ptr_eq(a, b)
 }
 
 /// Whether calls of this plan may be leased: the tool allows it and no level on the path caps
@@ -242,8 +243,7 @@ impl Leases {
         let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) else {
             return Take::Miss { grant: c };
         };
-        let tool = tool_id(plan.tool);
-        let same = l.tool == tool && now >= l.started;
+        let same = same_policy(&l.tool, plan.tool) && now >= l.started;
         if same && now < l.until && l.left + EPS >= c {
             if let Some(g) = l.grant.as_deref() {
                 l.left = (l.left - c).max(0.0);
@@ -261,10 +261,9 @@ impl Leases {
             }
         }
         // The current grant is spent: the next one, if it was fetched in time.
-        let next_fits = l
-            .next
-            .as_ref()
-            .is_some_and(|n| same && n.tool == tool && now < n.until && n.granted + EPS >= c);
+        let next_fits = l.next.as_ref().is_some_and(|n| {
+            same && same_policy(&n.tool, plan.tool) && now < n.until && n.granted + EPS >= c
+        });
         if next_fits {
             l.give_back_current(returns);
             let n = l.next.take().expect("checked");
@@ -279,14 +278,14 @@ impl Leases {
             l.last = now;
             return Take::Hit(call, None);
         }
+        // Sized on what the caller spent of it, before what is left goes back.
+        let size = Self::size(plan, l, now);
         l.give_back(returns);
         if !same || l.cool || now >= l.last.saturating_add(IDLE_US) {
             l.cool = false;
             return Take::Miss { grant: c };
         }
-        Take::Miss {
-            grant: Self::size(plan, l, now),
-        }
+        Take::Miss { grant: size }
     }
 
     /// Keeps a grant fetched ahead as the next one of the caller's lease, or hands it back for
@@ -300,18 +299,17 @@ impl Leases {
         granted: f64,
     ) -> Option<Return> {
         let now = plan.now.as_micros();
-        let tool = tool_id(plan.tool);
         let hash = self.hash(keys);
         let mut shard = lock(self.shard(hash));
         match shard.leases.find_mut(hash, |l| l.keys == *keys) {
-            Some(l) if l.refreshing && l.tool == tool && l.next.is_none() => {
+            Some(l) if l.refreshing && same_policy(&l.tool, plan.tool) && l.next.is_none() => {
                 l.refreshing = false;
                 l.next = Some(Spare {
                     room: grant.remaining.min(grant.slack).max(0.0),
                     until: ends(&grant, now),
                     grant,
                     granted,
-                    tool,
+                    tool: plan.tool.clone(),
                 });
                 None
             }
@@ -386,7 +384,7 @@ impl Leases {
         let until = grant.as_deref().map_or(now, |g| ends(g, now));
         let lease = Lease {
             keys: keys.clone(),
-            tool: tool_id(plan.tool),
+            tool: plan.tool.clone(),
             granted,
             left,
             grant,
@@ -403,12 +401,22 @@ impl Leases {
         match shard.leases.find_mut(hash, |l| l.keys == *keys) {
             Some(l) => {
                 // What is left of the current grant goes back; a grant fetched ahead (or on its
-                // way) stays the next one.
+                // way) under the same policy stays the next one, any other goes back too.
                 l.give_back_current(returns);
-                let (next, refreshing) = (l.next.take(), l.refreshing);
+                let (next, refreshing, cool) = (l.next.take(), l.refreshing, l.cool);
                 *l = lease;
-                l.next = next.filter(|n| n.tool == l.tool);
+                match next {
+                    Some(n) if same_policy(&n.tool, &l.tool) => l.next = Some(n),
+                    Some(n) => returns.push(Return {
+                        factor: -1.0,
+                        units: n.granted,
+                        grant: n.grant,
+                    }),
+                    None => {}
+                }
                 l.refreshing = refreshing;
+                // A call decided alone after a refused or borrowing grant: the next one too.
+                l.cool = cool && granted <= plan.cost;
             }
             None => {
                 let hasher = &self.hasher;
@@ -518,16 +526,19 @@ fn sweep(shard: &mut Shard, now: u64, returns: &mut Vec<Return>) {
     });
 }
 
-/// When a grant decided at `now` must end: the end of its aligned window, of any budget
-/// window it was charged in, or its lifetime.
+/// When a grant must end, on the clock of the limiter that asked for it at `now` (before the
+/// store decided): the end of its aligned window, of any budget window it was charged in, or
+/// its lifetime. The store may keep its own time (Redis's): each end is taken as a span from
+/// the grant's own instant and laid from `now`, which is earlier, so a lease ends early
+/// rather than late whatever the two clocks say.
 fn ends(grant: &Admission, now: u64) -> u64 {
+    let at = grant.at.as_micros();
     let mut until = now.saturating_add(LIFETIME_US);
-    let window_end = grant.at.as_micros() as f64 + grant.reset_in;
-    until = until.min(window_end.max(0.0) as u64);
+    until = until.min(now.saturating_add(grant.reset_in.max(0.0) as u64));
     for l in grant.charge.levels.iter().filter(|l| l.present) {
         for (period, start) in l.budgets.iter() {
             let end = period.end_of(Timestamp(start as u64)).as_micros();
-            until = until.min(end);
+            until = until.min(now.saturating_add(end.saturating_sub(at)));
         }
     }
     until
@@ -572,4 +583,41 @@ pub(crate) fn borrowed(grant: &Admission) -> bool {
     grant.charge.levels[1..]
         .iter()
         .any(|l| l.present && l.ceiling > l.share + EPS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(at: u64, reset_in: f64) -> Admission {
+        Admission {
+            keys: CallKeys {
+                tool: Arc::from("t"),
+                tenant: Arc::from("a"),
+                instance: None,
+                untenanted: false,
+            },
+            charge: Default::default(),
+            remaining: 0.0,
+            quota: 0.0,
+            reset_in,
+            slack: 0.0,
+            views: Default::default(),
+            at: Timestamp(at),
+            call: 0,
+        }
+    }
+
+    /// The store's clock (Redis's) may run ahead of the limiter's: a lease still ends when
+    /// the window ends by the store's count, on the limiter's clock — early, never late.
+    #[test]
+    fn a_lease_ends_on_the_callers_clock_whatever_the_stores_says() {
+        let now = 1_767_225_600_000_000;
+        // Decided 300 ms ahead of the caller's clock, 50 ms before its window ends.
+        assert_eq!(ends(&grant(now + 300_000, 50_000.0), now), now + 50_000);
+        // Behind it: the same span from the caller's instant (it ends early).
+        assert_eq!(ends(&grant(now - 300_000, 50_000.0), now), now + 50_000);
+        // A long window: the lifetime ends it first.
+        assert_eq!(ends(&grant(now, 1e12), now), now + LIFETIME_US);
+    }
 }

@@ -329,23 +329,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
     ) -> Result<Decision, StoreError> {
         let store = &self.inner.store;
-        let mut returns = self.inner.leases.take_pending();
+        // Returns not yet applied when this future is dropped are parked for the next call.
+        let mut returns = Parked {
+            leases: &self.inner.leases,
+            returns: self.inner.leases.take_pending(),
+        };
         let ahead = self.may_fetch_ahead();
         let decided = match self
             .inner
             .leases
-            .take(&p.plan, &p.keys, &mut returns, ahead)
+            .take(&p.plan, &p.keys, &mut returns.returns, ahead)
         {
             Take::Hit(a, fetch) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                 if let Some(size) = fetch {
-                    self.fetch_ahead(caller, tool, size);
+                    self.fetch_ahead(caller, tool, &p.keys, size);
                 }
-                // A decision from a lease never waits: it spends a unit of tokio's cooperative
-                // budget, so a task that loops on leased decisions still lets the runtime run
-                // its other tasks (a store's own among them).
-                #[cfg(feature = "tokio")]
-                tokio::task::coop::consume_budget().await;
                 Ok(Decision::Admitted(a))
             }
             Take::Miss { grant } => {
@@ -357,14 +356,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         ..p.plan
                     };
                     let d = store.decide(&plan, &p.keys).await;
-                    match self.granted(p, ask, d, &mut returns) {
+                    match self.granted(p, ask, d, &mut returns.returns) {
                         Next::Done(d) => break d,
                         Next::Alone(None) => {}
                         Next::Alone(Some(grant)) => {
+                            // Never kept, even if giving it back fails: a correction that timed
+                            // out may still be applied, and a lease must not spend units the
+                            // store no longer counts. (If it was not applied, the units stay
+                            // charged: under-use, never over-admission.)
                             if let Err(e) = store.adjust(&grant, -1.0, p.plan.now).await {
-                                // Not given back: it stays charged, so it may as well be spent.
-                                tracing::warn!(error = %e, "could not give back a grant that borrowed; keeping it as a lease");
-                                break Ok(self.keep(p, grant, ask, &mut returns));
+                                tracing::warn!(error = %e, "could not give back a grant that borrowed");
                             }
                         }
                     }
@@ -374,9 +375,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 d
             }
         };
-        for r in returns {
+        while let Some(r) = returns.returns.pop() {
             telemetry::lease_returned(p.plan.tool.name_arc(), r.units);
             let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
+        }
+        // A decision from a lease never waits: it spends a unit of tokio's cooperative budget,
+        // so a task that loops on leased decisions still lets the runtime run its other tasks
+        // (a store's own among them).
+        #[cfg(feature = "tokio")]
+        if matches!(decided, Ok(Decision::Admitted(_))) {
+            tokio::task::coop::consume_budget().await;
         }
         decided
     }
@@ -393,23 +401,34 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Fetches the next grant of `caller`'s lease on `tool` (`size` units) in a task of its
     /// own: kept as the lease's next grant if it is admitted within the caller's own share,
     /// given back otherwise.
-    fn fetch_ahead(&self, caller: &Caller, tool: &str, size: f64) {
+    fn fetch_ahead(&self, caller: &Caller, tool: &str, keys: &CallKeys, size: f64) {
         #[cfg(feature = "tokio")]
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (this, caller, tool) = (self.clone(), caller.clone(), tool.to_owned());
-            rt.spawn(async move { this.fetch(&caller, &tool, size).await });
+            let keys = keys.clone();
+            rt.spawn(async move {
+                if !this.fetch(&caller, &tool, &keys, size).await {
+                    this.inner.leases.fetch_failed(&keys, false);
+                }
+            });
             return;
         }
         let _ = (caller, tool, size);
+        self.inner.leases.fetch_failed(keys, false);
     }
 
+    /// A grant fetched ahead for the lease of `keys`; whether the lease's fetch is settled
+    /// (kept, or given up with the lease told so).
     #[cfg(feature = "tokio")]
-    async fn fetch(&self, caller: &Caller, tool: &str, size: f64) {
+    async fn fetch(&self, caller: &Caller, tool: &str, keys: &CallKeys, size: f64) -> bool {
         let policy = self.inner.policy.load_full();
         let (leases, store) = (&self.inner.leases, &self.inner.store);
         let Ok(p) = self.prepare(&policy, caller, tool, Cost(size)) else {
-            return;
+            return false;
         };
+        if p.keys != *keys {
+            return false;
+        }
         let back = match store.decide(&p.plan, &p.keys).await {
             Ok(Decision::Admitted(a)) if !lease::borrowed(&a) => {
                 let back = leases.fetched(&p.plan, &p.keys, a, size);
@@ -430,14 +449,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 leases.fetch_failed(&p.keys, true);
                 None
             }
-            Err(_) => {
-                leases.fetch_failed(&p.keys, false);
-                None
-            }
+            Err(_) => return false,
         };
         if let Some(r) = back {
             let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
         }
+        true
     }
 
     /// [`leased`](Self::leased) without waiting: `None` when the store needs I/O for it (then
@@ -466,8 +483,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         Next::Done(d) => break Some(d),
                         Next::Alone(None) => {}
                         Next::Alone(Some(grant)) => {
-                            if !matches!(store.adjust_now(&grant, -1.0, p.plan.now), Some(Ok(()))) {
-                                break Some(Ok(self.keep(p, grant, ask, &mut returns)));
+                            // Never kept (see `leased`); a store that cannot correct at once
+                            // gets it back with a later call.
+                            if store.adjust_now(&grant, -1.0, p.plan.now).is_none() {
+                                leases.park(lease::Return {
+                                    grant,
+                                    factor: -1.0,
+                                    units: 0.0,
+                                });
                             }
                         }
                     }
@@ -818,6 +841,21 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Bo
 
 /// A decision as it travels inside the limiter: the refusal boxed.
 type Outcome = Result<Ticket, Box<Refusal>>;
+
+/// Returns a leasing call has still to apply: parked for a later call if its future is
+/// dropped first, so none is lost.
+struct Parked<'a> {
+    leases: &'a Leases,
+    returns: Vec<lease::Return>,
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        for r in self.returns.drain(..) {
+            self.leases.park(r);
+        }
+    }
+}
 
 /// What a leasing call does after the store answered.
 enum Next {
