@@ -55,19 +55,31 @@ const SWEEP_US: u64 = 50_000;
 /// Tolerance for float comparisons, as in the engine.
 const EPS: f64 = 1e-9;
 
+/// A call's part of the admission it was admitted under: what it spent of a lease's grant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Part {
+    /// The call's share of the grant's charge at every level (its cost over the grant's).
+    pub(crate) of: f64,
+    /// The caller's quota left in the window as of the call, the units its lease still holds
+    /// counted as its own.
+    pub(crate) remaining: f64,
+    /// Microseconds until the aligned window resets, as of the call.
+    pub(crate) reset_in: f64,
+}
+
 /// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
 pub(crate) struct Return {
-    pub(crate) grant: Box<Admission>,
+    pub(crate) grant: Arc<Admission>,
     pub(crate) factor: f64,
     pub(crate) units: f64,
 }
 
 /// What the table answers for a call.
 pub(crate) enum Take {
-    /// Spent from the caller's lease: the call's admission (its share of the grant's charge),
-    /// and, once half of the grant is spent and the caller may fetch ahead, the size of the
-    /// next grant to fetch now (in the background) so that the caller never waits for one.
-    Hit(Box<Admission>, Option<f64>),
+    /// Spent from the caller's lease: the grant and the call's part of it, and, once half of
+    /// the grant is spent and the caller may fetch ahead, the size of the next grant to fetch
+    /// now (in the background) so that the caller never waits for one.
+    Hit(Arc<Admission>, Part, Option<f64>),
     /// Not covered: ask the store for `grant` units (at least the call's cost; exactly its
     /// cost means an ordinary, unleased decision).
     Miss { grant: f64 },
@@ -107,7 +119,7 @@ struct Lease {
     /// The tool policy the grant was decided under: a reload ends the lease.
     tool: Arc<ToolPolicy>,
     /// The grant as the store admitted it; `None` once nothing is left to return.
-    grant: Option<Box<Admission>>,
+    grant: Option<Arc<Admission>>,
     granted: f64,
     left: f64,
     /// When the lease ends (µs): its aligned window's or a budget window's end, or its
@@ -128,7 +140,7 @@ struct Lease {
 
 /// A grant fetched ahead of need, whole until its lease runs out.
 struct Spare {
-    grant: Box<Admission>,
+    grant: Arc<Admission>,
     granted: f64,
     until: u64,
     room: f64,
@@ -245,10 +257,10 @@ impl Leases {
         };
         let same = same_policy(&l.tool, plan.tool) && now >= l.started;
         if same && now < l.until && l.left + EPS >= c {
-            if let Some(g) = l.grant.as_deref() {
+            if let Some(g) = l.grant.as_ref() {
                 l.left = (l.left - c).max(0.0);
                 l.last = now;
-                let call = share_of(g, l.granted, l.left, keys, plan);
+                let part = part_of(g, l.granted, l.left, plan);
                 let ahead = (may_fetch_ahead
                     && l.next.is_none()
                     && !l.refreshing
@@ -257,7 +269,7 @@ impl Leases {
                     .then(|| Self::size(plan, l, now))
                     .filter(|g| *g > c);
                 l.refreshing |= ahead.is_some();
-                return Take::Hit(call, ahead);
+                return Take::Hit(g.clone(), part, ahead);
             }
         }
         // The current grant is spent: the next one, if it was fetched in time.
@@ -268,7 +280,8 @@ impl Leases {
             l.give_back_current(returns);
             let n = l.next.take().expect("checked");
             let left = (n.granted - c).max(0.0);
-            let call = share_of(&n.grant, n.granted, left, keys, plan);
+            let part = part_of(&n.grant, n.granted, left, plan);
+            let grant = n.grant.clone();
             l.grant = Some(n.grant);
             l.granted = n.granted;
             l.left = left;
@@ -276,7 +289,7 @@ impl Leases {
             l.room = n.room;
             l.started = now;
             l.last = now;
-            return Take::Hit(call, None);
+            return Take::Hit(grant, part, None);
         }
         // Sized on what the caller spent of it, before what is left goes back.
         let size = Self::size(plan, l, now);
@@ -295,7 +308,7 @@ impl Leases {
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         granted: f64,
     ) -> Option<Return> {
         let now = plan.now.as_micros();
@@ -365,21 +378,21 @@ impl Leases {
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         granted: f64,
         returns: &mut Vec<Return>,
-    ) -> Box<Admission> {
+    ) -> (Arc<Admission>, Option<Part>) {
         let now = plan.now.as_micros();
         let left = (granted - plan.cost).max(0.0);
         // The room the grant left above the caller: its quota left in the window, the tool's
         // pool. The next grant takes a part of it at most.
         let room = grant.remaining.min(grant.slack).max(0.0);
         let (call, grant) = if left > EPS {
-            let call = share_of(&grant, granted, left, keys, plan);
-            (call, Some(grant))
+            let part = part_of(&grant, granted, left, plan);
+            ((grant.clone(), Some(part)), Some(grant))
         } else {
             // One call's cost: an ordinary decision; only its history is kept.
-            (grant, None)
+            ((grant, None), None)
         };
         let until = grant.as_deref().map_or(now, |g| ends(g, now));
         let lease = Lease {
@@ -479,6 +492,11 @@ impl Leases {
         self.has_pending.store(true, Relaxed);
     }
 
+    /// Whether returns are parked for a call that can wait.
+    pub(crate) fn has_pending(&self) -> bool {
+        self.has_pending.load(Relaxed)
+    }
+
     /// The parked returns, if any.
     pub(crate) fn take_pending(&self) -> Vec<Return> {
         if !self.has_pending.load(Relaxed) {
@@ -544,37 +562,20 @@ fn ends(grant: &Admission, now: u64) -> u64 {
     until
 }
 
-/// A call's admission out of a grant: its part of what the grant charged at each level
-/// (so settling or refunding it corrects the store exactly), and the grant's figures with the
-/// units still held counted as the caller's.
-fn share_of(
-    grant: &Admission,
-    granted: f64,
-    left: f64,
-    keys: &CallKeys,
-    plan: &Plan<'_>,
-) -> Box<Admission> {
-    let part = if granted > 0.0 {
-        plan.cost / granted
-    } else {
-        0.0
-    };
-    // One copy of the grant, written over where the call differs (its keys are the grant's).
-    debug_assert!(grant.keys == *keys);
-    let mut a = Box::new(grant.clone());
-    a.charge.cost = plan.cost;
-    for l in a.charge.levels.iter_mut() {
-        l.floor *= part;
-        l.share *= part;
-        l.ceiling *= part;
-        l.permit = false;
-    }
+/// A call's part of a grant it is spent from: its share of what the grant charged at each
+/// level (so settling or refunding the call corrects the store by that share exactly), and
+/// the grant's figures as of the call, the units still held counted as the caller's.
+fn part_of(grant: &Admission, granted: f64, left: f64, plan: &Plan<'_>) -> Part {
     let since = plan.now.as_micros().saturating_sub(grant.at.as_micros()) as f64;
-    a.remaining = grant.remaining + left;
-    a.reset_in = (grant.reset_in - since).max(0.0);
-    a.at = plan.now;
-    a.call = 0;
-    a
+    Part {
+        of: if granted > 0.0 {
+            plan.cost / granted
+        } else {
+            0.0
+        },
+        remaining: grant.remaining + left,
+        reset_in: (grant.reset_in - since).max(0.0),
+    }
 }
 
 /// Whether an admitted grant drew, at the tenant or the instance, more than that level's own

@@ -9,7 +9,7 @@ use crate::admission::engine::{LevelRef, Plan};
 use crate::admission::{Reason, Refusal, Scope};
 use crate::clock::{Clock, SystemClock};
 use crate::identity::{Caller, Cost};
-use crate::lease::{self, Leases, Take};
+use crate::lease::{self, Leases, Part, Take};
 use crate::policy::{OnStoreError, Policy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
 use crate::telemetry;
@@ -96,27 +96,88 @@ fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
     }
 }
 
-/// An admitted call: what to correct, refund or release later.
+/// An admitted call: what to correct, refund or release later, and the figures of its
+/// `RateLimit` headers.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct Ticket {
-    /// What the store charged; `None` when the call went through unmetered (the store was
-    /// unreachable and the tool fails open). Boxed: a ticket moves through futures and
-    /// responses, and a pointer is cheaper to move than the record.
-    pub admission: Option<Box<Admission>>,
-    /// In shadow mode (`enforce = false`), the refusal that would have been returned.
-    pub shadow_refusal: Option<Box<Refusal>>,
-    /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
-    pub window_secs: u64,
+    admission: Option<Arc<Admission>>,
+    /// The call's part of `admission` when it was spent from a lease; `None`: all of it.
+    part: Option<Part>,
+    shadow_refusal: Option<Box<Refusal>>,
+    window_secs: u64,
 }
 
 impl Ticket {
+    /// What the store charged for this call: the call's own admission, or, for a call spent
+    /// from a lease, the lease's grant, of which the call took [`part`](Self::part). `None`
+    /// when the call went through unmetered (the store was unreachable and the tool fails
+    /// open) or, in shadow mode, when it would have been refused.
+    pub fn admission(&self) -> Option<&Admission> {
+        self.admission.as_deref()
+    }
+
+    /// The call's share of [`admission`](Self::admission)'s charge at every level: 1 for a
+    /// call decided on its own, its cost over the grant's for a call spent from a lease.
+    pub fn part(&self) -> f64 {
+        self.part.map_or(1.0, |p| p.of)
+    }
+
+    /// What the call was charged, in the tool's units (its cost); `None` when unmetered.
+    pub fn cost(&self) -> Option<f64> {
+        self.admission().map(|a| a.charge.cost * self.part())
+    }
+
+    /// Units of the caller's quota left in the current aligned window as of this call (the
+    /// `r` of the `RateLimit` header; units a lease holds for the caller count as its own).
+    pub fn remaining(&self) -> Option<f64> {
+        let a = self.admission()?;
+        Some(self.part.map_or(a.remaining, |p| p.remaining))
+    }
+
+    /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
+    pub fn quota(&self) -> Option<f64> {
+        self.admission().map(|a| a.quota)
+    }
+
+    /// How long until the aligned window resets, as of this call.
+    pub fn reset_in(&self) -> Option<std::time::Duration> {
+        let a = self.admission()?;
+        let us = self.part.map_or(a.reset_in, |p| p.reset_in);
+        Some(std::time::Duration::from_micros(us.max(0.0).ceil() as u64))
+    }
+
+    /// In shadow mode (`enforce = false`), the refusal that would have been returned.
+    pub fn shadow_refusal(&self) -> Option<&Refusal> {
+        self.shadow_refusal.as_deref()
+    }
+
+    /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
+    pub fn window_secs(&self) -> u64 {
+        self.window_secs
+    }
+
+    /// Whether the call holds concurrency permits to give back (a call spent from a lease
+    /// never does: no level on a leased path caps calls in flight).
+    pub fn holds_permits(&self) -> bool {
+        self.part.is_none() && self.admission().is_some_and(|a| a.charge.holds_permits())
+    }
+
     /// The level whose allowance the caller draws on: `instance` when instances are limited
     /// separately, `tenant` otherwise.
     pub fn scope(&self) -> Scope {
         match &self.admission {
             Some(a) if a.keys.instance.is_some() => Scope::Instance,
             _ => Scope::Tenant,
+        }
+    }
+
+    /// The ticket's permits, taken out of it (what is left reads as unmetered).
+    pub(crate) fn take_permits(&mut self) -> Ticket {
+        Ticket {
+            admission: self.admission.take(),
+            part: self.part,
+            shadow_refusal: None,
+            window_secs: self.window_secs,
         }
     }
 }
@@ -251,10 +312,82 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
-        let policy = self.inner.policy.load();
-        let outcome = self.decide(&policy, caller, tool, cost).await;
-        self.record(&policy, caller, tool, cost, &outcome);
+        let (outcome, _leased) = match self.admit_at_once(caller, tool, cost, true) {
+            Ok(done) => done,
+            // Only a store that needs I/O gets here. That part is boxed, so that a call
+            // decided at once (in memory, or from a lease) moves a small future, not one
+            // sized for the store's round trip.
+            Err(deferred) => {
+                return Box::pin(self.admit_waiting(caller, tool, cost, deferred)).await
+            }
+        };
+        // A decision from a lease never waits: it spends a unit of tokio's cooperative budget,
+        // so a task that loops on leased decisions still lets the runtime run its other tasks
+        // (a store's own among them).
+        #[cfg(feature = "tokio")]
+        if _leased {
+            tokio::task::coop::consume_budget().await;
+        }
         // Boxed until here: a refusal is large, and moves on the way cost more than one box.
+        outcome.map_err(|r| *r)
+    }
+
+    /// The part of [`admit`](Self::admit) that needs no waiting: the outcome, recorded, and
+    /// whether the call was spent from a lease; or, when the store needs I/O, where the part
+    /// that waits starts (nothing recorded yet).
+    fn admit_at_once(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+        can_wait: bool,
+    ) -> Result<(Outcome, bool), Deferred> {
+        let policy = self.inner.policy.load();
+        let mut leased = false;
+        let outcome = match self.prepare(&policy, caller, tool, cost) {
+            Err(r) => Err(r),
+            Ok(p) => match self.decide_at_once(&p, caller, tool, can_wait) {
+                AtOnce::Done((decided, part)) => {
+                    leased = part.is_some();
+                    self.conclude(p, caller, tool, decided, part)
+                }
+                AtOnce::Wait(waiting) => {
+                    let now = p.plan.now;
+                    drop(p);
+                    return Err(Deferred {
+                        policy,
+                        now,
+                        waiting,
+                    });
+                }
+            },
+        };
+        self.record(&policy, caller, tool, cost, &outcome);
+        Ok((outcome, leased))
+    }
+
+    /// The part of [`admit`](Self::admit) that waits for the store, under the policy and at
+    /// the time the call was first seen.
+    async fn admit_waiting(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+        d: Deferred,
+    ) -> Result<Ticket, Refusal> {
+        let policy = &d.policy;
+        let outcome = match self.prepare_at(policy, caller, tool, cost, Some(d.now)) {
+            Err(r) => Err(r),
+            Ok(p) => {
+                let (decided, part) = self.decide_waiting(&p, caller, tool, d.waiting).await;
+                #[cfg(feature = "tokio")]
+                if part.is_some() {
+                    tokio::task::coop::consume_budget().await;
+                }
+                self.conclude(p, caller, tool, decided, part)
+            }
+        };
+        self.record(policy, caller, tool, cost, &outcome);
         outcome.map_err(|r| *r)
     }
 
@@ -285,108 +418,183 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
     ) -> Option<Result<Ticket, Refusal>> {
-        let policy = self.inner.policy.load();
-        let outcome = match self.prepare(&policy, caller, tool, cost) {
-            Err(r) => Err(r),
-            Ok(p) if lease::eligible(&p.plan) => {
-                let decided = self.leased_now(&p)?;
-                self.conclude(p, caller, tool, decided)
+        match self.admit_at_once(caller, tool, cost, false) {
+            Ok((outcome, _)) => Some(outcome.map_err(|r| *r)),
+            Err(d) => {
+                // Nothing decided; what leases gave back on the way waits for a call that can
+                // wait.
+                for r in d.waiting.returns {
+                    self.inner.leases.park(r);
+                }
+                None
             }
-            Ok(p) => {
-                let started = telemetry::Started::now();
-                let decided = self.inner.store.decide_now(&p.plan, &p.keys)?;
-                started.record(self.inner.store.kind());
-                self.conclude(p, caller, tool, decided)
-            }
-        };
-        self.record(&policy, caller, tool, cost, &outcome);
-        Some(outcome.map_err(|r| *r))
-    }
-
-    async fn decide(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
-        let p = self.prepare(policy, caller, tool, cost)?;
-        if lease::eligible(&p.plan) {
-            let decided = self.leased(&p, caller, tool).await;
-            return self.conclude(p, caller, tool, decided);
         }
-        let store = &self.inner.store;
-        let started = telemetry::Started::now();
-        let decided = match store.decide_now(&p.plan, &p.keys) {
-            Some(d) => d,
-            None => store.decide(&p.plan, &p.keys).await,
-        };
-        started.record(store.kind());
-        self.conclude(p, caller, tool, decided)
     }
 
-    /// A call on a leasing tool: spent from its caller's lease, or decided at the store with
-    /// a grant for the lease (see the `lease` module's notes). Leases that ended on the way
-    /// are given back before it answers.
-    async fn leased(
+    /// Decides a call as far as it can without waiting: on a store that answers at once, or
+    /// from the caller's lease. `Wait` when the store needs I/O (nothing was decided; what
+    /// leases gave back on the way comes with it).
+    fn decide_at_once(
         &self,
         p: &Prepared<'_>,
         caller: &Caller,
         tool: &str,
-    ) -> Result<Decision, StoreError> {
+        can_wait: bool,
+    ) -> AtOnce {
         let store = &self.inner.store;
-        // Returns not yet applied when this future is dropped are parked for the next call.
-        let mut returns = Parked {
-            leases: &self.inner.leases,
-            returns: self.inner.leases.take_pending(),
-        };
-        let ahead = self.may_fetch_ahead();
-        let decided = match self
-            .inner
-            .leases
-            .take(&p.plan, &p.keys, &mut returns.returns, ahead)
-        {
-            Take::Hit(a, fetch) => {
+        if !lease::eligible(&p.plan) {
+            let started = telemetry::Started::now();
+            return match store.decide_now(&p.plan, &p.keys) {
+                Some(d) => {
+                    started.record(store.kind());
+                    AtOnce::Done((d, None))
+                }
+                None => AtOnce::Wait(Waiting::default()),
+            };
+        }
+        let leases = &self.inner.leases;
+        if can_wait && leases.has_pending() {
+            // Returns parked for a call that can wait: this one applies them.
+            return AtOnce::Wait(Waiting::default());
+        }
+        let may_fetch_ahead = can_wait && self.may_fetch_ahead();
+        let mut returns = Vec::new();
+        let ask = match leases.take(&p.plan, &p.keys, &mut returns, may_fetch_ahead) {
+            Take::Hit(a, part, fetch) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                 if let Some(size) = fetch {
                     self.fetch_ahead(caller, tool, &p.keys, size);
                 }
-                Ok(Decision::Admitted(a))
+                self.give_back_now(p, returns);
+                return AtOnce::Done((Ok(Decision::Admitted(a)), Some(part)));
             }
-            Take::Miss { grant } => {
-                let started = telemetry::Started::now();
-                let mut ask = grant;
-                let d = loop {
-                    let plan = Plan {
-                        cost: ask,
-                        ..p.plan
-                    };
-                    let d = store.decide(&plan, &p.keys).await;
-                    match self.granted(p, ask, d, &mut returns.returns) {
-                        Next::Done(d) => break d,
-                        Next::Alone(None) => {}
-                        Next::Alone(Some(grant)) => {
-                            // Never kept, even if giving it back fails: a correction that timed
-                            // out may still be applied, and a lease must not spend units the
-                            // store no longer counts. (If it was not applied, the units stay
-                            // charged: under-use, never over-admission.)
-                            if let Err(e) = store.adjust(&grant, -1.0, p.plan.now).await {
-                                tracing::warn!(error = %e, "could not give back a grant that borrowed");
-                            }
-                        }
+            Take::Miss { grant } => grant,
+        };
+        let started = telemetry::Started::now();
+        let mut ask = ask;
+        let decided = loop {
+            let plan = Plan {
+                cost: ask,
+                ..p.plan
+            };
+            let Some(d) = store.decide_now(&plan, &p.keys) else {
+                return AtOnce::Wait(Waiting {
+                    ask: Some(ask),
+                    returns,
+                });
+            };
+            match self.granted(p, ask, d, &mut returns) {
+                Next::Done(d) => break d,
+                Next::Alone(None) => {}
+                Next::Alone(Some(grant)) => {
+                    // Never kept (see `grant_waiting`); a store that cannot correct at once
+                    // gets it back with a later call.
+                    if store.adjust_now(&grant, -1.0, p.plan.now).is_none() {
+                        returns.push(lease::Return {
+                            grant,
+                            factor: -1.0,
+                            units: 0.0,
+                        });
                     }
-                    ask = p.plan.cost;
-                };
-                started.record(store.kind());
-                d
+                }
             }
+            ask = p.plan.cost;
+        };
+        started.record(store.kind());
+        self.give_back_now(p, returns);
+        AtOnce::Done(decided)
+    }
+
+    /// Gives back what leases returned, at once where the store can, parked for a call that
+    /// can wait where it cannot.
+    fn give_back_now(&self, p: &Prepared<'_>, returns: Vec<lease::Return>) {
+        for r in returns {
+            match self.inner.store.adjust_now(&r.grant, r.factor, p.plan.now) {
+                Some(_) => telemetry::lease_returned(p.plan.tool.name_arc(), r.units),
+                None => self.inner.leases.park(r),
+            }
+        }
+    }
+
+    /// The part of a decision that waits for the store: the whole decision on a tool that
+    /// does not lease; on one that does, the grant [`decide_at_once`](Self::decide_at_once)
+    /// could not get at once (or the whole call, when returns were parked for it to apply).
+    /// Returns the leases gave back are applied before it answers.
+    async fn decide_waiting(
+        &self,
+        p: &Prepared<'_>,
+        caller: &Caller,
+        tool: &str,
+        w: Waiting,
+    ) -> Decided {
+        let store = &self.inner.store;
+        if !lease::eligible(&p.plan) {
+            let started = telemetry::Started::now();
+            let d = store.decide(&p.plan, &p.keys).await;
+            started.record(store.kind());
+            return (d, None);
+        }
+        let leases = &self.inner.leases;
+        // Returns not yet applied when this future is dropped are parked for the next call.
+        let mut returns = Parked {
+            leases,
+            returns: w.returns,
+        };
+        returns.returns.extend(leases.take_pending());
+        let decided = match w.ask {
+            Some(ask) => self.grant_waiting(p, ask, &mut returns.returns).await,
+            None => match leases.take(&p.plan, &p.keys, &mut returns.returns, true) {
+                Take::Hit(a, part, fetch) => {
+                    telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+                    if let Some(size) = fetch {
+                        self.fetch_ahead(caller, tool, &p.keys, size);
+                    }
+                    (Ok(Decision::Admitted(a)), Some(part))
+                }
+                Take::Miss { grant } => self.grant_waiting(p, grant, &mut returns.returns).await,
+            },
         };
         while let Some(r) = returns.returns.pop() {
             telemetry::lease_returned(p.plan.tool.name_arc(), r.units);
             let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
         }
-        // A decision from a lease never waits: it spends a unit of tokio's cooperative budget,
-        // so a task that loops on leased decisions still lets the runtime run its other tasks
-        // (a store's own among them).
-        #[cfg(feature = "tokio")]
-        if matches!(decided, Ok(Decision::Admitted(_))) {
-            tokio::task::coop::consume_budget().await;
-        }
         decided
+    }
+
+    /// A call on a leasing tool decided at the store, asking for `ask` units (a grant for
+    /// the caller's lease when more than the call's cost).
+    async fn grant_waiting(
+        &self,
+        p: &Prepared<'_>,
+        ask: f64,
+        returns: &mut Vec<lease::Return>,
+    ) -> Decided {
+        let store = &self.inner.store;
+        let started = telemetry::Started::now();
+        let mut ask = ask;
+        let d = loop {
+            let plan = Plan {
+                cost: ask,
+                ..p.plan
+            };
+            let d = store.decide(&plan, &p.keys).await;
+            match self.granted(p, ask, d, returns) {
+                Next::Done(d) => break d,
+                Next::Alone(None) => {}
+                Next::Alone(Some(grant)) => {
+                    // Never kept, even if giving it back fails: a correction that timed
+                    // out may still be applied, and a lease must not spend units the
+                    // store no longer counts. (If it was not applied, the units stay
+                    // charged: under-use, never over-admission.)
+                    if let Err(e) = store.adjust(&grant, -1.0, p.plan.now).await {
+                        tracing::warn!(error = %e, "could not give back a grant that borrowed");
+                    }
+                }
+            }
+            ask = p.plan.cost;
+        };
+        started.record(store.kind());
+        d
     }
 
     /// Whether grants can be fetched ahead here: on a tokio runtime (they are fetched by a task
@@ -457,58 +665,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         true
     }
 
-    /// [`leased`](Self::leased) without waiting: `None` when the store needs I/O for it (then
-    /// nothing was decided; leases that ended on the way are given back by a later call).
-    fn leased_now(&self, p: &Prepared<'_>) -> Option<Result<Decision, StoreError>> {
-        let store = &self.inner.store;
-        let leases = &self.inner.leases;
-        let mut returns = Vec::new();
-        let decided = match leases.take(&p.plan, &p.keys, &mut returns, false) {
-            Take::Hit(a, _) => {
-                telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
-                Some(Ok(Decision::Admitted(a)))
-            }
-            Take::Miss { grant } => {
-                let started = telemetry::Started::now();
-                let mut ask = grant;
-                let d = loop {
-                    let plan = Plan {
-                        cost: ask,
-                        ..p.plan
-                    };
-                    let Some(d) = store.decide_now(&plan, &p.keys) else {
-                        break None;
-                    };
-                    match self.granted(p, ask, d, &mut returns) {
-                        Next::Done(d) => break Some(d),
-                        Next::Alone(None) => {}
-                        Next::Alone(Some(grant)) => {
-                            // Never kept (see `leased`); a store that cannot correct at once
-                            // gets it back with a later call.
-                            if store.adjust_now(&grant, -1.0, p.plan.now).is_none() {
-                                leases.park(lease::Return {
-                                    grant,
-                                    factor: -1.0,
-                                    units: 0.0,
-                                });
-                            }
-                        }
-                    }
-                    ask = p.plan.cost;
-                };
-                started.record(store.kind());
-                d
-            }
-        };
-        for r in returns {
-            match store.adjust_now(&r.grant, r.factor, p.plan.now) {
-                Some(_) => telemetry::lease_returned(p.plan.tool.name_arc(), r.units),
-                None => leases.park(r),
-            }
-        }
-        decided
-    }
-
     /// What follows the store's answer `d` to a call asking for `ask` units (more than the
     /// call's cost: a grant for a lease).
     fn granted(
@@ -522,7 +678,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let alone = ask <= p.plan.cost;
         match d {
             Ok(Decision::Admitted(a)) if alone || !lease::borrowed(&a) => {
-                Next::Done(Ok(self.keep(p, a, ask, returns)))
+                let (a, part) = self.keep(p, a, ask, returns);
+                Next::Done((Ok(Decision::Admitted(a)), part))
             }
             // Units lent by others are never leased: all back, and the call decided alone.
             Ok(Decision::Admitted(a)) => {
@@ -533,7 +690,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 leases.cool(&p.keys);
                 Next::Alone(None)
             }
-            d => Next::Done(d),
+            d => Next::Done((d, None)),
         }
     }
 
@@ -541,18 +698,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn keep(
         &self,
         p: &Prepared<'_>,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         ask: f64,
         returns: &mut Vec<lease::Return>,
-    ) -> Decision {
+    ) -> (Arc<Admission>, Option<Part>) {
         if ask > p.plan.cost {
             telemetry::lease_granted(p.plan.tool.name_arc(), ask, ask - p.plan.cost);
         }
-        Decision::Admitted(
-            self.inner
-                .leases
-                .granted(&p.plan, &p.keys, grant, ask, returns),
-        )
+        self.inner
+            .leases
+            .granted(&p.plan, &p.keys, grant, ask, returns)
     }
 
     /// Units charged at the store and not yet spent, held in this limiter's leases now (what
@@ -582,6 +737,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
     ) -> Result<Prepared<'p>, Box<Refusal>> {
+        self.prepare_at(policy, caller, tool, cost, None)
+    }
+
+    /// [`prepare`](Self::prepare) at `now` (the clock's time when `None`).
+    fn prepare_at<'p>(
+        &self,
+        policy: &'p Policy,
+        caller: &'p Caller,
+        tool: &str,
+        cost: Cost,
+        now: Option<crate::clock::Timestamp>,
+    ) -> Result<Prepared<'p>, Box<Refusal>> {
         let (tp, tenant, instance, keys) = resolve(policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
@@ -591,7 +758,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         Ok(Prepared {
             plan: Plan {
-                now: self.inner.clock.now(),
+                now: now.unwrap_or_else(|| self.inner.clock.now()),
                 cost: c,
                 tool: tp,
                 tenant,
@@ -610,6 +777,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &Caller,
         tool: &str,
         decided: Result<Decision, crate::store::StoreError>,
+        part: Option<Part>,
     ) -> Outcome {
         let tp = p.plan.tool;
         let window_secs = tp.period().as_secs_ceil();
@@ -617,6 +785,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         match decided {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
                 admission: Some(a),
+                part,
                 shadow_refusal: None,
                 window_secs,
             }),
@@ -630,6 +799,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 } else {
                     Ok(Ticket {
                         admission: None,
+                        part: None,
                         shadow_refusal: Some(r),
                         window_secs,
                     })
@@ -641,6 +811,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     telemetry::store_error(tp.name_arc(), store.kind(), "allow");
                     Ok(Ticket {
                         admission: None,
+                        part: None,
                         shadow_refusal: None,
                         window_secs,
                     })
@@ -720,7 +891,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         target: "tower_fairshare::decision",
                         tool, tenant, instance, cost = cost.0, outcome = "admitted",
                         weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
-                        remaining = a.remaining, slack = a.slack, at_us = a.at.as_micros(),
+                        remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
+                        at_us = a.at.as_micros(),
                     );
                 }
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
@@ -744,7 +916,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(t) => match (&t.admission, &t.shadow_refusal) {
                 (Some(a), _) => {
                     telemetry::decision(&labels, "admitted", "none", "none");
-                    telemetry::headroom(&labels, a.slack, a.remaining);
+                    telemetry::headroom(&labels, a.slack, t.remaining().unwrap_or(a.remaining));
                 }
                 (None, Some(r)) => {
                     telemetry::decision(&labels, "shadow", r.reason.as_str(), scope(r))
@@ -769,15 +941,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Corrects an admitted call's charge to its actual cost.
     pub async fn settle(&self, ticket: &Ticket, actual: Cost) {
         let Some(a) = &ticket.admission else { return };
-        if a.charge.cost <= 0.0 || !actual.0.is_finite() || actual.0 < 0.0 {
+        let part = ticket.part();
+        let cost = a.charge.cost * part;
+        if cost <= 0.0 || !actual.0.is_finite() || actual.0 < 0.0 {
             return;
         }
-        let factor = actual.0 / a.charge.cost - 1.0;
+        // The call's charge is `part` of the admission's, so `factor` of the call's is
+        // `factor × part` of the admission's.
+        let factor = actual.0 / cost - 1.0;
         if factor != 0.0 {
             if let Err(e) = self
                 .inner
                 .store
-                .adjust(a, factor, self.inner.clock.now())
+                .adjust(a, factor * part, self.inner.clock.now())
                 .await
             {
                 tracing::warn!(tool = %a.keys.tool, error = %e, "could not correct a charge");
@@ -792,7 +968,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             if let Err(e) = self
                 .inner
                 .store
-                .adjust(a, -1.0, self.inner.clock.now())
+                .adjust(a, -ticket.part(), self.inner.clock.now())
                 .await
             {
                 tracing::warn!(tool = %a.keys.tool, error = %e, "could not refund a charge");
@@ -802,11 +978,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Returns the concurrency permits an admitted call holds.
     pub async fn release(&self, ticket: &Ticket) {
-        if let Some(a) = &ticket.admission {
-            if a.charge.holds_permits() {
-                if let Err(e) = self.inner.store.release(a).await {
-                    tracing::warn!(tool = %a.keys.tool, error = %e, "could not release a permit");
-                }
+        if let (true, Some(a)) = (ticket.holds_permits(), &ticket.admission) {
+            if let Err(e) = self.inner.store.release(a).await {
+                tracing::warn!(tool = %a.keys.tool, error = %e, "could not release a permit");
             }
         }
     }
@@ -842,6 +1016,10 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Bo
 /// A decision as it travels inside the limiter: the refusal boxed.
 type Outcome = Result<Ticket, Box<Refusal>>;
 
+/// What a call was decided with: the store's answer, and the call's part of it when the call
+/// was spent from a lease (`None`: all of it).
+type Decided = (Result<Decision, StoreError>, Option<Part>);
+
 /// Returns a leasing call has still to apply: parked for a later call if its future is
 /// dropped first, so none is lost.
 struct Parked<'a> {
@@ -857,12 +1035,38 @@ impl Drop for Parked<'_> {
     }
 }
 
+/// What [`Limiter::decide_at_once`] got to.
+enum AtOnce {
+    /// Decided.
+    Done(Decided),
+    /// The store needs I/O.
+    Wait(Waiting),
+}
+
+/// A call [`Limiter::admit_at_once`] left for the part that waits: the policy and the time it
+/// was first seen under, and where it stopped.
+struct Deferred {
+    policy: arc_swap::Guard<Arc<Policy>>,
+    now: crate::clock::Timestamp,
+    waiting: Waiting,
+}
+
+/// Where a decision that waits for the store starts.
+#[derive(Default)]
+struct Waiting {
+    /// The units to ask the store for (a grant, or the call's cost); `None`: nothing was
+    /// done, the call is decided from the start.
+    ask: Option<f64>,
+    /// What leases gave back on the way, to apply.
+    returns: Vec<lease::Return>,
+}
+
 /// What a leasing call does after the store answered.
 enum Next {
     /// The answer.
-    Done(Result<Decision, StoreError>),
+    Done(Decided),
     /// Decide the call alone, after giving back this grant (it borrowed), if any.
-    Alone(Option<Box<Admission>>),
+    Alone(Option<Arc<Admission>>),
 }
 
 /// A call resolved and timed, ready for the store.

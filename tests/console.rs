@@ -230,12 +230,12 @@ async fn explain_follows_shadow_mode() {
     let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
     let acme = Caller::new("acme");
     let first = limiter.admit(&acme, "shadowed", Cost(1.0)).await.unwrap();
-    assert!(first.shadow_refusal.is_none());
+    assert!(first.shadow_refusal().is_none());
     let e = limiter.explain(&acme, "shadowed", Cost(1.0)).await.unwrap();
     assert!(e.admitted, "{e:?}");
     assert_eq!(e.why.reason, Some("rate_limited"), "{e:?}");
     let second = limiter.admit(&acme, "shadowed", Cost(1.0)).await.unwrap();
-    assert!(second.shadow_refusal.is_some());
+    assert!(second.shadow_refusal().is_some());
     // A refusal before the store (an unknown tool) is never shadowed.
     let e = limiter.explain(&acme, "nope", Cost(1.0)).await.unwrap();
     assert!(

@@ -63,7 +63,7 @@ fn check_usable(policy: &Policy) -> Result<(), TestCaseError> {
         for c in callers {
             match limiter.try_admit(&c, tool.name(), Cost(1.0)) {
                 Some(Ok(t)) => {
-                    if let Some(a) = &t.admission {
+                    if let Some(a) = &t.admission() {
                         prop_assert!(a.remaining.is_finite() && a.quota.is_finite(), "{a:?}");
                     }
                 }

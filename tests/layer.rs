@@ -629,7 +629,7 @@ async fn ratelimit_r_counts_what_siblings_used_of_the_tenant() {
             continue;
         };
         left_of_tenant -= 1.0;
-        let a = ticket.admission.expect("metered");
+        let a = ticket.admission().expect("metered");
         assert!(
             a.remaining <= left_of_tenant,
             "call {k}: r = {} but the tenant has {left_of_tenant} left",

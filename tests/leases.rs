@@ -558,3 +558,60 @@ fn the_next_grant_is_fetched_ahead_and_held_within_two_grants() {
         assert_eq!(tenant.unwrap().total, calls as f64);
     });
 }
+
+/// A call spent from a lease holds its part of the grant: its ticket says what it cost and
+/// what is left, and settling or refunding it corrects the store by exactly its own charge
+/// (not the grant's).
+#[test]
+fn a_leased_call_settles_and_refunds_its_own_part_of_the_grant() {
+    let (l, clock) = limiter(
+        r#"
+[[tool]]
+name = "llm"
+unit = "tokens"
+rate = { limit = 100000, per = "1m" }
+lease = { max = 64 }
+[tool.tenants.acme]
+ceiling = 100000
+budgets = [{ period = "day", max = 1000000 }]
+"#,
+    );
+    let acme = Caller::new("acme");
+    let keys = l.call_keys(&acme, "llm").unwrap();
+    let used = || {
+        let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap();
+        tenant.unwrap().budgets[0].used
+    };
+    // Busy enough for grants above one call.
+    let mut tickets = Vec::new();
+    for _ in 0..200 {
+        clock.advance(Duration::from_micros(100));
+        tickets.push(now(l.admit(&acme, "llm", Cost(2.0))).expect("admitted"));
+    }
+    let leased: Vec<_> = tickets.iter().filter(|t| t.part() < 1.0).collect();
+    assert!(
+        leased.len() > 100,
+        "most calls spent from a lease: {}",
+        leased.len()
+    );
+    for t in &leased {
+        assert_eq!(t.cost(), Some(2.0));
+        assert!(
+            t.admission().unwrap().charge.cost > 2.0,
+            "the grant is larger"
+        );
+        assert!(t.remaining().unwrap() <= t.quota().unwrap());
+        assert!(t.reset_in().unwrap() <= Duration::from_secs(60));
+    }
+    let before = used();
+    now(l.settle(leased[0], Cost(5.0)));
+    assert!(
+        (used() - (before + 3.0)).abs() < 1e-9,
+        "settled by its own 3 more units"
+    );
+    now(l.refund(leased[1]));
+    assert!(
+        (used() - (before + 1.0)).abs() < 1e-9,
+        "refunded its own 2 units"
+    );
+}

@@ -165,7 +165,7 @@ fn store_errors_and_fallbacks_are_counted() {
         assert_eq!(r.reason.as_str(), "store_unavailable");
         for _ in 0..2 {
             let t = now(limiter.admit(&c, "open", Cost(1.0))).unwrap();
-            assert!(t.admission.is_none(), "fail open: unmetered");
+            assert!(t.admission().is_none(), "fail open: unmetered");
         }
     });
     let text = handle.render();

@@ -193,7 +193,7 @@ fn replicas_on_a_cluster_share_one_exact_budget() {
                             Ok(t) => admitted
                                 .lock()
                                 .unwrap()
-                                .push(t.admission.unwrap().at.as_micros()),
+                                .push(t.admission().unwrap().at.as_micros()),
                             Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
                         }
                     }

@@ -330,10 +330,8 @@ fn redis_script_matches_the_engine_call_for_call() {
                                 }
                                 match (&a, &b) {
                                     (Ok(x), Ok(y)) => {
-                                        let (x, y) = (
-                                            x.admission.as_ref().unwrap(),
-                                            y.admission.as_ref().unwrap(),
-                                        );
+                                        let (x, y) =
+                                            (x.admission().unwrap(), y.admission().unwrap());
                                         prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
                                         prop_assert_eq!(
                                             x.remaining.to_bits(),
@@ -400,9 +398,8 @@ fn redis_script_matches_the_engine_call_for_call() {
                             }
                             Op::Settle(pct) if !held.is_empty() => {
                                 let (x, y, z) = &held[0];
-                                let actual = Cost(
-                                    x.admission.as_ref().unwrap().charge.cost * pct as f64 / 100.0,
-                                );
+                                let actual =
+                                    Cost(x.admission().unwrap().charge.cost * pct as f64 / 100.0);
                                 mem.settle(x, actual).await;
                                 red.settle(y, actual).await;
                                 cac.settle(z, actual).await;

@@ -110,7 +110,7 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
                     while !stop.load(Ordering::Relaxed) {
                         match limiter.admit(&caller, "search", Cost(1.0)).await {
                             Ok(t) => {
-                                let a = t.admission.expect("metered");
+                                let a = t.admission().expect("metered");
                                 admitted.lock().unwrap().push(a.at.as_micros());
                             }
                             Err(e) => {
@@ -141,7 +141,7 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
                             admitted
                                 .lock()
                                 .unwrap()
-                                .push(t.admission.unwrap().at.as_micros());
+                                .push(t.admission().unwrap().at.as_micros());
                         }
                         Err(e) => {
                             eprintln!("quiet refused: {e}");
@@ -236,7 +236,7 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
                     let r = limiter.admit(&a, tool, Cost(1.0)).await;
                     slowest.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
                     let (ok, metered) = match &r {
-                        Ok(t) => (true, t.admission.is_some()),
+                        Ok(t) => (true, t.admission().is_some()),
                         Err(e) => {
                             assert_eq!(e.reason, Reason::StoreUnavailable, "{e}");
                             assert!(e.retryable);
@@ -676,7 +676,7 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         }
         while let Some(t) = cut_off.join_next().await {
             let t = t.unwrap().unwrap();
-            assert!(t.admission.is_none(), "cut off by the timeout: unmetered");
+            assert!(t.admission().is_none(), "cut off by the timeout: unmetered");
         }
         sleeper.join().unwrap();
         // Once Redis answers, calls whose callers left before they were decided are dropped;
@@ -823,7 +823,7 @@ fn a_store_started_while_redis_is_down_connects_when_it_returns() {
         let refusal = limiter.admit(&a, "strict", Cost(1.0)).await.unwrap_err();
         assert_eq!(refusal.reason, Reason::StoreUnavailable);
         let through = limiter.admit(&a, "lenient", Cost(1.0)).await.unwrap();
-        assert!(through.admission.is_none(), "fail open: unmetered");
+        assert!(through.admission().is_none(), "fail open: unmetered");
         let s = server.clone();
         tokio::task::spawn_blocking(move || assert!(s.spawn(), "Redis starts"))
             .await
@@ -832,7 +832,7 @@ fn a_store_started_while_redis_is_down_connects_when_it_returns() {
         loop {
             match limiter.admit(&a, "strict", Cost(1.0)).await {
                 Ok(t) => {
-                    assert!(t.admission.is_some(), "decided by Redis");
+                    assert!(t.admission().is_some(), "decided by Redis");
                     break;
                 }
                 Err(r) => assert_eq!(r.reason, Reason::StoreUnavailable),
@@ -1211,7 +1211,7 @@ floor = 50
                             busy_at
                                 .lock()
                                 .unwrap()
-                                .push(ticket.admission.unwrap().at.as_micros());
+                                .push(ticket.admission().unwrap().at.as_micros());
                         }
                         clock.advance(Duration::from_micros(10));
                     }

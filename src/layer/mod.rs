@@ -127,10 +127,7 @@ pub(crate) struct Held {
 impl Held {
     #[inline]
     pub(crate) fn new(ticket: Ticket, limiter: &Arc<dyn Admit>) -> Held {
-        let holds = ticket
-            .admission
-            .as_ref()
-            .is_some_and(|a| a.charge.holds_permits());
+        let holds = ticket.holds_permits();
         Held {
             ticket,
             permits: holds.then(|| limiter.clone()),
@@ -150,12 +147,7 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(limiter) = self.permits.take() {
-            let ticket = Ticket {
-                admission: self.ticket.admission.take(),
-                shadow_refusal: None,
-                window_secs: self.ticket.window_secs,
-            };
-            limiter.release(ticket);
+            limiter.release(self.ticket.take_permits());
         }
     }
 }

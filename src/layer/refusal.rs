@@ -268,16 +268,19 @@ impl<const N: usize> fmt::Write for StackBuf<N> {
 
 /// `RateLimit-Policy` and `RateLimit` on an admitted response.
 pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
-    let Some(a) = &t.admission else { return };
+    let (Some(quota), Some(remaining), Some(reset_in)) = (t.quota(), t.remaining(), t.reset_in())
+    else {
+        return;
+    };
     let scope = t.scope();
-    let reset = (a.reset_in / 1e6).ceil().max(0.0) as u64;
+    let reset = reset_in.as_micros().div_ceil(1_000_000) as u64;
     headers.insert(
         RATELIMIT_POLICY,
-        policy_value(scope, a.quota, t.window_secs),
+        policy_value(scope, quota, t.window_secs()),
     );
     headers.insert(
         RATELIMIT,
-        remaining_value(scope, a.remaining.max(0.0).floor(), reset),
+        remaining_value(scope, remaining.max(0.0).floor(), reset),
     );
 }
 

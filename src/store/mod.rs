@@ -80,8 +80,9 @@ pub struct Admission {
 /// The store's answer.
 #[derive(Clone, Debug)]
 pub enum Decision {
-    /// Admitted and committed.
-    Admitted(Box<Admission>),
+    /// Admitted and committed. Shared: a lease's grant is held by the lease and by every call
+    /// spent from it.
+    Admitted(Arc<Admission>),
     /// Refused; nothing was charged.
     Refused(Box<Refusal>),
 }

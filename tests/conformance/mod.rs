@@ -1025,7 +1025,7 @@ pub fn templates_share_with_listed<F: Factory>(f: &F) {
             async move {
                 clock.advance(Duration::from_millis(100));
                 let t = limiter.admit(&c, "t", Cost(1.0)).await.expect("admitted");
-                let q = t.admission.as_ref().expect("an admission").quota;
+                let q = t.admission().expect("an admission").quota;
                 limiter.release(&t).await;
                 q
             }
