@@ -387,7 +387,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let (now, verdict, levels, decided) = match self.prepare(&policy, caller, tool, cost) {
             Err(r) => (self.clock().now(), Err(r), Vec::new(), false),
             Ok(p) => {
-                let (plan, keys) = (p.plan, p.keys);
+                let keys = p.keys().clone();
+                let plan = p.plan;
                 let states = self.store().inspect_at(&keys, plan.now).await?;
                 let snap = crate::admission::engine::Snapshot {
                     tool: states[0].unwrap_or_default(),

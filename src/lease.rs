@@ -67,6 +67,34 @@ pub(crate) struct Part {
     pub(crate) reset_in: f64,
 }
 
+/// A caller's path (tool, tenant, instance), borrowed: what its lease is found by.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Path<'a> {
+    pub(crate) tool: &'a str,
+    pub(crate) tenant: &'a str,
+    pub(crate) instance: Option<&'a str>,
+    pub(crate) untenanted: bool,
+}
+
+impl<'a> Path<'a> {
+    fn of(k: &'a CallKeys) -> Self {
+        Path {
+            tool: &k.tool,
+            tenant: &k.tenant,
+            instance: k.instance.as_deref(),
+            untenanted: k.untenanted,
+        }
+    }
+
+    /// Whether `k` are this path's keys.
+    fn is(&self, k: &CallKeys) -> bool {
+        k.untenanted == self.untenanted
+            && *k.tenant == *self.tenant
+            && k.instance.as_deref() == self.instance
+            && *k.tool == *self.tool
+    }
+}
+
 /// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
 pub(crate) struct Return {
     pub(crate) grant: Arc<Admission>,
@@ -230,7 +258,7 @@ impl Leases {
     }
 
     fn hash(&self, k: &CallKeys) -> u64 {
-        hash_keys(&self.hasher, k)
+        hash_path(&self.hasher, Path::of(k))
     }
 
     fn shard(&self, hash: u64) -> &Mutex<Shard> {
@@ -243,16 +271,16 @@ impl Leases {
     pub(crate) fn take(
         &self,
         plan: &Plan<'_>,
-        keys: &CallKeys,
+        path: Path<'_>,
         returns: &mut Vec<Return>,
         may_fetch_ahead: bool,
     ) -> Take {
         let now = plan.now.as_micros();
         let c = plan.cost;
-        let hash = self.hash(keys);
+        let hash = hash_path(&self.hasher, path);
         let mut shard = lock(self.shard(hash));
         self.maybe_sweep(&mut shard, now, returns);
-        let Some(l) = shard.leases.find_mut(hash, |l| l.keys == *keys) else {
+        let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
             return Take::Miss { grant: c };
         };
         let same = same_policy(&l.tool, plan.tool) && now >= l.started;
@@ -525,11 +553,15 @@ impl Leases {
 }
 
 fn hash_keys(h: &RandomState, k: &CallKeys) -> u64 {
+    hash_path(h, Path::of(k))
+}
+
+fn hash_path(h: &RandomState, p: Path<'_>) -> u64 {
     let mut s = h.build_hasher();
-    k.tool.hash(&mut s);
-    k.tenant.hash(&mut s);
-    k.untenanted.hash(&mut s);
-    k.instance.hash(&mut s);
+    p.tool.hash(&mut s);
+    p.tenant.hash(&mut s);
+    p.untenanted.hash(&mut s);
+    p.instance.hash(&mut s);
     s.finish()
 }
 

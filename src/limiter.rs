@@ -444,7 +444,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let store = &self.inner.store;
         if !lease::eligible(&p.plan) {
             let started = telemetry::Started::now();
-            return match store.decide_now(&p.plan, &p.keys) {
+            return match store.decide_now(&p.plan, p.keys()) {
                 Some(d) => {
                     started.record(store.kind());
                     AtOnce::Done((d, None))
@@ -459,11 +459,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         let may_fetch_ahead = can_wait && self.may_fetch_ahead();
         let mut returns = Vec::new();
-        let ask = match leases.take(&p.plan, &p.keys, &mut returns, may_fetch_ahead) {
+        let ask = match leases.take(&p.plan, p.path(), &mut returns, may_fetch_ahead) {
             Take::Hit(a, part, fetch) => {
                 telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                 if let Some(size) = fetch {
-                    self.fetch_ahead(caller, tool, &p.keys, size);
+                    self.fetch_ahead(caller, tool, p.keys(), size);
                 }
                 self.give_back_now(p, returns);
                 return AtOnce::Done((Ok(Decision::Admitted(a)), Some(part)));
@@ -477,7 +477,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 cost: ask,
                 ..p.plan
             };
-            let Some(d) = store.decide_now(&plan, &p.keys) else {
+            let Some(d) = store.decide_now(&plan, p.keys()) else {
                 return AtOnce::Wait(Waiting {
                     ask: Some(ask),
                     returns,
@@ -530,7 +530,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let store = &self.inner.store;
         if !lease::eligible(&p.plan) {
             let started = telemetry::Started::now();
-            let d = store.decide(&p.plan, &p.keys).await;
+            let d = store.decide(&p.plan, p.keys()).await;
             started.record(store.kind());
             return (d, None);
         }
@@ -543,11 +543,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         returns.returns.extend(leases.take_pending());
         let decided = match w.ask {
             Some(ask) => self.grant_waiting(p, ask, &mut returns.returns).await,
-            None => match leases.take(&p.plan, &p.keys, &mut returns.returns, true) {
+            None => match leases.take(&p.plan, p.path(), &mut returns.returns, true) {
                 Take::Hit(a, part, fetch) => {
                     telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                     if let Some(size) = fetch {
-                        self.fetch_ahead(caller, tool, &p.keys, size);
+                        self.fetch_ahead(caller, tool, p.keys(), size);
                     }
                     (Ok(Decision::Admitted(a)), Some(part))
                 }
@@ -577,7 +577,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 cost: ask,
                 ..p.plan
             };
-            let d = store.decide(&plan, &p.keys).await;
+            let d = store.decide(&plan, p.keys()).await;
             match self.granted(p, ask, d, returns) {
                 Next::Done(d) => break d,
                 Next::Alone(None) => {}
@@ -634,19 +634,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Ok(p) = self.prepare(&policy, caller, tool, Cost(size)) else {
             return false;
         };
-        if p.keys != *keys {
+        if p.keys() != keys {
             return false;
         }
-        let back = match store.decide(&p.plan, &p.keys).await {
+        let back = match store.decide(&p.plan, p.keys()).await {
             Ok(Decision::Admitted(a)) if !lease::borrowed(&a) => {
-                let back = leases.fetched(&p.plan, &p.keys, a, size);
+                let back = leases.fetched(&p.plan, p.keys(), a, size);
                 if back.is_none() {
                     telemetry::lease_granted(p.plan.tool.name_arc(), size, size);
                 }
                 back
             }
             Ok(Decision::Admitted(a)) => {
-                leases.fetch_failed(&p.keys, true);
+                leases.fetch_failed(p.keys(), true);
                 Some(lease::Return {
                     grant: a,
                     factor: -1.0,
@@ -654,7 +654,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 })
             }
             Ok(Decision::Refused(_)) => {
-                leases.fetch_failed(&p.keys, true);
+                leases.fetch_failed(p.keys(), true);
                 None
             }
             Err(_) => return false,
@@ -683,11 +683,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             // Units lent by others are never leased: all back, and the call decided alone.
             Ok(Decision::Admitted(a)) => {
-                leases.cool(&p.keys);
+                leases.cool(p.keys());
                 Next::Alone(Some(a))
             }
             Ok(Decision::Refused(_)) if !alone => {
-                leases.cool(&p.keys);
+                leases.cool(p.keys());
                 Next::Alone(None)
             }
             d => Next::Done((d, None)),
@@ -707,7 +707,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         self.inner
             .leases
-            .granted(&p.plan, &p.keys, grant, ask, returns)
+            .granted(&p.plan, p.keys(), grant, ask, returns)
     }
 
     /// Units charged at the store and not yet spent, held in this limiter's leases now (what
@@ -749,7 +749,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: Cost,
         now: Option<crate::clock::Timestamp>,
     ) -> Result<Prepared<'p>, Box<Refusal>> {
-        let (tp, tenant, instance, keys) = resolve(policy, caller, tool)?;
+        let (tp, tenant, instance, untenanted) = resolve(policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
             let mut r = denial(Reason::PermissionDenied, tool, caller, "invalid_cost");
@@ -763,9 +763,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 tool: tp,
                 tenant,
                 instance,
-                untenanted: keys.untenanted,
+                untenanted,
             },
-            keys,
+            caller,
+            keys: std::sync::OnceLock::new(),
         })
     }
 
@@ -791,7 +792,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }),
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
-                if r.instance.is_none() && !p.keys.untenanted {
+                if r.instance.is_none() && !p.plan.untenanted {
                     r.instance = caller.instance().map(str::to_owned);
                 }
                 if tp.enforce() {
@@ -934,7 +935,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
         let policy = self.policy();
         resolve(&policy, caller, tool)
-            .map(|(_, _, _, k)| k)
+            .map(|(tp, tenant, instance, untenanted)| {
+                keys_of(tp, caller, tenant.name, untenanted, instance.is_some())
+            })
             .map_err(|r| *r)
     }
 
@@ -1072,7 +1075,59 @@ enum Next {
 /// A call resolved and timed, ready for the store.
 pub(crate) struct Prepared<'p> {
     pub(crate) plan: Plan<'p>,
-    pub(crate) keys: CallKeys,
+    caller: &'p Caller,
+    /// The store keys, made (sharing the caller's names) when a store is asked: a call spent
+    /// from a lease needs none.
+    keys: std::sync::OnceLock<CallKeys>,
+}
+
+impl Prepared<'_> {
+    /// The call's path, borrowed: what its lease is found by.
+    pub(crate) fn path(&self) -> lease::Path<'_> {
+        lease::Path {
+            tool: self.plan.tool.name(),
+            tenant: self.plan.tenant.name,
+            instance: self.plan.instance.map(|i| i.name),
+            untenanted: self.plan.untenanted,
+        }
+    }
+
+    /// The store keys of the call.
+    pub(crate) fn keys(&self) -> &CallKeys {
+        self.keys.get_or_init(|| {
+            keys_of(
+                self.plan.tool,
+                self.caller,
+                self.plan.tenant.name,
+                self.plan.untenanted,
+                self.plan.instance.is_some(),
+            )
+        })
+    }
+}
+
+/// The store keys of `caller` on `tool`, sharing the caller's names: a decision allocates no
+/// key strings.
+fn keys_of(
+    tp: &Arc<ToolPolicy>,
+    caller: &Caller,
+    tenant_name: &str,
+    untenanted: bool,
+    has_instance: bool,
+) -> CallKeys {
+    CallKeys {
+        tool: tool_name(tp.name_arc()),
+        tenant: match (untenanted, caller.tenant_arc(), caller.instance_arc()) {
+            (false, Some(t), _) | (true, _, Some(t)) => t.clone(),
+            _ => Arc::from(tenant_name),
+        },
+        instance: if has_instance {
+            caller.instance_arc().cloned()
+        } else {
+            None
+        },
+        untenanted,
+    }
 }
 
 /// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
@@ -1105,7 +1160,7 @@ type Resolved<'p> = (
     &'p Arc<ToolPolicy>,
     LevelRef<'p>,
     Option<LevelRef<'p>>,
-    CallKeys,
+    bool,
 );
 
 /// Who is charged for `caller` calling `tool`: the identity and tool checks of the order of
@@ -1179,16 +1234,6 @@ fn resolve<'p>(
         },
         _ => None,
     };
-    // Shared, not copied: a decision allocates no key strings.
-    let keys = CallKeys {
-        tool: tool_name(tp.name_arc()),
-        tenant: match (untenanted, caller.tenant_arc(), caller.instance_arc()) {
-            (false, Some(t), _) | (true, _, Some(t)) => t.clone(),
-            _ => Arc::from(tenant_name),
-        },
-        instance: instance.and_then(|_| caller.instance_arc().cloned()),
-        untenanted,
-    };
     Ok((
         tp,
         LevelRef {
@@ -1196,6 +1241,6 @@ fn resolve<'p>(
             policy: tenant_policy,
         },
         instance,
-        keys,
+        untenanted,
     ))
 }
