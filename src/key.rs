@@ -113,6 +113,7 @@ fn take_part(s: &str) -> Option<(&str, &str)> {
 }
 
 /// The Redis Cluster hash tag of a key: the bytes between the first `{` and the next `}`.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn hash_tag(key: &str) -> &str {
     if let Some(open) = key.find('{') {
         if let Some(close) = key[open + 1..].find('}') {

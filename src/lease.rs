@@ -88,10 +88,14 @@ impl<'a> Path<'a> {
 
     /// Whether `k` are this path's keys.
     fn is(&self, k: &CallKeys) -> bool {
+        self.is_below_tool(k) && *k.tool == *self.tool
+    }
+
+    /// Whether `k` are this path's keys, the tool's name aside.
+    fn is_below_tool(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted
             && *k.tenant == *self.tenant
             && k.instance.as_deref() == self.instance
-            && *k.tool == *self.tool
     }
 }
 
@@ -280,7 +284,15 @@ impl Leases {
         let hash = hash_path(&self.hasher, path);
         let mut shard = lock(self.shard(hash));
         self.maybe_sweep(&mut shard, now, returns);
-        let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
+        // A lease of the same tool policy has the same tool name: compared by pointer first.
+        let found = shard.leases.find_mut(hash, |l| {
+            if Arc::ptr_eq(&l.tool, plan.tool) {
+                path.is_below_tool(&l.keys)
+            } else {
+                path.is(&l.keys)
+            }
+        });
+        let Some(l) = found else {
             return Take::Miss { grant: c };
         };
         let same = same_policy(&l.tool, plan.tool) && now >= l.started;

@@ -508,6 +508,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Gives back what leases returned, at once where the store can, parked for a call that
     /// can wait where it cannot.
     fn give_back_now(&self, p: &Prepared<'_>, returns: Vec<lease::Return>) {
+        if returns.is_empty() {
+            return;
+        }
         for r in returns {
             match self.inner.store.adjust_now(&r.grant, r.factor, p.plan.now) {
                 Some(_) => telemetry::lease_returned(p.plan.tool.name_arc(), r.units),

@@ -1161,7 +1161,8 @@ max_tenants = 1000
 /// admits at most the tenant's ceiling + burst (nothing admitted that Redis did not charge)
 /// and at least 95 % of it (what leases leave unused is bounded), a quiet tenant beside it
 /// gets every call within its floor, and a replica that dies holding a lease (its units never
-/// given back) over-admits nothing.
+/// given back) over-admits nothing; its units count as spent only in the window they were
+/// granted in (its lease ends with it), so the second after it died admits ≥ 95 % again.
 #[test]
 fn four_leasing_replicas_on_one_tenant_stay_exact_and_lose_little() {
     let server = RedisServer::start();
@@ -1265,4 +1266,68 @@ floor = 50
         "the quiet tenant was refused within its floor: {refused:?}"
     );
     assert!(ok >= 150, "the quiet tenant got only {ok} calls");
+}
+
+/// Redis down under a leasing caller: the replica keeps spending what its lease holds, at
+/// most that, then follows the tool's `on_store_error` (here deny: `store_unavailable`).
+#[test]
+fn with_redis_down_a_replica_spends_what_it_holds_then_follows_on_store_error() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 1000000, per = "1s" }
+burst = 100000
+lease = { max = 64 }
+on_store_error = "deny"
+[tool.default_tenant]
+max_tenants = 10
+"#,
+    )
+    .unwrap();
+    let rt = multi_thread();
+    rt.block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .timeout(Duration::from_millis(200))
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let busy = Caller::new("busy");
+        // Busy until its lease holds a good part of a grant.
+        let mut calls = 0;
+        while limiter.leased_units() < 16.0 {
+            clock.advance(Duration::from_micros(100));
+            limiter
+                .admit(&busy, "t", Cost(1.0))
+                .await
+                .expect("admitted");
+            calls += 1;
+            assert!(calls < 10_000, "never leased");
+            tokio::task::yield_now().await;
+        }
+        let held = limiter.leased_units();
+        server.kill();
+        let mut spent = 0.0;
+        let refusal = loop {
+            clock.advance(Duration::from_micros(100));
+            match limiter.admit(&busy, "t", Cost(1.0)).await {
+                Ok(t) => {
+                    assert!(t.part() < 1.0, "admitted only from the lease");
+                    spent += 1.0;
+                }
+                Err(r) => break r,
+            }
+            assert!(spent <= held, "spent {spent}, more than the {held} it held");
+        };
+        eprintln!("held {held} units when Redis went down; spent {spent} of them");
+        assert!(spent >= 1.0, "kept spending what it held ({held})");
+        assert_eq!(refusal.reason, Reason::StoreUnavailable);
+        let again = limiter.admit(&busy, "t", Cost(1.0)).await.unwrap_err();
+        assert_eq!(again.reason, Reason::StoreUnavailable);
+    });
 }
