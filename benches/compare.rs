@@ -337,6 +337,32 @@ fn decisions(c: &mut Criterion) {
     g.finish();
 }
 
+/// What a decision on this machine cannot do without, each measured alone: reading the wall
+/// clock the limiter reads (`SystemClock`), taking and releasing one uncontended lock, cloning
+/// and dropping one `Arc` (the answer shares its record), loading the policy from its
+/// `ArcSwap` (reloads never block a decision). A leased decision does each once at least; an
+/// exact one takes two locks. Their sum is a floor no implementation of the same guarantees
+/// goes under here.
+fn floor(c: &mut Criterion) {
+    let mut g = c.benchmark_group("floor");
+    g.bench_function("wall clock", |b| {
+        b.iter(|| black_box(tower_fairshare::Clock::now(black_box(&SystemClock))))
+    });
+    // The cheapest clock the standard library has, for comparison: no cheaper here.
+    g.bench_function("monotonic clock", |b| b.iter(|| black_box(Instant::now())));
+    let m = std::sync::Mutex::new(0u64);
+    g.bench_function("lock and unlock", |b| {
+        b.iter(|| *black_box(&m).lock().expect("not poisoned") += 1)
+    });
+    let a = std::sync::Arc::new(0u64);
+    g.bench_function("arc clone and drop", |b| {
+        b.iter(|| black_box(black_box(&a).clone()))
+    });
+    let s = arc_swap::ArcSwap::from_pointee(0u64);
+    g.bench_function("arc-swap load", |b| b.iter(|| **black_box(&s).load()));
+    g.finish();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. The whole layer.
 
@@ -855,6 +881,7 @@ fn main() {
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
     decisions(&mut c);
+    floor(&mut c);
     layers(&mut c);
     c.final_summary();
 
