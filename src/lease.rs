@@ -60,6 +60,8 @@ const EPS: f64 = 1e-9;
 pub(crate) struct Part {
     /// The call's share of the grant's charge at every level (its cost over the grant's).
     pub(crate) of: f64,
+    /// The call's own cost, as asked (the grant's cost times `of` may round).
+    pub(crate) cost: f64,
     /// The caller's quota left in the window as of the call, the units its lease still holds
     /// counted as its own.
     pub(crate) remaining: f64,
@@ -617,6 +619,7 @@ fn part_of(grant: &Admission, granted: f64, left: f64, plan: &Plan<'_>) -> Part 
         } else {
             0.0
         },
+        cost: plan.cost,
         remaining: grant.remaining + left,
         reset_in: (grant.reset_in - since).max(0.0),
     }

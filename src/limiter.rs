@@ -124,7 +124,8 @@ impl Ticket {
 
     /// What the call was charged, in the tool's units (its cost); `None` when unmetered.
     pub fn cost(&self) -> Option<f64> {
-        self.admission().map(|a| a.charge.cost * self.part())
+        let a = self.admission()?;
+        Some(self.part.map_or(a.charge.cost, |p| p.cost))
     }
 
     /// Units of the caller's quota left in the current aligned window as of this call (the
@@ -313,17 +314,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// rate and budget, checked and committed atomically.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
         let (outcome, _leased) = match self.admit_at_once(caller, tool, cost, true) {
-            Ok(done) => done,
-            // Only a store that needs I/O gets here. That part is boxed, so that a call
-            // decided at once (in memory, or from a lease) moves a small future, not one
-            // sized for the store's round trip.
+            Ok(done) if !self.inner.leases.has_pending() => done,
+            // Leases that ended on the way, which the store could not take back at once: given
+            // back before the answer, as by any leasing call that waits.
+            Ok(done) => return Box::pin(self.give_back_and_answer(done)).await,
+            // A call that waits for a store's I/O (or applies returns parked for one). That part
+            // is boxed, so that a call decided at once (in memory, or from a lease) moves a
+            // small future, not one sized for the store's round trip.
             Err(deferred) => {
                 return Box::pin(self.admit_waiting(caller, tool, cost, deferred)).await
             }
         };
-        // A decision from a lease never waits: it spends a unit of tokio's cooperative budget,
-        // so a task that loops on leased decisions still lets the runtime run its other tasks
-        // (a store's own among them).
+        // A decision on a leasing path may not wait: it spends a unit of tokio's cooperative
+        // budget, so a task that loops on leased decisions still lets the runtime run its
+        // other tasks (a store's own among them).
         #[cfg(feature = "tokio")]
         if _leased {
             tokio::task::coop::consume_budget().await;
@@ -332,9 +336,30 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         outcome.map_err(|r| *r)
     }
 
+    /// Applies the returns parked for a call that can wait, then answers with `done` (an
+    /// outcome and whether it was admitted on a leasing path). Returns not applied when this
+    /// future is dropped are parked again for the next call.
+    async fn give_back_and_answer(&self, done: (Outcome, bool)) -> Result<Ticket, Refusal> {
+        let now = self.inner.clock.now();
+        let mut returns = Parked {
+            leases: &self.inner.leases,
+            returns: self.inner.leases.take_pending(),
+        };
+        while let Some(r) = returns.returns.pop() {
+            telemetry::lease_returned(&r.grant.keys.tool, r.units);
+            let _ = self.inner.store.adjust(&r.grant, r.factor, now).await;
+        }
+        #[cfg(feature = "tokio")]
+        if done.1 {
+            tokio::task::coop::consume_budget().await;
+        }
+        done.0.map_err(|r| *r)
+    }
+
     /// The part of [`admit`](Self::admit) that needs no waiting: the outcome, recorded, and
-    /// whether the call was spent from a lease; or, when the store needs I/O, where the part
-    /// that waits starts (nothing recorded yet).
+    /// whether it was admitted on a leasing path; or, when the store needs I/O (or returns
+    /// parked earlier are to be applied first), where the part that waits starts (nothing
+    /// recorded yet).
     fn admit_at_once(
         &self,
         caller: &Caller,
@@ -348,7 +373,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Err(r) => Err(r),
             Ok(p) => match self.decide_at_once(&p, caller, tool, can_wait) {
                 AtOnce::Done((decided, part)) => {
-                    leased = part.is_some();
+                    leased =
+                        lease::eligible(&p.plan) && matches!(decided, Ok(Decision::Admitted(_)));
                     self.conclude(p, caller, tool, decided, part)
                 }
                 AtOnce::Wait(waiting) => {
@@ -381,7 +407,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(p) => {
                 let (decided, part) = self.decide_waiting(&p, caller, tool, d.waiting).await;
                 #[cfg(feature = "tokio")]
-                if part.is_some() {
+                if lease::eligible(&p.plan) && matches!(decided, Ok(Decision::Admitted(_))) {
                     tokio::task::coop::consume_budget().await;
                 }
                 self.conclude(p, caller, tool, decided, part)
@@ -432,8 +458,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Decides a call as far as it can without waiting: on a store that answers at once, or
-    /// from the caller's lease. `Wait` when the store needs I/O (nothing was decided; what
-    /// leases gave back on the way comes with it).
+    /// from the caller's lease. `Wait` when the store needs I/O, or when a call that can wait
+    /// is to apply returns parked earlier first (nothing was decided; what leases gave back
+    /// on the way comes with it).
     fn decide_at_once(
         &self,
         p: &Prepared<'_>,
@@ -505,15 +532,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         AtOnce::Done(decided)
     }
 
-    /// Gives back what leases returned, at once where the store can, parked for a call that
-    /// can wait where it cannot.
+    /// Gives back what leases returned, at once where the store can, parked where it cannot:
+    /// for the call itself to apply before it answers when it can wait (see
+    /// [`admit`](Self::admit)), for the next call that can otherwise.
     fn give_back_now(&self, p: &Prepared<'_>, returns: Vec<lease::Return>) {
         if returns.is_empty() {
             return;
         }
         for r in returns {
             match self.inner.store.adjust_now(&r.grant, r.factor, p.plan.now) {
-                Some(_) => telemetry::lease_returned(p.plan.tool.name_arc(), r.units),
+                Some(_) => telemetry::lease_returned(&r.grant.keys.tool, r.units),
                 None => self.inner.leases.park(r),
             }
         }
@@ -546,7 +574,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         returns.returns.extend(leases.take_pending());
         let decided = match w.ask {
             Some(ask) => self.grant_waiting(p, ask, &mut returns.returns).await,
-            None => match leases.take(&p.plan, p.path(), &mut returns.returns, true) {
+            None => match leases.take(
+                &p.plan,
+                p.path(),
+                &mut returns.returns,
+                self.may_fetch_ahead(),
+            ) {
                 Take::Hit(a, part, fetch) => {
                     telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
                     if let Some(size) = fetch {
@@ -558,7 +591,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             },
         };
         while let Some(r) = returns.returns.pop() {
-            telemetry::lease_returned(p.plan.tool.name_arc(), r.units);
+            telemetry::lease_returned(&r.grant.keys.tool, r.units);
             let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
         }
         decided
@@ -896,7 +929,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         tool, tenant, instance, cost = cost.0, outcome = "admitted",
                         weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
                         remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
-                        at_us = a.at.as_micros(),
+                        at_us = a.at.as_micros(), leased = t.part.is_some(),
                     );
                 }
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
@@ -946,9 +979,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Corrects an admitted call's charge to its actual cost.
     pub async fn settle(&self, ticket: &Ticket, actual: Cost) {
-        let Some(a) = &ticket.admission else { return };
+        let (Some(a), Some(cost)) = (&ticket.admission, ticket.cost()) else {
+            return;
+        };
         let part = ticket.part();
-        let cost = a.charge.cost * part;
         if cost <= 0.0 || !actual.0.is_finite() || actual.0 < 0.0 {
             return;
         }
