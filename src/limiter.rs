@@ -98,6 +98,28 @@ fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
 
 /// An admitted call: what to correct, refund or release later, and the figures of its
 /// `RateLimit` headers.
+///
+/// ```
+/// use tower_fairshare::{Caller, Cost, Limiter, Policy};
+///
+/// let policy = Policy::from_toml_str(r#"
+///     [[tool]]
+///     name = "search"
+///     unit = "calls"
+///     rate = { limit = 600, per = "1m" }
+///     [tool.tenants.acme]
+///     ceiling = 60
+/// "#).unwrap();
+/// let limiter = Limiter::new(policy);
+/// let ticket = limiter
+///     .try_admit(&Caller::new("acme"), "search", Cost(1.0))
+///     .expect("the in-process store answers at once")
+///     .expect("admitted");
+/// assert_eq!(ticket.cost(), Some(1.0));
+/// assert_eq!(ticket.quota(), Some(60.0));
+/// assert_eq!(ticket.remaining(), Some(59.0));
+/// assert_eq!(ticket.part(), 1.0, "decided on its own, not spent from a lease");
+/// ```
 #[derive(Clone, Debug)]
 pub struct Ticket {
     admission: Option<Arc<Admission>>,
