@@ -506,7 +506,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Returns parked for a call that can wait: this one applies them.
             return AtOnce::Wait(Waiting::default());
         }
-        let may_fetch_ahead = can_wait && self.may_fetch_ahead();
+        // Fetched by a task of its own: a call that cannot wait (`try_admit`, which the layer
+        // tries first) fetches ahead too.
+        let may_fetch_ahead = self.may_fetch_ahead();
         let mut returns = Vec::new();
         let ask = match leases.take(&p.plan, p.path(), &mut returns, may_fetch_ahead) {
             Take::Hit(a, part, fetch) => {

@@ -516,6 +516,16 @@ impl Store for Counting {
 /// leases are given back.
 #[test]
 fn the_next_grant_is_fetched_ahead_and_held_within_two_grants() {
+    fetched_ahead(false)
+}
+
+/// The same through `try_admit`, which the layer tries first: it fetches ahead too.
+#[test]
+fn a_call_decided_without_waiting_fetches_the_next_grant_ahead_too() {
+    fetched_ahead(true)
+}
+
+fn fetched_ahead(without_waiting: bool) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -534,7 +544,15 @@ fn the_next_grant_is_fetched_ahead_and_held_within_two_grants() {
         for _ in 0..calls {
             clock.advance(Duration::from_micros(10));
             IN_CALL.set(true);
-            l.admit(&acme, "search", Cost(1.0)).await.unwrap();
+            // As the layer does: without waiting if it can, waiting for the store if not.
+            let decided = match without_waiting {
+                true => l.try_admit(&acme, "search", Cost(1.0)),
+                false => None,
+            };
+            match decided {
+                Some(d) => drop(d.unwrap()),
+                None => drop(l.admit(&acme, "search", Cost(1.0)).await.unwrap()),
+            }
             IN_CALL.set(false);
             assert!(l.leased_units() <= 2.0 * 64.0, "held {}", l.leased_units());
             // What a server does between two requests: lets other tasks run.
