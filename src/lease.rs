@@ -350,9 +350,10 @@ impl Leases {
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
-        grant: Arc<Admission>,
+        grant: Box<Admission>,
         granted: f64,
     ) -> Option<Return> {
+        let grant: Arc<Admission> = grant.into();
         let now = plan.now.as_micros();
         let hash = self.hash(keys);
         let mut shard = lock(self.shard(hash));
@@ -414,27 +415,31 @@ impl Leases {
     }
 
     /// Keeps what a grant of `granted` units left after its first call (`plan`'s cost) as the
-    /// caller's lease, and answers that call's admission. A lease this one replaces (another
-    /// thread's grant for the same caller, decided meanwhile) is pushed to `returns`.
+    /// caller's lease, and answers that call's admission: spent from the grant (now shared)
+    /// when units are left for the lease, the grant itself when none are. A lease this one
+    /// replaces (another thread's grant for the same caller, decided meanwhile) is pushed to
+    /// `returns`.
     pub(crate) fn granted(
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
-        grant: Arc<Admission>,
+        grant: Box<Admission>,
         granted: f64,
         returns: &mut Vec<Return>,
-    ) -> (Arc<Admission>, Option<Part>) {
+    ) -> Result<(Arc<Admission>, Part), Box<Admission>> {
         let now = plan.now.as_micros();
         let left = (granted - plan.cost).max(0.0);
         // The room the grant left above the caller: its quota left in the window, the tool's
         // pool. The next grant takes a part of it at most.
         let room = grant.remaining.min(grant.slack).max(0.0);
         let (call, grant) = if left > EPS {
+            // Shared from here on by the lease and every call spent from it.
+            let grant: Arc<Admission> = grant.into();
             let part = part_of(&grant, granted, left, plan);
-            ((grant.clone(), Some(part)), Some(grant))
+            (Ok((grant.clone(), part)), Some(grant))
         } else {
             // One call's cost: an ordinary decision; only its history is kept.
-            ((grant, None), None)
+            (Err(grant), None)
         };
         let until = grant.as_deref().map_or(now, |g| ends(g, now));
         let lease = Lease {

@@ -122,11 +122,18 @@ fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Ticket {
-    admission: Option<Arc<Admission>>,
-    /// The call's part of `admission` when it was spent from a lease; `None`: all of it.
-    part: Option<Part>,
+    admission: Option<Charged>,
     shadow_refusal: Option<Box<Refusal>>,
     window_secs: u64,
+}
+
+/// What the store charged for an admitted call.
+#[derive(Clone, Debug)]
+enum Charged {
+    /// The call's own admission.
+    Own(Box<Admission>),
+    /// Spent from a lease: the lease's grant and the call's part of it.
+    Leased(Arc<Admission>, Part),
 }
 
 impl Ticket {
@@ -135,26 +142,37 @@ impl Ticket {
     /// when the call went through unmetered (the store was unreachable and the tool fails
     /// open) or, in shadow mode, when it would have been refused.
     pub fn admission(&self) -> Option<&Admission> {
-        self.admission.as_deref()
+        match self.admission.as_ref()? {
+            Charged::Own(a) => Some(a),
+            Charged::Leased(g, _) => Some(g),
+        }
+    }
+
+    /// The call's part of a lease's grant, if it was spent from one.
+    fn leased_part(&self) -> Option<Part> {
+        match &self.admission {
+            Some(Charged::Leased(_, p)) => Some(*p),
+            _ => None,
+        }
     }
 
     /// The call's share of [`admission`](Self::admission)'s charge at every level: 1 for a
     /// call decided on its own, its cost over the grant's for a call spent from a lease.
     pub fn part(&self) -> f64 {
-        self.part.map_or(1.0, |p| p.of)
+        self.leased_part().map_or(1.0, |p| p.of)
     }
 
     /// What the call was charged, in the tool's units (its cost); `None` when unmetered.
     pub fn cost(&self) -> Option<f64> {
         let a = self.admission()?;
-        Some(self.part.map_or(a.charge.cost, |p| p.cost))
+        Some(self.leased_part().map_or(a.charge.cost, |p| p.cost))
     }
 
     /// Units of the caller's quota left in the current aligned window as of this call (the
     /// `r` of the `RateLimit` header; units a lease holds for the caller count as its own).
     pub fn remaining(&self) -> Option<f64> {
         let a = self.admission()?;
-        Some(self.part.map_or(a.remaining, |p| p.remaining))
+        Some(self.leased_part().map_or(a.remaining, |p| p.remaining))
     }
 
     /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
@@ -165,7 +183,7 @@ impl Ticket {
     /// How long until the aligned window resets, as of this call.
     pub fn reset_in(&self) -> Option<std::time::Duration> {
         let a = self.admission()?;
-        let us = self.part.map_or(a.reset_in, |p| p.reset_in);
+        let us = self.leased_part().map_or(a.reset_in, |p| p.reset_in);
         Some(std::time::Duration::from_micros(us.max(0.0).ceil() as u64))
     }
 
@@ -182,13 +200,13 @@ impl Ticket {
     /// Whether the call holds concurrency permits to give back (a call spent from a lease
     /// never does: no level on a leased path caps calls in flight).
     pub fn holds_permits(&self) -> bool {
-        self.part.is_none() && self.admission().is_some_and(|a| a.charge.holds_permits())
+        matches!(&self.admission, Some(Charged::Own(a)) if a.charge.holds_permits())
     }
 
     /// The level whose allowance the caller draws on: `instance` when instances are limited
     /// separately, `tenant` otherwise.
     pub fn scope(&self) -> Scope {
-        match &self.admission {
+        match self.admission() {
             Some(a) if a.keys.instance.is_some() => Scope::Instance,
             _ => Scope::Tenant,
         }
@@ -198,7 +216,6 @@ impl Ticket {
     pub(crate) fn take_permits(&mut self) -> Ticket {
         Ticket {
             admission: self.admission.take(),
-            part: self.part,
             shadow_refusal: None,
             window_secs: self.window_secs,
         }
@@ -394,10 +411,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let outcome = match self.prepare(&policy, caller, tool, cost) {
             Err(r) => Err(r),
             Ok(p) => match self.decide_at_once(&p, caller, tool, can_wait) {
-                AtOnce::Done((decided, part)) => {
-                    leased =
-                        lease::eligible(&p.plan) && matches!(decided, Ok(Decision::Admitted(_)));
-                    self.conclude(p, caller, tool, decided, part)
+                AtOnce::Done(decided) => {
+                    leased = lease::eligible(&p.plan) && decided.admitted();
+                    self.conclude(p, caller, tool, decided)
                 }
                 AtOnce::Wait(waiting) => {
                     let now = p.plan.now;
@@ -427,12 +443,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let outcome = match self.prepare_at(policy, caller, tool, cost, Some(d.now)) {
             Err(r) => Err(r),
             Ok(p) => {
-                let (decided, part) = self.decide_waiting(&p, caller, tool, d.waiting).await;
+                let decided = self.decide_waiting(&p, caller, tool, d.waiting).await;
                 #[cfg(feature = "tokio")]
-                if lease::eligible(&p.plan) && matches!(decided, Ok(Decision::Admitted(_))) {
+                if lease::eligible(&p.plan) && decided.admitted() {
                     tokio::task::coop::consume_budget().await;
                 }
-                self.conclude(p, caller, tool, decided, part)
+                self.conclude(p, caller, tool, decided)
             }
         };
         self.record(policy, caller, tool, cost, &outcome);
@@ -496,7 +512,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return match store.decide_now(&p.plan, p.keys()) {
                 Some(d) => {
                     started.record(store.kind());
-                    AtOnce::Done((d, None))
+                    AtOnce::Done(Decided::Store(d))
                 }
                 None => AtOnce::Wait(Waiting::default()),
             };
@@ -517,7 +533,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     self.fetch_ahead(caller, tool, p.keys(), size);
                 }
                 self.give_back_now(p, returns);
-                return AtOnce::Done((Ok(Decision::Admitted(a)), Some(part)));
+                return AtOnce::Done(Decided::Lease(a, part));
             }
             Take::Miss { grant } => grant,
         };
@@ -542,7 +558,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     // gets it back with a later call.
                     if store.adjust_now(&grant, -1.0, p.plan.now).is_none() {
                         returns.push(lease::Return {
-                            grant,
+                            grant: grant.into(),
                             factor: -1.0,
                             units: 0.0,
                         });
@@ -587,7 +603,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let started = telemetry::Started::now();
             let d = store.decide(&p.plan, p.keys()).await;
             started.record(store.kind());
-            return (d, None);
+            return Decided::Store(d);
         }
         let leases = &self.inner.leases;
         // Returns not yet applied when this future is dropped are parked for the next call.
@@ -609,7 +625,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     if let Some(size) = fetch {
                         self.fetch_ahead(caller, tool, p.keys(), size);
                     }
-                    (Ok(Decision::Admitted(a)), Some(part))
+                    Decided::Lease(a, part)
                 }
                 Take::Miss { grant } => self.grant_waiting(p, grant, &mut returns.returns).await,
             },
@@ -708,7 +724,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Decision::Admitted(a)) => {
                 leases.fetch_failed(p.keys(), true);
                 Some(lease::Return {
-                    grant: a,
+                    grant: a.into(),
                     factor: -1.0,
                     units: 0.0,
                 })
@@ -738,8 +754,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let alone = ask <= p.plan.cost;
         match d {
             Ok(Decision::Admitted(a)) if alone || !lease::borrowed(&a) => {
-                let (a, part) = self.keep(p, a, ask, returns);
-                Next::Done((Ok(Decision::Admitted(a)), part))
+                Next::Done(self.keep(p, a, ask, returns))
             }
             // Units lent by others are never leased: all back, and the call decided alone.
             Ok(Decision::Admitted(a)) => {
@@ -750,7 +765,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 leases.cool(p.keys());
                 Next::Alone(None)
             }
-            d => Next::Done((d, None)),
+            d => Next::Done(Decided::Store(d)),
         }
     }
 
@@ -758,16 +773,21 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn keep(
         &self,
         p: &Prepared<'_>,
-        grant: Arc<Admission>,
+        grant: Box<Admission>,
         ask: f64,
         returns: &mut Vec<lease::Return>,
-    ) -> (Arc<Admission>, Option<Part>) {
+    ) -> Decided {
         if ask > p.plan.cost {
             telemetry::lease_granted(p.plan.tool.name_arc(), ask, ask - p.plan.cost);
         }
-        self.inner
+        match self
+            .inner
             .leases
             .granted(&p.plan, p.keys(), grant, ask, returns)
+        {
+            Ok((grant, part)) => Decided::Lease(grant, part),
+            Err(own) => Decided::Store(Ok(Decision::Admitted(own))),
+        }
     }
 
     /// Units charged at the store and not yet spent, held in this limiter's leases now (what
@@ -832,21 +852,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The store's answer as a ticket or a refusal, with shadow mode and the store-error
     /// policy applied.
-    fn conclude(
-        &self,
-        p: Prepared<'_>,
-        caller: &Caller,
-        tool: &str,
-        decided: Result<Decision, crate::store::StoreError>,
-        part: Option<Part>,
-    ) -> Outcome {
+    fn conclude(&self, p: Prepared<'_>, caller: &Caller, tool: &str, decided: Decided) -> Outcome {
         let tp = p.plan.tool;
         let window_secs = tp.period().as_secs_ceil();
         let store = &self.inner.store;
+        let decided = match decided {
+            Decided::Lease(grant, part) => {
+                return Ok(Ticket {
+                    admission: Some(Charged::Leased(grant, part)),
+                    shadow_refusal: None,
+                    window_secs,
+                })
+            }
+            Decided::Store(d) => d,
+        };
         match decided {
             Ok(Decision::Admitted(a)) => Ok(Ticket {
-                admission: Some(a),
-                part,
+                admission: Some(Charged::Own(a)),
                 shadow_refusal: None,
                 window_secs,
             }),
@@ -860,7 +882,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 } else {
                     Ok(Ticket {
                         admission: None,
-                        part: None,
                         shadow_refusal: Some(r),
                         window_secs,
                     })
@@ -872,7 +893,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     telemetry::store_error(tp.name_arc(), store.kind(), "allow");
                     Ok(Ticket {
                         admission: None,
-                        part: None,
                         shadow_refusal: None,
                         window_secs,
                     })
@@ -941,7 +961,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let tenant = caller.tenant().unwrap_or("");
         let instance = caller.instance().unwrap_or("");
         match outcome {
-            Ok(t) => match (&t.admission, &t.shadow_refusal) {
+            Ok(t) => match (t.admission(), &t.shadow_refusal) {
                 (Some(a), _) => {
                     let v = if a.keys.instance.is_some() {
                         a.views[1]
@@ -953,7 +973,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         tool, tenant, instance, cost = cost.0, outcome = "admitted",
                         weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
                         remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
-                        at_us = a.at.as_micros(), leased = t.part.is_some(),
+                        at_us = a.at.as_micros(), leased = t.leased_part().is_some(),
                     );
                 }
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
@@ -974,7 +994,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let labels = self.labels(policy, caller, tool);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
         match outcome {
-            Ok(t) => match (&t.admission, &t.shadow_refusal) {
+            Ok(t) => match (t.admission(), &t.shadow_refusal) {
                 (Some(a), _) => {
                     telemetry::decision(&labels, "admitted", "none", "none");
                     telemetry::headroom(&labels, a.slack, t.remaining().unwrap_or(a.remaining));
@@ -1003,7 +1023,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Corrects an admitted call's charge to its actual cost.
     pub async fn settle(&self, ticket: &Ticket, actual: Cost) {
-        let (Some(a), Some(cost)) = (&ticket.admission, ticket.cost()) else {
+        let (Some(a), Some(cost)) = (ticket.admission(), ticket.cost()) else {
             return;
         };
         let part = ticket.part();
@@ -1028,7 +1048,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Gives back an admitted call's whole charge. Only for calls the inner service provably
     /// did not run.
     pub async fn refund(&self, ticket: &Ticket) {
-        if let Some(a) = &ticket.admission {
+        if let Some(a) = ticket.admission() {
             if let Err(e) = self
                 .inner
                 .store
@@ -1042,7 +1062,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Returns the concurrency permits an admitted call holds.
     pub async fn release(&self, ticket: &Ticket) {
-        if let (true, Some(a)) = (ticket.holds_permits(), &ticket.admission) {
+        if let (true, Some(a)) = (ticket.holds_permits(), ticket.admission()) {
             if let Err(e) = self.inner.store.release(a).await {
                 tracing::warn!(tool = %a.keys.tool, error = %e, "could not release a permit");
             }
@@ -1080,9 +1100,23 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Bo
 /// A decision as it travels inside the limiter: the refusal boxed.
 type Outcome = Result<Ticket, Box<Refusal>>;
 
-/// What a call was decided with: the store's answer, and the call's part of it when the call
-/// was spent from a lease (`None`: all of it).
-type Decided = (Result<Decision, StoreError>, Option<Part>);
+/// What a call was decided with.
+enum Decided {
+    /// The store's answer: a call decided on its own (or the first call of a grant no lease
+    /// keeps).
+    Store(Result<Decision, StoreError>),
+    /// Spent from a lease: its grant, and the call's part of it.
+    Lease(Arc<Admission>, Part),
+}
+
+impl Decided {
+    fn admitted(&self) -> bool {
+        matches!(
+            self,
+            Decided::Lease(..) | Decided::Store(Ok(Decision::Admitted(_)))
+        )
+    }
+}
 
 /// Returns a leasing call has still to apply: parked for a later call if its future is
 /// dropped first, so none is lost.
@@ -1130,7 +1164,7 @@ enum Next {
     /// The answer.
     Done(Decided),
     /// Decide the call alone, after giving back this grant (it borrowed), if any.
-    Alone(Option<Arc<Admission>>),
+    Alone(Option<Box<Admission>>),
 }
 
 /// A call resolved and timed, ready for the store.

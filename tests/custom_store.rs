@@ -5,7 +5,7 @@
 mod conformance;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot, Verdict};
 use tower_fairshare::store::{Admission, CallKeys, Decision};
@@ -49,7 +49,7 @@ impl Store for MapStore {
                 if let (Some(i), true) = (&instance, plan.instance.is_some()) {
                     inner.states.insert(i.clone(), (a.instance, a.expires[2]));
                 }
-                Ok(Decision::Admitted(Arc::new(a.into_admission(
+                Ok(Decision::Admitted(Box::new(a.into_admission(
                     keys.clone(),
                     plan.now,
                     0,

@@ -80,9 +80,8 @@ pub struct Admission {
 /// The store's answer.
 #[derive(Clone, Debug)]
 pub enum Decision {
-    /// Admitted and committed. Shared: a lease's grant is held by the lease and by every call
-    /// spent from it.
-    Admitted(Arc<Admission>),
+    /// Admitted and committed.
+    Admitted(Box<Admission>),
     /// Refused; nothing was charged.
     Refused(Box<Refusal>),
 }

@@ -295,7 +295,7 @@ fn decide_on(
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
     keys: &CallKeys,
-) -> Result<(Arc<Admission>, [u64; 2]), Box<Refusal>> {
+) -> Result<(Box<Admission>, [u64; 2]), Box<Refusal>> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
@@ -343,7 +343,7 @@ fn decide_on(
     drop(tool);
     // The answer is built where it will live, and the charge written into it: no copy of
     // the record on the way.
-    let mut shared = Arc::new(Admission {
+    let mut admission = Box::new(Admission {
         keys: keys.clone(),
         charge: engine::Charge::default(),
         remaining: 0.0,
@@ -354,7 +354,6 @@ fn decide_on(
         at: plan.now,
         call: 0,
     });
-    let admission = Arc::get_mut(&mut shared).expect("not shared yet");
     let s = engine::commit_below(
         plan,
         &mut below,
@@ -369,7 +368,7 @@ fn decide_on(
     admission.slack = s.slack;
     admission.views = s.views;
     Ok((
-        shared,
+        admission,
         [micros_ceil(s.expires[1]), micros_ceil(s.expires[2])],
     ))
 }

@@ -124,7 +124,7 @@ pub(super) enum Job {
     },
     /// Add `factor` × an admitted call's charge at every level it charged.
     Adjust {
-        admission: Arc<Admission>,
+        admission: Box<Admission>,
         factor: f64,
         now: Timestamp,
         reply: Option<oneshot::Sender<Result<(), StoreError>>>,
@@ -659,7 +659,7 @@ fn clone_error(e: &StoreError) -> StoreError {
 
 /// An admission whose caller went away: its units refunded at every level (through the
 /// queue, like any write) and its permits released.
-fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
+fn give_back(sh: &Arc<Shared>, admission: Box<Admission>) {
     sh.abandoned
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     crate::telemetry::abandoned(&admission.keys.tool);
@@ -797,7 +797,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                                 }
                             }
                         }
-                        outcomes.push(Outcome::Decided(Decision::Admitted(Arc::new(
+                        outcomes.push(Outcome::Decided(Decision::Admitted(Box::new(
                             a.into_admission(ck.clone(), now, *call),
                         ))));
                     }
