@@ -341,8 +341,8 @@ fn decisions(c: &mut Criterion) {
 /// clock the limiter reads (`SystemClock`), taking and releasing one uncontended lock, cloning
 /// and dropping one `Arc` (the answer shares its record), loading the policy from its
 /// `ArcSwap` (reloads never block a decision). A leased decision does each once at least; an
-/// exact one takes two locks. Their sum is a floor no implementation of the same guarantees
-/// goes under here.
+/// exact one takes two locks and allocates its answer instead (which costs more). Their sum
+/// is a floor no implementation of the same guarantees goes under here.
 fn floor(c: &mut Criterion) {
     let mut g = c.benchmark_group("floor");
     g.bench_function("wall clock", |b| {
