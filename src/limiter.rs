@@ -290,22 +290,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn set_policy(&self, policy: Policy) {
         let policy = Arc::new(policy);
         self.inner.recorder.retain(&policy);
-        let old = self.inner.policy.swap(policy);
-        let now = self.inner.clock.now();
-        for r in self.inner.leases.drain() {
-            if self
-                .inner
-                .store
-                .adjust_now(&r.grant, r.factor, now)
-                .is_none()
-            {
-                self.inner.leases.park(r);
-                continue;
-            }
-            if let Some(t) = old.tool(&r.grant.keys.tool) {
-                telemetry::lease_returned(t.name_arc(), r.units);
-            }
-        }
+        self.inner.policy.store(policy);
+        self.give_back_now(self.inner.leases.drain(), self.inner.clock.now());
     }
 
     /// Loads the policy file at `path` and, only if it is valid, puts it in force (see
@@ -379,15 +365,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// outcome and whether it was admitted on a leasing path). Returns not applied when this
     /// future is dropped are parked again for the next call.
     async fn give_back_and_answer(&self, done: (Outcome, bool)) -> Result<Ticket, Refusal> {
-        let now = self.inner.clock.now();
-        let mut returns = Parked {
-            leases: &self.inner.leases,
-            returns: self.inner.leases.take_pending(),
-        };
-        while let Some(r) = returns.returns.pop() {
-            telemetry::lease_returned(&r.grant.keys.tool, r.units);
-            let _ = self.inner.store.adjust(&r.grant, r.factor, now).await;
-        }
+        self.give_back_waiting(self.inner.leases.take_pending(), self.inner.clock.now())
+            .await;
         #[cfg(feature = "tokio")]
         if done.1 {
             tokio::task::coop::consume_budget().await;
@@ -528,12 +507,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut returns = Vec::new();
         let ask = match leases.take(&p.plan, p.path(), &mut returns, may_fetch_ahead) {
             Take::Hit(a, part, fetch) => {
-                telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
-                if let Some(size) = fetch {
-                    self.fetch_ahead(caller, tool, p.keys(), size);
-                }
-                self.give_back_now(p, returns);
-                return AtOnce::Done(Decided::Lease(a, part));
+                self.give_back_now(returns, p.plan.now);
+                return AtOnce::Done(self.spent(p, caller, tool, a, part, fetch));
             }
             Take::Miss { grant } => grant,
         };
@@ -568,22 +543,54 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             ask = p.plan.cost;
         };
         started.record(store.kind());
-        self.give_back_now(p, returns);
+        self.give_back_now(returns, p.plan.now);
         AtOnce::Done(decided)
+    }
+
+    /// A call spent from its lease's `grant`: counted, and the next grant fetched ahead when
+    /// the lease asks for it (`fetch`, its size).
+    #[inline]
+    fn spent(
+        &self,
+        p: &Prepared<'_>,
+        caller: &Caller,
+        tool: &str,
+        grant: Arc<Admission>,
+        part: Part,
+        fetch: Option<f64>,
+    ) -> Decided {
+        telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
+        if let Some(size) = fetch {
+            self.fetch_ahead(caller, tool, p.keys(), size);
+        }
+        Decided::Lease(grant, part)
     }
 
     /// Gives back what leases returned, at once where the store can, parked where it cannot:
     /// for the call itself to apply before it answers when it can wait (see
     /// [`admit`](Self::admit)), for the next call that can otherwise.
-    fn give_back_now(&self, p: &Prepared<'_>, returns: Vec<lease::Return>) {
+    fn give_back_now(&self, returns: Vec<lease::Return>, now: crate::clock::Timestamp) {
         if returns.is_empty() {
             return;
         }
         for r in returns {
-            match self.inner.store.adjust_now(&r.grant, r.factor, p.plan.now) {
+            match self.inner.store.adjust_now(&r.grant, r.factor, now) {
                 Some(_) => telemetry::lease_returned(&r.grant.keys.tool, r.units),
                 None => self.inner.leases.park(r),
             }
+        }
+    }
+
+    /// Gives back what leases returned, waiting for the store; what is not applied when this
+    /// future is dropped is parked for the next call that can wait.
+    async fn give_back_waiting(&self, returns: Vec<lease::Return>, now: crate::clock::Timestamp) {
+        let mut returns = Parked {
+            leases: &self.inner.leases,
+            returns,
+        };
+        while let Some(r) = returns.returns.pop() {
+            telemetry::lease_returned(&r.grant.keys.tool, r.units);
+            let _ = self.inner.store.adjust(&r.grant, r.factor, now).await;
         }
     }
 
@@ -620,20 +627,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 &mut returns.returns,
                 self.may_fetch_ahead(),
             ) {
-                Take::Hit(a, part, fetch) => {
-                    telemetry::lease_hit(p.plan.tool.name_arc(), p.plan.cost);
-                    if let Some(size) = fetch {
-                        self.fetch_ahead(caller, tool, p.keys(), size);
-                    }
-                    Decided::Lease(a, part)
-                }
+                Take::Hit(a, part, fetch) => self.spent(p, caller, tool, a, part, fetch),
                 Take::Miss { grant } => self.grant_waiting(p, grant, &mut returns.returns).await,
             },
         };
-        while let Some(r) = returns.returns.pop() {
-            telemetry::lease_returned(&r.grant.keys.tool, r.units);
-            let _ = store.adjust(&r.grant, r.factor, p.plan.now).await;
-        }
+        self.give_back_waiting(std::mem::take(&mut returns.returns), p.plan.now)
+            .await;
         decided
     }
 
@@ -800,13 +799,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// it was charged at): for a graceful shutdown, before the limiter is dropped. Dropping
     /// the limiter gives them back too, to a store that needs no I/O for it.
     pub async fn return_leases(&self) {
-        let now = self.inner.clock.now();
-        for r in self.inner.leases.drain() {
-            if let Some(name) = self.policy().tool(&r.grant.keys.tool) {
-                telemetry::lease_returned(name.name_arc(), r.units);
-            }
-            let _ = self.inner.store.adjust(&r.grant, r.factor, now).await;
-        }
+        self.give_back_waiting(self.inner.leases.drain(), self.inner.clock.now())
+            .await;
     }
 
     /// Everything before the store: who is charged for what, at what time.
