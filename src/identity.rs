@@ -63,6 +63,10 @@ impl Caller {
         self.tier.as_deref()
     }
 
+    pub(crate) fn tier_arc(&self) -> Option<&Arc<str>> {
+        self.tier.as_ref()
+    }
+
     pub(crate) fn tenant_arc(&self) -> Option<&Arc<str>> {
         self.tenant.as_ref()
     }

@@ -35,6 +35,7 @@ use hashbrown::HashTable;
 
 use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
+use crate::identity::Caller;
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -90,14 +91,37 @@ impl<'a> Path<'a> {
 
     /// Whether `k` are this path's keys.
     fn is(&self, k: &CallKeys) -> bool {
-        self.is_below_tool(k) && *k.tool == *self.tool
+        self.is_below_tool(k) && same(&k.tool, self.tool)
     }
 
     /// Whether `k` are this path's keys, the tool's name aside.
     fn is_below_tool(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted
-            && *k.tenant == *self.tenant
-            && k.instance.as_deref() == self.instance
+            && same(&k.tenant, self.tenant)
+            && match (k.instance.as_deref(), self.instance) {
+                (Some(a), Some(b)) => same(a, b),
+                (a, b) => a.is_none() && b.is_none(),
+            }
+    }
+}
+
+/// Whether two names are the same, compared inline a word at a time: names are short, and a
+/// call to the C library's comparison costs more than comparing a short name.
+#[inline]
+fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word = |x: &[u8], at: usize| u64::from_ne_bytes(x[at..at + 8].try_into().expect("8 bytes"));
+    let half = |x: &[u8], at: usize| u32::from_ne_bytes(x[at..at + 4].try_into().expect("4 bytes"));
+    match n {
+        0 => true,
+        1..4 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
+        4..8 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
+        _ => a == b,
     }
 }
 
@@ -119,11 +143,59 @@ pub(crate) enum Take {
     Miss { grant: f64 },
 }
 
+/// What a lease knows of the policy it was granted under, so that a call can be spent from it
+/// without resolving the call against the policy (see [`Leases::spend`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Known {
+    /// The limiter's policy version the lease is valid under: the version read before the
+    /// policy the grant was decided under was loaded (a later policy never has an earlier
+    /// version).
+    pub(crate) version: u64,
+    /// The tier of the caller that was granted the lease (a tool may allow some tiers only).
+    pub(crate) tier: Option<Arc<str>>,
+    /// Whether the caller's tenant limits its instances: a call of another instance is
+    /// charged at its own instance then, not from this lease.
+    instances_limited: bool,
+    /// The smallest burst on the path (a grant takes a part of it at most).
+    burst: f64,
+    /// The tool's window, in whole seconds (a ticket's `RateLimit` window).
+    window_secs: u64,
+}
+
+impl Known {
+    pub(crate) fn new(version: u64, tier: Option<Arc<str>>, plan: &Plan<'_>) -> Self {
+        let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
+        if let Some(i) = plan.instance {
+            burst = burst.min(i.policy.burst);
+        }
+        Known {
+            version,
+            tier,
+            instances_limited: !plan.untenanted && plan.tenant.policy.has_instances(),
+            burst,
+            window_secs: plan.tool.period().as_secs_ceil(),
+        }
+    }
+}
+
+/// A call spent from its lease without the policy at hand (see [`Leases::spend`]).
+pub(crate) struct Spent {
+    pub(crate) grant: Arc<Admission>,
+    pub(crate) part: Part,
+    pub(crate) window_secs: u64,
+    /// The size of the next grant to fetch ahead now, and the lease's keys (seldom: boxed,
+    /// so that the answer stays small).
+    pub(crate) fetch: Option<Box<(f64, CallKeys)>>,
+}
+
 /// Every lease this process holds, sharded by caller path.
 pub(crate) struct Leases {
     /// Made at the first leasing call: a limiter whose policy never leases holds none.
     shards: std::sync::OnceLock<Box<[Padded]>>,
     hasher: RandomState,
+    /// One bit per tool name that was ever granted a lease (by the name's hash): a call of a
+    /// tool whose bit is clear looks for no lease before the policy is read.
+    tools: AtomicU64,
     /// Returns that could not be applied where they were decided (a store that needs I/O,
     /// in a call that cannot wait): the next call that can wait applies them.
     pending: Mutex<Vec<Return>>,
@@ -152,6 +224,9 @@ struct Lease {
     keys: CallKeys,
     /// The tool policy the grant was decided under: a reload ends the lease.
     tool: Arc<ToolPolicy>,
+    /// What a call needs to be spent from the lease without the policy at hand (see
+    /// [`Leases::spend`]).
+    known: Known,
     /// The grant as the store admitted it; `None` once nothing is left to return.
     grant: Option<Arc<Admission>>,
     granted: f64,
@@ -237,6 +312,7 @@ impl Leases {
         Leases {
             shards: std::sync::OnceLock::new(),
             hasher: RandomState::default(),
+            tools: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             swept_at: AtomicU64::new(0),
@@ -268,8 +344,108 @@ impl Leases {
     }
 
     fn shard(&self, hash: u64) -> &Mutex<Shard> {
-        let shards = self.shards();
-        &shards[(hash >> 48) as usize & (shards.len() - 1)].0
+        shard_of(self.shards(), hash)
+    }
+
+
+    /// Spends `cost` from the lease of `caller` calling `tool`, before the call is resolved
+    /// against the policy, when nothing else is needed: the policy is the version the lease
+    /// was granted under (`version`, so the call would resolve to the lease's path as the
+    /// call that was granted it did), the caller has the tier it was granted to, and the lease
+    /// is current and holds enough. `None`: the call goes the whole way (where it may still
+    /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
+    pub(crate) fn spend(
+        &self,
+        version: u64,
+        tool: &str,
+        caller: &Caller,
+        cost: f64,
+        now: Timestamp,
+        may_fetch_ahead: impl Fn() -> bool,
+    ) -> Option<Spent> {
+        let shards = self.shards.get()?;
+        if !(cost.is_finite() && cost >= 0.0)
+            || self.tools.load(Relaxed) & tool_bit(&self.hasher, tool) == 0
+        {
+            return None;
+        }
+        let now = now.as_micros();
+        // Leases to sweep: the whole way does that.
+        if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
+            return None;
+        }
+        let tier = caller.tier();
+        let path = match caller.tenant() {
+            Some(tenant) => Path {
+                tool,
+                tenant,
+                instance: caller.instance(),
+                untenanted: false,
+            },
+            None => Path {
+                tool,
+                tenant: caller.instance().unwrap_or(""),
+                instance: None,
+                untenanted: true,
+            },
+        };
+        let valid = |l: &Lease| l.known.version == version && l.known.tier.as_deref() == tier;
+        let hash = hash_path(&self.hasher, path);
+        let spent = self.spend_at(shards, path, hash, &valid, cost, now, &may_fetch_ahead);
+        if spent.is_some() || path.instance.is_none() {
+            return spent;
+        }
+        // A tenant that does not limit its instances is one path for all of them.
+        let tenant = Path {
+            instance: None,
+            ..path
+        };
+        let valid = |l: &Lease| valid(l) && !l.known.instances_limited;
+        let hash = hash_path(&self.hasher, tenant);
+        self.spend_at(shards, tenant, hash, &valid, cost, now, &may_fetch_ahead)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn spend_at(
+        &self,
+        shards: &[Padded],
+        path: Path<'_>,
+        hash: u64,
+        valid: &impl Fn(&Lease) -> bool,
+        c: f64,
+        now: u64,
+        may_fetch_ahead: &impl Fn() -> bool,
+    ) -> Option<Spent> {
+        let mut shard = lock(shard_of(shards, hash));
+        let l = shard.leases.find_mut(hash, |l| path.is(&l.keys))?;
+        if !(valid(l)
+            && now >= l.started
+            && now < l.until
+            && l.left + EPS >= c
+            && c <= l.tool.lease_max)
+        {
+            return None;
+        }
+        let g = l.grant.as_ref()?;
+        let left = (l.left - c).max(0.0);
+        let fetch = (l.next.is_none()
+            && !l.refreshing
+            && !l.cool
+            && left < l.granted * FETCH_AHEAD_AT
+            && may_fetch_ahead())
+        .then(|| Self::size(c, l.tool.lease_max, l, now))
+        .filter(|size| *size > c)
+        .map(|size| Box::new((size, l.keys.clone())));
+        l.refreshing |= fetch.is_some();
+        l.left = left;
+        l.last = now;
+        crate::telemetry::lease_hit(l.tool.name_arc(), c);
+        Some(Spent {
+            part: part_of(g, l.granted, left, c, now),
+            grant: g.clone(),
+            window_secs: l.known.window_secs,
+            fetch,
+        })
     }
 
     /// Spends `plan`'s cost from its caller's lease, or says how much to ask the store for.
@@ -302,13 +478,13 @@ impl Leases {
             if let Some(g) = l.grant.as_ref() {
                 l.left = (l.left - c).max(0.0);
                 l.last = now;
-                let part = part_of(g, l.granted, l.left, plan);
+                let part = part_of(g, l.granted, l.left, c, now);
                 let ahead = (may_fetch_ahead
                     && l.next.is_none()
                     && !l.refreshing
                     && !l.cool
                     && l.left < l.granted * FETCH_AHEAD_AT)
-                    .then(|| Self::size(plan, l, now))
+                    .then(|| Self::size(c, plan.tool.lease_max, l, now))
                     .filter(|g| *g > c);
                 l.refreshing |= ahead.is_some();
                 return Take::Hit(g.clone(), part, ahead);
@@ -322,7 +498,7 @@ impl Leases {
             l.give_back_current(returns);
             let n = l.next.take().expect("checked");
             let left = (n.granted - c).max(0.0);
-            let part = part_of(&n.grant, n.granted, left, plan);
+            let part = part_of(&n.grant, n.granted, left, c, now);
             let grant = n.grant.clone();
             l.grant = Some(n.grant);
             l.granted = n.granted;
@@ -334,7 +510,7 @@ impl Leases {
             return Take::Hit(grant, part, None);
         }
         // Sized on what the caller spent of it, before what is left goes back.
-        let size = Self::size(plan, l, now);
+        let size = Self::size(c, plan.tool.lease_max, l, now);
         l.give_back(returns);
         if !same || l.cool || now >= l.last.saturating_add(IDLE_US) {
             l.cool = false;
@@ -392,18 +568,13 @@ impl Leases {
     /// The next grant for a caller whose lease ran out: what it spent over the last
     /// lease's life, stretched to [`TARGET_US`], at most twice the last grant, within the
     /// room the last grant left and the path's bursts, and `max`.
-    fn size(plan: &Plan<'_>, l: &Lease, now: u64) -> f64 {
-        let c = plan.cost;
+    fn size(c: f64, max: f64, l: &Lease, now: u64) -> f64 {
         let life = now.saturating_sub(l.started).max(1) as f64;
         let spent = (l.granted - l.left).max(c);
         let mut want = (spent * TARGET_US / life).min(2.0 * l.granted);
-        let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
-        if let Some(i) = plan.instance {
-            burst = burst.min(i.policy.burst);
-        }
-        want = want.min(burst * ROOM_PART);
+        want = want.min(l.known.burst * ROOM_PART);
         want = want.min(l.room * ROOM_PART);
-        want = want.min(plan.tool.lease_max);
+        want = want.min(max);
         // Whole calls: a grant that would leave less than one more call is one call's cost
         // (a fraction left over would only go back).
         let calls = if c > 0.0 { (want / c).floor() } else { 1.0 };
@@ -423,6 +594,7 @@ impl Leases {
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
+        known: Known,
         grant: Box<Admission>,
         granted: f64,
         returns: &mut Vec<Return>,
@@ -435,16 +607,21 @@ impl Leases {
         let (call, grant) = if left > EPS {
             // Shared from here on by the lease and every call spent from it.
             let grant: Arc<Admission> = grant.into();
-            let part = part_of(&grant, granted, left, plan);
+            let part = part_of(&grant, granted, left, plan.cost, now);
             (Ok((grant.clone(), part)), Some(grant))
         } else {
             // One call's cost: an ordinary decision; only its history is kept.
             (Err(grant), None)
         };
         let until = grant.as_deref().map_or(now, |g| ends(g, now));
+        let bit = tool_bit(&self.hasher, &keys.tool);
+        if self.tools.load(Relaxed) & bit == 0 {
+            self.tools.fetch_or(bit, Relaxed);
+        }
         let lease = Lease {
             keys: keys.clone(),
             tool: plan.tool.clone(),
+            known,
             granted,
             left,
             grant,
@@ -571,8 +748,17 @@ impl Leases {
     }
 }
 
+fn shard_of(shards: &[Padded], hash: u64) -> &Mutex<Shard> {
+    &shards[(hash >> 48) as usize & (shards.len() - 1)].0
+}
+
 fn hash_keys(h: &RandomState, k: &CallKeys) -> u64 {
     hash_path(h, Path::of(k))
+}
+
+/// The bit of a tool in [`Leases::tools`].
+fn tool_bit(h: &RandomState, tool: &str) -> u64 {
+    1 << (h.hash_one(tool) >> 58)
 }
 
 fn hash_path(h: &RandomState, p: Path<'_>) -> u64 {
@@ -616,15 +802,11 @@ fn ends(grant: &Admission, now: u64) -> u64 {
 /// A call's part of a grant it is spent from: its share of what the grant charged at each
 /// level (so settling or refunding the call corrects the store by that share exactly), and
 /// the grant's figures as of the call, the units still held counted as the caller's.
-fn part_of(grant: &Admission, granted: f64, left: f64, plan: &Plan<'_>) -> Part {
-    let since = plan.now.as_micros().saturating_sub(grant.at.as_micros()) as f64;
+fn part_of(grant: &Admission, granted: f64, left: f64, cost: f64, now: u64) -> Part {
+    let since = now.saturating_sub(grant.at.as_micros()) as f64;
     Part {
-        of: if granted > 0.0 {
-            plan.cost / granted
-        } else {
-            0.0
-        },
-        cost: plan.cost,
+        of: if granted > 0.0 { cost / granted } else { 0.0 },
+        cost,
         remaining: grant.remaining + left,
         reset_in: (grant.reset_in - since).max(0.0),
     }
@@ -641,6 +823,18 @@ pub(crate) fn borrowed(grant: &Admission) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Names compared a word at a time compare as strings do, at every length around the
+        /// word sizes.
+        #[test]
+        fn same_names_are_equal_strings(a in "[ab]{0,20}", b in "[ab]{0,20}", c in "\\PC{0,20}") {
+            prop_assert_eq!(same(&a, &b), a == b);
+            prop_assert_eq!(same(&c, &b), c == b);
+            prop_assert!(same(&c, &c.clone()));
+        }
+    }
 
     fn grant(at: u64, reset_in: f64) -> Admission {
         Admission {

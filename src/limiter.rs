@@ -1,6 +1,8 @@
 //! The limiter: policy + store + clock. Resolves who is calling what, asks the store, and
 //! turns the answer into an admission or a typed refusal. The layer is a thin shell over it.
 
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -67,6 +69,11 @@ struct Inner<S, C> {
     /// Read on every decision, written on reload: an `ArcSwap`, so readers on many threads
     /// never contend on a lock.
     policy: ArcSwap<Policy>,
+    /// The version of the policy in force (see `Policy::version`), written after the policy:
+    /// a call that reads its lease's version here is spent without reading the policy.
+    version: AtomicU64,
+    /// Held while a policy is put in force, so that versions follow the order of the stores.
+    reloading: std::sync::Mutex<()>,
     store: S,
     clock: C,
     instance_labels: bool,
@@ -231,10 +238,13 @@ impl Limiter<MemoryStore, SystemClock> {
 
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// A limiter over `store`, reading time from `clock`.
-    pub fn with_store(policy: Policy, store: S, clock: C) -> Self {
+    pub fn with_store(mut policy: Policy, store: S, clock: C) -> Self {
+        policy.version = 0;
         Limiter {
             inner: Arc::new(Inner {
                 policy: ArcSwap::from_pointee(policy),
+                version: AtomicU64::new(0),
+                reloading: std::sync::Mutex::new(()),
                 store,
                 clock,
                 instance_labels: false,
@@ -287,10 +297,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ///
     /// Leases end with the policy they were granted under: what they hold goes back to the
     /// store now (to a store that needs I/O for it, with the next decision).
-    pub fn set_policy(&self, policy: Policy) {
-        let policy = Arc::new(policy);
-        self.inner.recorder.retain(&policy);
-        self.inner.policy.store(policy);
+    pub fn set_policy(&self, mut policy: Policy) {
+        {
+            let _one_at_a_time = self
+                .inner
+                .reloading
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let version = self.inner.version.load(Relaxed) + 1;
+            policy.version = version;
+            let policy = Arc::new(policy);
+            self.inner.recorder.retain(&policy);
+            self.inner.policy.store(policy);
+            self.inner.version.store(version, Release);
+        }
         self.give_back_now(self.inner.leases.drain(), self.inner.clock.now());
     }
 
@@ -385,9 +405,28 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: Cost,
         can_wait: bool,
     ) -> Result<(Outcome, bool), Deferred> {
+        let version = self.inner.version.load(Acquire);
+        let now = self.inner.clock.now();
+        let leases = &self.inner.leases;
+        let may_fetch_ahead = || self.may_fetch_ahead();
+        if let Some(s) = leases.spend(version, tool, caller, cost.0, now, may_fetch_ahead) {
+            if let Some(f) = &s.fetch {
+                self.fetch_ahead(caller, tool, &f.1, f.0);
+            }
+            let ticket = Ticket {
+                admission: Some(Charged::Leased(s.grant, s.part)),
+                shadow_refusal: None,
+                window_secs: s.window_secs,
+            };
+            trace_admitted(caller, tool, cost, &ticket);
+            let outcome = Ok(ticket);
+            #[cfg(feature = "metrics")]
+            self.count(&self.inner.policy.load(), caller, tool, &outcome);
+            return Ok((outcome, true));
+        }
         let policy = self.inner.policy.load();
         let mut leased = false;
-        let outcome = match self.prepare(&policy, caller, tool, cost) {
+        let outcome = match self.prepare_at(&policy, caller, tool, cost, Some(now)) {
             Err(r) => Err(r),
             Ok(p) => match self.decide_at_once(&p, caller, tool, can_wait) {
                 AtOnce::Done(decided) => {
@@ -782,7 +821,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         match self
             .inner
             .leases
-            .granted(&p.plan, p.keys(), grant, ask, returns)
+            .granted(&p.plan, p.keys(), p.known(), grant, ask, returns)
         {
             Ok((grant, part)) => Decided::Lease(grant, part),
             Err(own) => Decided::Store(Ok(Decision::Admitted(own))),
@@ -840,6 +879,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 untenanted,
             },
             caller,
+            version: policy.version,
             keys: std::sync::OnceLock::new(),
         })
     }
@@ -956,20 +996,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let instance = caller.instance().unwrap_or("");
         match outcome {
             Ok(t) => match (t.admission(), &t.shadow_refusal) {
-                (Some(a), _) => {
-                    let v = if a.keys.instance.is_some() {
-                        a.views[1]
-                    } else {
-                        a.views[0]
-                    };
-                    tracing::debug!(
-                        target: "tower_fairshare::decision",
-                        tool, tenant, instance, cost = cost.0, outcome = "admitted",
-                        weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
-                        remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
-                        at_us = a.at.as_micros(), leased = t.leased_part().is_some(),
-                    );
-                }
+                (Some(_), _) => trace_admitted(caller, tool, cost, t),
                 (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
                 (None, None) => {}
             },
@@ -1062,6 +1089,31 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
         }
     }
+}
+
+/// The decision event of an admitted call.
+fn trace_admitted(caller: &Caller, tool: &str, cost: Cost, t: &Ticket) {
+    if !tracing::enabled!(target: "tower_fairshare::decision", tracing::Level::DEBUG) {
+        return;
+    }
+    let Some(a) = t.admission() else {
+        return;
+    };
+    let v = if a.keys.instance.is_some() {
+        a.views[1]
+    } else {
+        a.views[0]
+    };
+    tracing::debug!(
+        target: "tower_fairshare::decision",
+        tool,
+        tenant = caller.tenant().unwrap_or(""),
+        instance = caller.instance().unwrap_or(""),
+        cost = cost.0, outcome = "admitted",
+        weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
+        remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
+        at_us = a.at.as_micros(), leased = t.leased_part().is_some(),
+    );
 }
 
 fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outcome: &'static str) {
@@ -1165,6 +1217,8 @@ enum Next {
 pub(crate) struct Prepared<'p> {
     pub(crate) plan: Plan<'p>,
     caller: &'p Caller,
+    /// The version of the policy it was resolved under.
+    version: u64,
     /// The store keys, made (sharing the caller's names) when a store is asked: a call spent
     /// from a lease needs none.
     keys: std::sync::OnceLock<CallKeys>,
@@ -1179,6 +1233,11 @@ impl Prepared<'_> {
             instance: self.plan.instance.map(|i| i.name),
             untenanted: self.plan.untenanted,
         }
+    }
+
+    /// What a lease granted to this call knows of the policy.
+    fn known(&self) -> lease::Known {
+        lease::Known::new(self.version, self.caller.tier_arc().cloned(), &self.plan)
     }
 
     /// The store keys of the call.

@@ -37,10 +37,6 @@ mod validate;
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-
-/// Name → position, read on every decision: a fast seeded hash (the keys come from the policy
-/// file, not from callers, so flooding is not a concern).
-pub(crate) type NameIndex = HashMap<String, usize, foldhash::fast::RandomState>;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -48,6 +44,52 @@ use std::sync::Arc;
 pub use allocation::{Allocation, InstanceAllocation, TenantAllocation, ToolAllocation};
 pub use builder::{InstanceBuilder, PolicyBuilder, TenantBuilder, ToolBuilder};
 pub use period::{BudgetPeriod, Period};
+
+/// Name → position, read on every decision. A few names are compared in turn (cheaper than
+/// hashing the name asked for); more are hashed with a fast seeded hash (the keys come from the
+/// policy file, not from callers, so flooding is not a concern).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct NameIndex {
+    few: Vec<(Box<str>, usize)>,
+    many: HashMap<String, usize, foldhash::fast::RandomState>,
+}
+
+impl NameIndex {
+    /// Up to this many names are compared in turn.
+    const SCAN: usize = 8;
+
+    /// Sets `name`'s position; the one it replaced, if any.
+    pub(crate) fn insert(&mut self, name: String, at: usize) -> Option<usize> {
+        if self.many.is_empty() {
+            if let Some(e) = self.few.iter_mut().find(|(n, _)| **n == *name) {
+                return Some(std::mem::replace(&mut e.1, at));
+            }
+            if self.few.len() < Self::SCAN {
+                self.few.push((name.into_boxed_str(), at));
+                return None;
+            }
+            self.many = self
+                .few
+                .drain(..)
+                .map(|(n, i)| (n.into_string(), i))
+                .collect();
+        }
+        self.many.insert(name, at)
+    }
+
+    /// `name`'s position.
+    #[inline]
+    pub(crate) fn get(&self, name: &str) -> Option<&usize> {
+        if self.many.is_empty() {
+            self.few
+                .iter()
+                .find(|(n, _)| n.len() == name.len() && n.as_bytes() == name.as_bytes())
+                .map(|(_, i)| i)
+        } else {
+            self.many.get(name)
+        }
+    }
+}
 
 /// What one unit of cost is for a tool.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -109,6 +151,9 @@ pub struct Policy {
     pub(crate) tools: Vec<Arc<ToolPolicy>>,
     pub(crate) by_name: NameIndex,
     pub(crate) warnings: Vec<Warning>,
+    /// Which of a limiter's policies this is (set by the limiter that puts it in force): a
+    /// lease is spent without reading the policy while the limiter's version is its own.
+    pub(crate) version: u64,
 }
 
 /// One tool's limits, validated.
@@ -639,5 +684,30 @@ fn tidy_path(p: &str) -> String {
         String::new()
     } else {
         p.trim_start_matches('.').to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NameIndex;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    proptest! {
+        /// Scanned (a few names) or hashed (more), the index answers as a map would: the last
+        /// position set for a name, nothing for a name never set.
+        #[test]
+        fn a_name_index_answers_as_a_map(
+            sets in proptest::collection::vec(("[a-d]{0,3}", 0usize..100), 0..40),
+            asks in proptest::collection::vec("[a-d]{0,3}", 0..20),
+        ) {
+            let (mut index, mut map) = (NameIndex::default(), HashMap::new());
+            for (name, at) in sets {
+                prop_assert_eq!(index.insert(name.clone(), at), map.insert(name, at));
+            }
+            for name in map.keys().chain(asks.iter()) {
+                prop_assert_eq!(index.get(name), map.get(name));
+            }
+        }
     }
 }

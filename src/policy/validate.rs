@@ -142,6 +142,7 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
             tools,
             by_name,
             warnings: cx.warnings,
+            version: 0,
         })
     } else {
         Err(PolicyError::Invalid(cx.violations))
