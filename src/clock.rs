@@ -208,7 +208,11 @@ mod tests {
         let a = Anchor { at, wall: 1_000 };
         assert_eq!(a.read(at), Some(1_000));
         assert_eq!(a.read(at + Duration::from_micros(300_250)), Some(301_250));
-        assert_eq!(a.read(at + SystemClock::RESYNC), None, "time to read the wall clock");
+        assert_eq!(
+            a.read(at + SystemClock::RESYNC),
+            None,
+            "time to read the wall clock"
+        );
         let later = Anchor {
             at: at + Duration::from_millis(5),
             wall: 1_000,
@@ -219,7 +223,10 @@ mod tests {
             let before = wall_micros();
             let t = SystemClock.now().as_micros();
             let after = wall_micros();
-            assert!(t + 1_000 >= before && t <= after + 1_000, "{before} {t} {after}");
+            assert!(
+                t + 1_000 >= before && t <= after + 1_000,
+                "{before} {t} {after}"
+            );
         }
     }
 

@@ -347,7 +347,6 @@ impl Leases {
         shard_of(self.shards(), hash)
     }
 
-
     /// Spends `cost` from the lease of `caller` calling `tool`, before the call is resolved
     /// against the policy, when nothing else is needed: the policy is the version the lease
     /// was granted under (`version`, so the call would resolve to the lease's path as the
@@ -853,6 +852,50 @@ mod tests {
             at: Timestamp(at),
             call: 0,
         }
+    }
+
+    /// A lease is spent before the call is resolved only under the policy version and for the
+    /// tier it was granted under: a grant decided under a policy that was replaced meanwhile
+    /// (its version is not the limiter's any more) is never spent that way.
+    #[test]
+    fn a_lease_is_spent_unresolved_only_under_its_version_and_tier() {
+        let policy = crate::Policy::from_toml_str(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1000, per = \"1s\" }\n\
+             lease = { max = 64 }\n[tool.default_tenant]\nmax_tenants = 10\n",
+        )
+        .expect("valid");
+        let tool = policy.tool("t").expect("listed");
+        let now = 1_767_225_600_000_000;
+        let plan = Plan {
+            now: Timestamp(now),
+            cost: 1.0,
+            tool,
+            tenant: crate::admission::engine::LevelRef {
+                name: "a",
+                policy: tool.tenant("a").expect("the template"),
+            },
+            instance: None,
+            untenanted: false,
+        };
+        let leases = Leases::new();
+        let g = grant(now, 500_000.0);
+        let known = Known::new(3, Some(Arc::from("gold")), &plan);
+        let mut back = Vec::new();
+        let call = leases.granted(&plan, &g.keys, known, Box::new(g.clone()), 10.0, &mut back);
+        assert!(call.is_ok() && back.is_empty());
+        let gold = Caller::new("a").with_tier("gold");
+        let at = Timestamp(now + 10);
+        // Swept just now (a sweep due sends the call the whole way, which sweeps).
+        leases.swept_at.store(now, Relaxed);
+        let spend = |version, caller: &Caller| {
+            leases
+                .spend(version, "t", caller, 1.0, at, || false)
+                .is_some()
+        };
+        assert!(!spend(4, &gold), "a later policy version");
+        assert!(!spend(3, &Caller::new("a")), "another tier");
+        assert!(spend(3, &gold));
+        assert_eq!(leases.held().0, 8.0);
     }
 
     /// The store's clock (Redis's) may run ahead of the limiter's: a lease still ends when

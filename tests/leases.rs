@@ -633,3 +633,54 @@ budgets = [{ period = "day", max = 1000000 }]
         "refunded its own 2 units"
     );
 }
+
+/// A call is spent from a lease without being resolved against the policy only when it would
+/// resolve to the lease's path: a caller of another tier, or an instance its tenant limits
+/// separately, is decided the whole way.
+#[test]
+fn a_lease_is_spent_only_by_calls_that_resolve_to_it() {
+    let (l, clock) = limiter(
+        r#"
+[[tool]]
+name = "gold"
+unit = "calls"
+rate = { limit = 100000, per = "1m" }
+lease = { max = 64 }
+tiers = ["gold"]
+[tool.default_tenant]
+max_tenants = 100
+
+[[tool]]
+name = "agents"
+unit = "calls"
+rate = { limit = 100000, per = "1m" }
+lease = { max = 64 }
+[tool.default_tenant]
+max_tenants = 100
+[tool.default_tenant.default_instance]
+max_instances = 10
+ceiling = 1
+burst = 1
+"#,
+    );
+    let acme_gold = Caller::new("acme").with_tier("gold");
+    let acme = Caller::new("acme");
+    for _ in 0..200 {
+        clock.advance(Duration::from_micros(10));
+        now(l.admit(&acme_gold, "gold", Cost(1.0))).expect("a gold caller");
+        now(l.admit(&acme, "agents", Cost(1.0))).expect("the tenant itself");
+    }
+    assert!(l.leased_units() > 2.0, "both callers hold leases");
+    // The same tenant without the tier: refused, not spent from the gold caller's lease.
+    let r = now(l.admit(&acme, "gold", Cost(1.0))).expect_err("no tier");
+    assert_eq!(r.detail, Some("tier"), "{r:?}");
+    // An instance of the tenant: charged at its own instance (1 call, burst 1), not spent
+    // from the tenant's lease.
+    let agent = Caller::new("acme").with_instance("agent-1");
+    clock.advance(Duration::from_micros(10));
+    now(l.admit(&agent, "agents", Cost(1.0))).expect("the instance's first call");
+    clock.advance(Duration::from_micros(10));
+    let r = now(l.admit(&agent, "agents", Cost(1.0))).expect_err("its ceiling is 1");
+    assert_eq!(r.reason.as_str(), "rate_limited", "{r:?}");
+    assert_eq!(r.scope.map(|s| s.as_str()), Some("instance"), "{r:?}");
+}
