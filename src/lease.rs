@@ -193,7 +193,7 @@ pub(crate) struct Leases {
     /// Made at the first leasing call: a limiter whose policy never leases holds none.
     shards: std::sync::OnceLock<Box<[Padded]>>,
     hasher: RandomState,
-    /// One bit per tool name that was ever granted a lease (by the name's hash): a call of a
+    /// One bit per tool name that was ever granted a lease (see [`tool_bit`]): a call of a
     /// tool whose bit is clear looks for no lease before the policy is read.
     tools: AtomicU64,
     /// Returns that could not be applied where they were decided (a store that needs I/O,
@@ -363,9 +363,7 @@ impl Leases {
         may_fetch_ahead: impl Fn() -> bool,
     ) -> Option<Spent> {
         let shards = self.shards.get()?;
-        if !(cost.is_finite() && cost >= 0.0)
-            || self.tools.load(Relaxed) & tool_bit(&self.hasher, tool) == 0
-        {
+        if !(cost.is_finite() && cost >= 0.0) || self.tools.load(Relaxed) & tool_bit(tool) == 0 {
             return None;
         }
         let now = now.as_micros();
@@ -613,7 +611,7 @@ impl Leases {
             (Err(grant), None)
         };
         let until = grant.as_deref().map_or(now, |g| ends(g, now));
-        let bit = tool_bit(&self.hasher, &keys.tool);
+        let bit = tool_bit(&keys.tool);
         if self.tools.load(Relaxed) & bit == 0 {
             self.tools.fetch_or(bit, Relaxed);
         }
@@ -755,9 +753,10 @@ fn hash_keys(h: &RandomState, k: &CallKeys) -> u64 {
     hash_path(h, Path::of(k))
 }
 
-/// The bit of a tool in [`Leases::tools`].
-fn tool_bit(h: &RandomState, tool: &str) -> u64 {
-    1 << (h.hash_one(tool) >> 58)
+/// The bit of a tool in [`Leases::tools`]: by the length of its name (free to compute; tools
+/// whose names are as long share a bit, and only look for a lease in vain).
+fn tool_bit(tool: &str) -> u64 {
+    1 << (tool.len() % 64)
 }
 
 fn hash_path(h: &RandomState, p: Path<'_>) -> u64 {
