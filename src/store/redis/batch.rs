@@ -272,13 +272,19 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                         cache.read_from_redis(&n, &r);
                         Some((n, r))
                     }
-                    (Some(n), None) => match cache.read(&n, sh.config.time) {
-                        Some(r) => Some((n, r)),
-                        None => {
-                            queue.put_front(n);
-                            None
+                    // Taken before the write only to see whether it needed a read: it takes the
+                    // calls that came in during the round trip too (they would otherwise wait
+                    // for the next one).
+                    (Some(n), None) => {
+                        let n = queue.grow(n, injected);
+                        match cache.read(&n, sh.config.time) {
+                            Some(r) => Some((n, r)),
+                            None => {
+                                queue.put_front(n);
+                                None
+                            }
                         }
-                    },
+                    }
                     (None, _) => None,
                 };
             }
@@ -468,6 +474,33 @@ impl Queue {
             };
         }
         Some(batch)
+    }
+
+    /// `b` with the jobs queued since it was taken, up to [`MAX_BATCH`] (none while older
+    /// batches wait; with an injected clock, only jobs of the same `now`).
+    fn grow(&mut self, b: Batch, injected: bool) -> Batch {
+        if !self.backlog.is_empty() || b.jobs.len() >= MAX_BATCH {
+            return b;
+        }
+        let Ok(first) = self.rx.try_recv() else {
+            return b;
+        };
+        let mut jobs = b.jobs;
+        let mut next = Some(first);
+        while let Some(j) = next.take() {
+            if injected && jobs.first().is_some_and(|f| j.now() != f.now()) {
+                self.backlog
+                    .push_back(Batch::new(&self.namespace, vec![j], 0));
+                break;
+            }
+            if !j.gone() {
+                jobs.push(j);
+            }
+            if jobs.len() < MAX_BATCH {
+                next = self.rx.try_recv().ok();
+            }
+        }
+        Batch::new(&self.namespace, jobs, b.attempts)
     }
 
     fn put_front(&mut self, b: Batch) {
