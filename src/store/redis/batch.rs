@@ -256,6 +256,31 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
         // will hold every record it needs once this batch is written.
         let injected = sh.config.time == TimeSource::Injected;
         let next = queue.next_batch(injected, false).await;
+        // When the next batch can be decided on the cache once this write is in it (neither
+        // counts permits), the writes go one behind the other (see `pipeline`).
+        let behind = batch.attempts == 0
+            && batch.keys.zsets.is_empty()
+            && cache.cool == 0
+            && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
+        let next = match next {
+            next if behind => {
+                let turn = Turn {
+                    key: &turn_key,
+                    me: &me,
+                    claim: false,
+                };
+                let first = send_write(&sh, (&batch, &decided), turn).await;
+                cache.wrote(&batch, &decided);
+                let ahead = Ahead {
+                    batch,
+                    decided,
+                    reply: first,
+                };
+                claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
+                continue;
+            }
+            next => next,
+        };
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         let turn = Turn {
             key: &turn_key,
@@ -314,6 +339,207 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             }
         }
     }
+}
+
+/// A batch whose write is on its way.
+struct Ahead {
+    batch: Batch,
+    decided: Decided,
+    reply: InFlight,
+}
+
+/// What became of a write on its way.
+enum Landed {
+    Written,
+    /// Another replica wrote first (or holds the tool's turn): the batch, to decide again.
+    Conflict(Batch),
+    Failed,
+}
+
+/// Waits for the write of `a`: answers its batch when it is written; otherwise forgets the
+/// cache and fails the batch, or hands it back to be decided again.
+async fn land(sh: &Arc<Shared>, cache: &mut Cache, a: Ahead) -> Landed {
+    let reply = a.reply.await;
+    landed(sh, cache, a.batch, a.decided, reply)
+}
+
+/// [`land`], once the answer is in.
+fn landed(
+    sh: &Arc<Shared>,
+    cache: &mut Cache,
+    batch: Batch,
+    decided: Decided,
+    reply: Result<Cycle, StoreError>,
+) -> Landed {
+    let a = (batch, decided);
+    match reply {
+        Ok(c) if c.written => {
+            cache.clock(c.now);
+            a.0.answer(sh, a.1.outcomes);
+            Landed::Written
+        }
+        Ok(_) if a.0.attempts + 1 >= MAX_ATTEMPTS => {
+            cache.conflict();
+            a.0.fail(&StoreError::Unavailable(format!(
+                "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
+            )));
+            Landed::Failed
+        }
+        Ok(_) => {
+            cache.conflict();
+            Landed::Conflict(a.0)
+        }
+        Err(e) => {
+            cache.conflict();
+            a.0.fail(&e);
+            Landed::Failed
+        }
+    }
+}
+
+/// Writes batches one behind the other while each can be decided on the cache as the write
+/// ahead of it will leave it: the worker decides the batch behind while the one ahead is on
+/// its way, and sends its write at once (it is queued on the connection after the one ahead),
+/// so Redis is not idle while the worker decides, and calls that came in meanwhile do not
+/// wait for an answer to be sent. Exact as any write: the batch behind was decided on the
+/// versions the one ahead writes, so if that write fails (another replica wrote first), the
+/// one behind fails its check too, and both are decided again on a fresh read. Returns when a
+/// batch cannot be decided that way (it goes back to the queue) or a write did not land;
+/// `true` if the next read is to claim the tool's turn (a conflict).
+async fn pipeline(
+    sh: &Arc<Shared>,
+    queue: &mut Queue,
+    cache: &mut Cache,
+    injected: bool,
+    turn: Turn<'_>,
+    mut ahead: Ahead,
+    mut behind: Option<Batch>,
+) -> bool {
+    loop {
+        // The batch behind: the one taken, with what came in since; or what is queued; or,
+        // when nothing is, the first call to come in before the write ahead lands.
+        let b = match behind.take() {
+            Some(b) => Some(queue.grow(b, injected)),
+            None => match queue.next_batch(injected, false).await {
+                Some(b) => Some(b),
+                None => {
+                    let job = tokio::select! {
+                        biased;
+                        reply = &mut ahead.reply => {
+                            return match landed(sh, cache, ahead.batch, ahead.decided, reply) {
+                                Landed::Conflict(a) => {
+                                    retry(queue, a, None);
+                                    true
+                                }
+                                Landed::Written | Landed::Failed => false,
+                            };
+                        }
+                        job = queue.rx.recv() => job,
+                    };
+                    match job {
+                        Some(j) => {
+                            let b = Batch::new(&queue.namespace, vec![j], 0);
+                            Some(queue.grow(b, injected))
+                        }
+                        None => return finish(sh, queue, cache, ahead, None).await,
+                    }
+                }
+            },
+        };
+        let decided = b.and_then(|mut b| {
+            let read = (b.keys.zsets.is_empty())
+                .then(|| cache.read(&b, sh.config.time))
+                .flatten();
+            match read {
+                Some(read) => {
+                    b.retain_waited_for();
+                    let d = decide(sh, &b, &read);
+                    Some((b, d))
+                }
+                None => {
+                    queue.put_front(b);
+                    None
+                }
+            }
+        });
+        let (b, d) = match decided {
+            Some((b, d)) if !d.nothing_to_write() => (b, d),
+            // Nothing more to send behind it (or only answers, decided on what it writes).
+            rest => return finish(sh, queue, cache, ahead, rest).await,
+        };
+        let reply = send_write(sh, (&b, &d), turn).await;
+        let landed = land(sh, cache, ahead).await;
+        let now_ahead = Ahead {
+            batch: b,
+            decided: d,
+            reply,
+        };
+        match landed {
+            Landed::Written => {
+                cache.wrote(&now_ahead.batch, &now_ahead.decided);
+                ahead = now_ahead;
+            }
+            landed => {
+                // Decided on a write that did not land: its check fails (it is answered if it
+                // was written after all, which only a batch touching none of the same records
+                // could be).
+                let b = match land(sh, cache, now_ahead).await {
+                    Landed::Conflict(b) => Some(b),
+                    Landed::Written | Landed::Failed => None,
+                };
+                return match landed {
+                    Landed::Conflict(a) => {
+                        retry(queue, a, b);
+                        true
+                    }
+                    _ => {
+                        if let Some(b) = b {
+                            queue.put_front(b);
+                        }
+                        false
+                    }
+                };
+            }
+        }
+    }
+}
+
+/// Waits for the last write of a pipeline; `rest`, a batch decided on what it writes with
+/// nothing to write itself, is answered once it landed, or decided again. Whether the next
+/// read claims the tool's turn.
+async fn finish(
+    sh: &Arc<Shared>,
+    queue: &mut Queue,
+    cache: &mut Cache,
+    ahead: Ahead,
+    rest: Option<(Batch, Decided)>,
+) -> bool {
+    match (land(sh, cache, ahead).await, rest) {
+        (Landed::Written, Some((b, d))) => {
+            b.answer(sh, d.outcomes);
+            false
+        }
+        (Landed::Conflict(a), rest) => {
+            retry(queue, a, rest.map(|(b, _)| b));
+            true
+        }
+        (Landed::Failed, Some((b, _))) => {
+            queue.put_front(b);
+            false
+        }
+        (Landed::Written | Landed::Failed, None) => false,
+    }
+}
+
+/// Puts `a` (whose write conflicted) back to be decided again, with `b` behind it, first in
+/// the queue.
+fn retry(queue: &mut Queue, mut a: Batch, b: Option<Batch>) {
+    a.attempts += 1;
+    let mut jobs = std::mem::take(&mut a.jobs);
+    if let Some(b) = b {
+        jobs.extend(b.jobs);
+    }
+    queue.put_front(Batch::new(&queue.namespace, jobs, a.attempts));
 }
 
 /// The records this worker last read or wrote, as Redis holds them unless another replica
@@ -903,6 +1129,43 @@ async fn cycle(
     next: Option<&Batch>,
     turn: Turn<'_>,
 ) -> Result<Cycle, StoreError> {
+    let (keys, args) = cycle_args(sh, write, next, turn);
+    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
+    parse_cycle(reply, next.is_some())
+}
+
+/// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
+/// it needs (the worker decides the next batch meanwhile), and has been polled once, so the
+/// script is queued on the connection before any later one.
+async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), turn: Turn<'_>) -> InFlight {
+    let (keys, args) = cycle_args(sh, Some(write), None, turn);
+    let sh = sh.clone();
+    let mut reply: InFlight = Box::pin(async move {
+        let reply: Value = within(&sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
+        parse_cycle(reply, false)
+    });
+    let ready = std::future::poll_fn(|cx| match reply.as_mut().poll(cx) {
+        std::task::Poll::Ready(r) => std::task::Poll::Ready(Some(r)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await;
+    match ready {
+        Some(r) => Box::pin(std::future::ready(r)),
+        None => reply,
+    }
+}
+
+/// A write on its way to Redis.
+type InFlight =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Cycle, StoreError>> + Send>>;
+
+/// The keys and arguments of the batch script for [`cycle`].
+fn cycle_args(
+    sh: &Shared,
+    write: Option<(&Batch, &Decided)>,
+    next: Option<&Batch>,
+    turn: Turn<'_>,
+) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut keys: Vec<String> = Vec::new();
     let mut args: Vec<Vec<u8>> = Vec::new();
     let mut write_keys = 0;
@@ -978,8 +1241,7 @@ async fn cycle(
     } else {
         b"0".to_vec()
     });
-    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
-    parse_cycle(reply, next.is_some())
+    (keys, args)
 }
 
 fn score(x: f64) -> String {
