@@ -1156,6 +1156,99 @@ max_tenants = 1000
     assert_eq!(ok, 64 * 1500);
 }
 
+/// Two replicas, 32 calls in flight each, all for one tenant on a clock that stands still: the
+/// calls race for the same two records, so writes conflict, and each replica's worker writes
+/// batches one behind the other (a batch decided on the write ahead of it). Redis admits
+/// exactly what one in-process limiter admits for the same calls: a batch decided on a write
+/// that did not land never lands itself.
+#[test]
+fn racing_replicas_admit_exactly_what_one_process_admits() {
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 7000, per = "1h" }
+[tool.tenants.acme]
+ceiling = 6000
+"#,
+    )
+    .unwrap();
+    let calls = 2 * 32 * 120;
+    let clock = ManualClock::new(EPOCH);
+    let alone = Limiter::with_store(
+        policy.clone(),
+        tower_fairshare::MemoryStore::new(),
+        clock.clone(),
+    );
+    let acme = Caller::new("acme");
+    let expected = (0..calls)
+        .filter(|_| now_or_panic(alone.admit(&acme, "search", Cost(1.0))).is_ok())
+        .count();
+    assert!(
+        expected > 0 && expected < calls,
+        "the limit binds: {expected}"
+    );
+
+    let server = RedisServer::start();
+    let rt = multi_thread();
+    let (ok, failed) = rt.block_on(async {
+        let mut handles = Vec::new();
+        for _ in 0..2 {
+            let store = RedisStore::builder(server.url())
+                .injected_clock()
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
+            for _ in 0..32 {
+                let limiter = limiter.clone();
+                handles.push(tokio::spawn(async move {
+                    let (mut ok, mut failed) = (0usize, Vec::new());
+                    for _ in 0..120 {
+                        match limiter
+                            .admit(&Caller::new("acme"), "search", Cost(1.0))
+                            .await
+                        {
+                            Ok(_) => ok += 1,
+                            Err(e) if e.reason.as_str() == "rate_limited" => {}
+                            Err(e) => failed.push(e.to_string()),
+                        }
+                    }
+                    (ok, failed)
+                }));
+            }
+        }
+        let (mut ok, mut failed) = (0, Vec::new());
+        for h in handles {
+            let (o, f) = h.await.unwrap();
+            ok += o;
+            failed.extend(f);
+        }
+        (ok, failed)
+    });
+    assert!(
+        failed.is_empty(),
+        "{} calls failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(ok, expected, "admitted on Redis vs in process");
+}
+
+/// Polls a future the in-process store answers at once.
+fn now_or_panic<F: Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    match f
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("the memory store never waits"),
+    }
+}
+
 /// Four replicas (four stores on one Redis, each limiter with its own leases) × 64 tasks flood
 /// one tenant on a leasing tool, on a virtual clock each call moves on: every aligned second
 /// admits at most the tenant's ceiling + burst (nothing admitted that Redis did not charge)
