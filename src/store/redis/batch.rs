@@ -16,6 +16,13 @@
 //! one round trip per batch; when another replica writes, the check fails, the batch is read
 //! and decided again, and the next batches are read from Redis for a while.
 //!
+//! Writes go one behind the other: while a batch's write is on its way, the worker decides the
+//! calls that come in on its cache as that write will leave it and sends their write at once,
+//! queued behind it on the connection, so that Redis does not wait for the worker nor the
+//! calls for an answer to come back ([`pipeline`]). Such a write expects the versions the one
+//! ahead of it makes: if that one did not land, the one behind fails its check too, and both
+//! batches are decided again on a fresh read.
+//!
 //! What the compare does not cover cannot make a decision wrong: permits given back or lapsed
 //! only lower what was counted, and every call that takes a permit also writes the records of
 //! its levels, which are compared. (Template callers are counted in their parents' records.) A caller that went away before its answer (dropped, timed out) is answered
