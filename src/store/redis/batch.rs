@@ -265,7 +265,9 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
         let next = queue.next_batch(injected, false).await;
         // When the next batch can be decided on the cache once this write is in it (neither
         // counts permits), the writes go one behind the other (see `pipeline`).
+        // (Over a pool, a write behind may reach Redis first and fail its check: not worth it.)
         let behind = batch.attempts == 0
+            && sh.backend().is_ok_and(|b| b.keeps_order())
             && batch.keys.zsets.is_empty()
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));

@@ -279,6 +279,16 @@ impl Backend {
         }
     }
 
+    /// Whether commands sent one after the other reach Redis in that order (one connection
+    /// per node); a pool's connections do not keep it.
+    pub(super) fn keeps_order(&self) -> bool {
+        match self {
+            Backend::Multiplexed(_) | Backend::Cluster(_) => true,
+            #[cfg(feature = "redis-bb8")]
+            Backend::Pool(_) => false,
+        }
+    }
+
     pub(super) fn is_cluster(&self) -> bool {
         matches!(self, Backend::Cluster(_))
     }
