@@ -284,6 +284,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                     batch,
                     decided,
                     reply: first,
+                    then: Vec::new(),
                 };
                 claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
                 continue;
@@ -355,6 +356,9 @@ struct Ahead {
     batch: Batch,
     decided: Decided,
     reply: InFlight,
+    /// Batches decided on this write (and those ahead of it) with nothing to write: answered
+    /// once it landed.
+    then: Vec<(Batch, Decided)>,
 }
 
 /// What became of a write on its way.
@@ -365,14 +369,9 @@ enum Landed {
     Failed,
 }
 
-/// Waits for the write of `a`: answers its batch when it is written; otherwise forgets the
-/// cache and fails the batch, or hands it back to be decided again.
-async fn land(sh: &Arc<Shared>, cache: &mut Cache, a: Ahead) -> Landed {
-    let reply = a.reply.await;
-    landed(sh, cache, a.batch, a.decided, reply)
-}
-
-/// [`land`], once the answer is in.
+/// What became of the write of `batch` (`decided`), its answer in: the batch is answered
+/// when it is written; otherwise the cache is forgotten and the batch failed, or handed back
+/// to be decided again.
 fn landed(
     sh: &Arc<Shared>,
     cache: &mut Cache,
@@ -406,149 +405,177 @@ fn landed(
     }
 }
 
-/// Writes batches one behind the other while each can be decided on the cache as the write
-/// ahead of it will leave it: the worker decides the batch behind while the one ahead is on
-/// its way, and sends its write at once (it is queued on the connection after the one ahead),
-/// so Redis is not idle while the worker decides, and calls that came in meanwhile do not
-/// wait for an answer to be sent. Exact as any write: the batch behind was decided on the
-/// versions the one ahead writes, so if that write fails (another replica wrote first), the
-/// one behind fails its check too, and both are decided again on a fresh read. Returns when a
-/// batch cannot be decided that way (it goes back to the queue) or a write did not land;
-/// `true` if the next read is to claim the tool's turn (a conflict).
+/// How many writes of one worker may be on their way at once.
+const IN_FLIGHT: usize = 4;
+
+/// Writes batches one behind the other while each can be decided on the cache as the writes
+/// ahead of it will leave it: the worker decides the calls that come in while writes are on
+/// their way and sends their write at once (it is queued on the connection behind them), up to
+/// [`IN_FLIGHT`] writes, so Redis is not idle while the worker decides and calls do not wait
+/// for an answer to come back. Exact as any write: a batch was decided on the versions the
+/// writes ahead of it make, so if one of those does not land (another replica wrote first),
+/// every write behind it fails its check too, and all their batches are decided again on a
+/// fresh read. A batch with nothing to write (refusals) is answered once the writes ahead of it
+/// landed. Returns when a batch cannot be decided that way (it goes back to the queue), when
+/// nothing is on its way any more, or when a write did not land; `true` if the next read is to
+/// claim the tool's turn (a conflict).
 async fn pipeline(
     sh: &Arc<Shared>,
     queue: &mut Queue,
     cache: &mut Cache,
     injected: bool,
     turn: Turn<'_>,
-    mut ahead: Ahead,
+    first: Ahead,
     mut behind: Option<Batch>,
 ) -> bool {
+    let mut flight = std::collections::VecDeque::from([first]);
     loop {
-        // The batch behind: the one taken, with what came in since; or what is queued; or,
-        // when nothing is, the first call to come in before the write ahead lands.
-        let b = match behind.take() {
-            Some(b) => Some(queue.grow(b, injected)),
-            None => match queue.next_batch(injected, false).await {
-                Some(b) => Some(b),
-                None => {
-                    let job = tokio::select! {
-                        biased;
-                        reply = &mut ahead.reply => {
-                            return match landed(sh, cache, ahead.batch, ahead.decided, reply) {
-                                Landed::Conflict(a) => {
-                                    retry(queue, a, None);
-                                    true
-                                }
-                                Landed::Written | Landed::Failed => false,
-                            };
-                        }
-                        job = queue.rx.recv() => job,
-                    };
-                    match job {
-                        Some(j) => {
-                            let b = Batch::new(&queue.namespace, vec![j], 0);
-                            Some(queue.grow(b, injected))
-                        }
-                        None => return finish(sh, queue, cache, ahead, None).await,
-                    }
-                }
-            },
-        };
-        let decided = b.and_then(|mut b| {
+        // Decide and send what has come in, while there is room.
+        while flight.len() < IN_FLIGHT {
+            let b = match behind.take() {
+                Some(b) => Some(queue.grow(b, injected)),
+                None => queue.next_batch(injected, false).await,
+            };
+            let Some(mut b) = b else { break };
             let read = (b.keys.zsets.is_empty())
                 .then(|| cache.read(&b, sh.config.time))
                 .flatten();
-            match read {
-                Some(read) => {
-                    b.retain_waited_for();
-                    let d = decide(sh, &b, &read);
-                    Some((b, d))
+            let Some(read) = read else {
+                queue.put_front(b);
+                return land_all(sh, queue, cache, flight, None).await;
+            };
+            b.retain_waited_for();
+            let d = decide(sh, &b, &read);
+            if d.nothing_to_write() {
+                match flight.back_mut() {
+                    Some(a) => a.then.push((b, d)),
+                    None => b.answer(sh, d.outcomes),
                 }
-                None => {
-                    queue.put_front(b);
-                    None
-                }
+                continue;
             }
-        });
-        let (b, d) = match decided {
-            Some((b, d)) if !d.nothing_to_write() => (b, d),
-            // Nothing more to send behind it (or only answers, decided on what it writes).
-            rest => return finish(sh, queue, cache, ahead, rest).await,
+            let reply = send_write(sh, (&b, &d), turn).await;
+            cache.wrote(&b, &d);
+            flight.push_back(Ahead {
+                batch: b,
+                decided: d,
+                reply,
+                then: Vec::new(),
+            });
+        }
+        // The oldest write's answer; or, while there is room, the first call to come in.
+        let room = flight.len() < IN_FLIGHT;
+        let Some(front) = flight.front_mut() else {
+            return false;
         };
-        let reply = send_write(sh, (&b, &d), turn).await;
-        let landed = land(sh, cache, ahead).await;
-        let now_ahead = Ahead {
-            batch: b,
-            decided: d,
-            reply,
+        let reply = if room {
+            tokio::select! {
+                biased;
+                reply = &mut front.reply => reply,
+                job = queue.rx.recv() => match job {
+                    Some(j) => {
+                        behind = Some(Batch::new(&queue.namespace, vec![j], 0));
+                        continue;
+                    }
+                    None => (&mut front.reply).await,
+                },
+            }
+        } else {
+            (&mut front.reply).await
         };
-        match landed {
+        let a = flight.pop_front().expect("the front");
+        match landed(sh, cache, a.batch, a.decided, reply) {
             Landed::Written => {
-                cache.wrote(&now_ahead.batch, &now_ahead.decided);
-                ahead = now_ahead;
+                for (b, d) in a.then {
+                    b.answer(sh, d.outcomes);
+                }
             }
             landed => {
-                // Decided on a write that did not land: its check fails (it is answered if it
-                // was written after all, which only a batch touching none of the same records
-                // could be).
-                let b = match land(sh, cache, now_ahead).await {
-                    Landed::Conflict(b) => Some(b),
-                    Landed::Written | Landed::Failed => None,
-                };
-                return match landed {
-                    Landed::Conflict(a) => {
-                        retry(queue, a, b);
+                let mut again: Vec<Batch> = a.then.into_iter().map(|(b, _)| b).collect();
+                let conflict = match landed {
+                    Landed::Conflict(b) => {
+                        again.insert(0, b);
                         true
                     }
-                    _ => {
-                        if let Some(b) = b {
-                            queue.put_front(b);
-                        }
-                        false
-                    }
+                    _ => false,
                 };
+                return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
             }
         }
     }
 }
 
-/// Waits for the last write of a pipeline; `rest`, a batch decided on what it writes with
-/// nothing to write itself, is answered once it landed, or decided again. Whether the next
-/// read claims the tool's turn.
-async fn finish(
+/// Waits for every write on its way (a batch that could not be decided behind them went back
+/// to the queue). Whether the next read claims the tool's turn.
+async fn land_all(
     sh: &Arc<Shared>,
     queue: &mut Queue,
     cache: &mut Cache,
-    ahead: Ahead,
-    rest: Option<(Batch, Decided)>,
+    mut flight: std::collections::VecDeque<Ahead>,
+    behind: Option<Batch>,
 ) -> bool {
-    match (land(sh, cache, ahead).await, rest) {
-        (Landed::Written, Some((b, d))) => {
-            b.answer(sh, d.outcomes);
-            false
+    while let Some(a) = flight.pop_front() {
+        let reply = a.reply.await;
+        match landed(sh, cache, a.batch, a.decided, reply) {
+            Landed::Written => {
+                for (b, d) in a.then {
+                    b.answer(sh, d.outcomes);
+                }
+            }
+            landed => {
+                let mut again: Vec<Batch> = a.then.into_iter().map(|(b, _)| b).collect();
+                let conflict = match landed {
+                    Landed::Conflict(b) => {
+                        again.insert(0, b);
+                        true
+                    }
+                    _ => false,
+                };
+                return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
+            }
         }
-        (Landed::Conflict(a), rest) => {
-            retry(queue, a, rest.map(|(b, _)| b));
-            true
-        }
-        (Landed::Failed, Some((b, _))) => {
-            queue.put_front(b);
-            false
-        }
-        (Landed::Written | Landed::Failed, None) => false,
     }
+    if let Some(b) = behind {
+        queue.put_front(b);
+    }
+    false
 }
 
-/// Puts `a` (whose write conflicted) back to be decided again, with `b` behind it, first in
-/// the queue.
-fn retry(queue: &mut Queue, mut a: Batch, b: Option<Batch>) {
-    a.attempts += 1;
-    let mut jobs = std::mem::take(&mut a.jobs);
-    if let Some(b) = b {
-        jobs.extend(b.jobs);
+/// After a write that did not land: every write behind it was decided on it, so each fails
+/// its check (one that lands anyway touched none of the same records, and is answered); their
+/// batches, the batches waiting on them and `behind` go back to the queue, first, to be decided
+/// again — counted as another attempt after a conflict (`conflict`, which the return says).
+async fn finish_after(
+    sh: &Arc<Shared>,
+    queue: &mut Queue,
+    cache: &mut Cache,
+    flight: std::collections::VecDeque<Ahead>,
+    mut again: Vec<Batch>,
+    behind: Option<Batch>,
+    conflict: bool,
+) -> bool {
+    for a in flight {
+        let reply = a.reply.await;
+        let then = a.then;
+        match landed(sh, cache, a.batch, a.decided, reply) {
+            Landed::Written => {
+                for (b, d) in then {
+                    b.answer(sh, d.outcomes);
+                }
+            }
+            Landed::Conflict(b) => {
+                again.push(b);
+                again.extend(then.into_iter().map(|(b, _)| b));
+            }
+            Landed::Failed => again.extend(then.into_iter().map(|(b, _)| b)),
+        }
     }
-    queue.put_front(Batch::new(&queue.namespace, jobs, a.attempts));
+    again.extend(behind);
+    let attempts = again.iter().map(|b| b.attempts).max().unwrap_or(0) + usize::from(conflict);
+    let jobs: Vec<Job> = again.into_iter().flat_map(|b| b.jobs).collect();
+    if !jobs.is_empty() {
+        queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
+    }
+    conflict
 }
 
 /// The records this worker last read or wrote, as Redis holds them unless another replica
@@ -573,7 +600,17 @@ const CACHE_COOL: u32 = 16;
 
 impl Cache {
     fn clock(&mut self, now: u64) {
-        self.clock = Some((now, std::time::Instant::now()));
+        let at = std::time::Instant::now();
+        // Never behind the estimate it replaces (neither is ahead of Redis's clock): an answer
+        // read a while after it came in (the worker was deciding the calls behind it) would
+        // move the time back, and a batch decided behind one from the next window would see
+        // that window's counts as from the last one.
+        if let Some((clock, since)) = self.clock {
+            if clock + at.duration_since(since).as_micros() as u64 > now {
+                return;
+            }
+        }
+        self.clock = Some((now, at));
     }
 
     /// Forgets every record, and reads the next batches from Redis.
@@ -1332,4 +1369,23 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
             counts: counts.into_iter().map(|c| c as f64).collect(),
         }),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redis's clock as the worker counts it never goes back: an answer read a while after it
+    /// came in carries a time behind what the worker already counts. (It went back when the
+    /// worker decided calls behind writes on their way: a batch decided in the window before
+    /// the last one's saw its template callers uncounted, and refused them with a limit of 0.)
+    #[test]
+    fn the_workers_clock_of_redis_never_goes_back() {
+        let mut cache = Cache::default();
+        cache.clock(1_000_000);
+        cache.clock(999_000);
+        assert_eq!(cache.clock.map(|c| c.0), Some(1_000_000));
+        cache.clock(2_000_000);
+        assert_eq!(cache.clock.map(|c| c.0), Some(2_000_000));
+    }
 }
