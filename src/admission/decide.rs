@@ -108,8 +108,29 @@ pub enum Verdict {
     Refuse(Box<Refusal>),
 }
 
+/// The time a call is decided at: its own, or the latest time any of its levels' states was
+/// decided at, if that is later. Calls of one record may reach the store in another order than
+/// their clocks were read in (two threads read the clock, then race for the record; replicas'
+/// clocks differ): deciding one at a time before its record's would move the record's windows
+/// back — clearing their counters, and uncounting its template callers. A call decided a little
+/// later than it was made is like a call made a little later.
+pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
+    states
+        .iter()
+        .filter(|s| s.live && s.t > now.as_micros() as f64)
+        .fold(now, |t, s| t.max(Timestamp(s.t as u64)))
+}
+
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.
 pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
+    let levels = [&snap.tool, &snap.tenant, &snap.instance];
+    let plan = &Plan {
+        now: decided_at(
+            plan.now,
+            &levels[..if plan.instance.is_some() { 3 } else { 2 }],
+        ),
+        ..*plan
+    };
     let mut tool = snap.tool;
     let mut tenant = snap.tenant;
     let mut instance = if plan.instance.is_some() {

@@ -14,7 +14,7 @@
 //! one after the other with [`decide`] and writes them back only if no record changed since.
 
 pub use super::adjust::{adjust, release};
-pub use super::decide::{decide, Admitted, LevelRef, Plan, Snapshot, Verdict};
+pub use super::decide::{decide, decided_at, Admitted, LevelRef, Plan, Snapshot, Verdict};
 pub use super::state::{
     BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
 };

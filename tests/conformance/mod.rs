@@ -124,6 +124,10 @@ macro_rules! suite {
         fn explain_agrees_with_the_next_decision() {
             conformance::explain_agrees(&$factory)
         }
+        #[test]
+        fn calls_out_of_order_never_move_windows_back() {
+            conformance::out_of_order_times(&$factory)
+        }
     };
 }
 
@@ -1280,6 +1284,46 @@ pub fn explain_agrees<F: Factory>(f: &F) {
                     }
                     Ok(())
                 })
+            },
+        )
+        .unwrap();
+}
+
+/// Calls of one caller may reach the store out of the order their clocks were read in (two
+/// threads read the clock, then race for the record; replicas' clocks differ by a little): a
+/// call with an earlier time than its records' never moves their windows back — which would
+/// clear their counts and uncount the caller as a template caller, so that a later call is
+/// refused for a limit of 0. Calls around window boundaries, in any order, on a tool with room
+/// for all of them: every one is admitted.
+pub fn out_of_order_times<F: Factory>(f: &F) {
+    let rt = runtime();
+    let toml = r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 1000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 10
+[tool.default_tenant.default_instance]
+max_instances = 10
+"#;
+    runner(f.cases())
+        .run(
+            &prop::collection::vec((0u64..4, 0u64..6_000), 2..40),
+            |calls| {
+                let policy = policy_of(f, toml).expect("valid");
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
+                let caller = Caller::new("acme").with_instance("agent");
+                for (i, (window, off)) in calls.iter().enumerate() {
+                    // Within 3 ms of the start of `window`, on either side.
+                    let at = (window * 1_000_000 + off).saturating_sub(3_000);
+                    clock.set(tower_fairshare::Timestamp(EPOCH.0 + at));
+                    let r = rt.block_on(limiter.admit(&caller, "t", Cost(1.0)));
+                    check(r.is_ok(), || {
+                        format!("call {i} at +{at} µs: {}", r.as_ref().err().unwrap())
+                    })?;
+                }
+                Ok(())
             },
         )
         .unwrap();

@@ -307,6 +307,16 @@ fn decide_on(
     } else {
         0
     };
+    // Never at a time before the states' own (see `engine::decided_at`).
+    let below_states: &[&NodeState] = match inst_state.as_deref() {
+        Some(i) => &[&*tenant_state, i],
+        None => &[&*tenant_state],
+    };
+    let mut plan = Plan {
+        now: engine::decided_at(plan.now, below_states),
+        ..*plan
+    };
+    let plan = &mut plan;
     let mut below = engine::Below::new();
     engine::below(&mut below, plan, tenant_state, inst_state.as_deref(), guess);
     let mut tool = lock(&cell.inner);
@@ -314,6 +324,11 @@ fn decide_on(
         state: tool_state,
         expires: tool_expires,
     } = &mut *tool;
+    let later = engine::decided_at(plan.now, &[&*tool_state]);
+    if later != plan.now {
+        plan.now = later;
+        engine::below(&mut below, plan, tenant_state, inst_state.as_deref(), guess);
+    }
     if templates {
         let actual = below.tenants_counted_in(tool_state);
         if actual != guess {
