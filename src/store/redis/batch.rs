@@ -271,26 +271,23 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && batch.keys.zsets.is_empty()
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
-        let next = match next {
-            next if behind => {
-                let turn = Turn {
-                    key: &turn_key,
-                    me: &me,
-                    claim: false,
-                };
-                let first = send_write(&sh, (&batch, &decided), turn).await;
-                cache.wrote(&batch, &decided);
-                let ahead = Ahead {
-                    batch,
-                    decided,
-                    reply: first,
-                    then: Vec::new(),
-                };
-                claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
-                continue;
-            }
-            next => next,
-        };
+        if behind {
+            let turn = Turn {
+                key: &turn_key,
+                me: &me,
+                claim: false,
+            };
+            let first = send_write(&sh, (&batch, &decided), turn).await;
+            cache.wrote(&batch, &decided);
+            let ahead = Ahead {
+                batch,
+                decided,
+                reply: first,
+                then: Vec::new(),
+            };
+            claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
+            continue;
+        }
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         let turn = Turn {
             key: &turn_key,
@@ -361,46 +358,42 @@ struct Ahead {
     then: Vec<(Batch, Decided)>,
 }
 
-/// What became of a write on its way.
-enum Landed {
-    Written,
-    /// Another replica wrote first (or holds the tool's turn): the batch, to decide again.
-    Conflict(Batch),
-    Failed,
-}
-
-/// What became of the write of `batch` (`decided`), its answer in: the batch is answered
-/// when it is written; otherwise the cache is forgotten and the batch failed, or handed back
-/// to be decided again.
-fn landed(
+/// What became of the write of `a`, its answer in, with the batches waiting on it: all
+/// answered when it landed; otherwise the cache is forgotten, and what is to be decided again
+/// comes back (the batch first if its write conflicted, then those waiting on it; a batch whose
+/// write failed, or conflicted once too often, is failed), with whether it conflicted.
+fn settle(
     sh: &Arc<Shared>,
     cache: &mut Cache,
-    batch: Batch,
-    decided: Decided,
+    a: Ahead,
     reply: Result<Cycle, StoreError>,
-) -> Landed {
-    let a = (batch, decided);
+) -> Result<(), (Vec<Batch>, bool)> {
+    let waiting = a.then.into_iter();
     match reply {
         Ok(c) if c.written => {
             cache.clock(c.now);
-            a.0.answer(sh, a.1.outcomes);
-            Landed::Written
+            a.batch.answer(sh, a.decided.outcomes);
+            for (b, d) in waiting {
+                b.answer(sh, d.outcomes);
+            }
+            Ok(())
         }
-        Ok(_) if a.0.attempts + 1 >= MAX_ATTEMPTS => {
+        Ok(_) if a.batch.attempts + 1 >= MAX_ATTEMPTS => {
             cache.conflict();
-            a.0.fail(&StoreError::Unavailable(format!(
+            a.batch.fail(&StoreError::Unavailable(format!(
                 "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
             )));
-            Landed::Failed
+            Err((waiting.map(|(b, _)| b).collect(), false))
         }
         Ok(_) => {
             cache.conflict();
-            Landed::Conflict(a.0)
+            let again = std::iter::once(a.batch).chain(waiting.map(|(b, _)| b));
+            Err((again.collect(), true))
         }
         Err(e) => {
             cache.conflict();
-            a.0.fail(&e);
-            Landed::Failed
+            a.batch.fail(&e);
+            Err((waiting.map(|(b, _)| b).collect(), false))
         }
     }
 }
@@ -437,12 +430,9 @@ async fn pipeline(
                 None => queue.next_batch(injected, false).await,
             };
             let Some(mut b) = b else { break };
-            let read = (b.keys.zsets.is_empty())
-                .then(|| cache.read(&b, sh.config.time))
-                .flatten();
-            let Some(read) = read else {
+            let Some(read) = cache.read(&b, sh.config.time) else {
                 queue.put_front(b);
-                return land_all(sh, queue, cache, flight, None).await;
+                return land_all(sh, queue, cache, flight).await;
             };
             b.retain_waited_for();
             let d = decide(sh, &b, &read);
@@ -483,23 +473,8 @@ async fn pipeline(
             (&mut front.reply).await
         };
         let a = flight.pop_front().expect("the front");
-        match landed(sh, cache, a.batch, a.decided, reply) {
-            Landed::Written => {
-                for (b, d) in a.then {
-                    b.answer(sh, d.outcomes);
-                }
-            }
-            landed => {
-                let mut again: Vec<Batch> = a.then.into_iter().map(|(b, _)| b).collect();
-                let conflict = match landed {
-                    Landed::Conflict(b) => {
-                        again.insert(0, b);
-                        true
-                    }
-                    _ => false,
-                };
-                return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
-            }
+        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
+            return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
         }
     }
 }
@@ -511,31 +486,12 @@ async fn land_all(
     queue: &mut Queue,
     cache: &mut Cache,
     mut flight: std::collections::VecDeque<Ahead>,
-    behind: Option<Batch>,
 ) -> bool {
-    while let Some(a) = flight.pop_front() {
-        let reply = a.reply.await;
-        match landed(sh, cache, a.batch, a.decided, reply) {
-            Landed::Written => {
-                for (b, d) in a.then {
-                    b.answer(sh, d.outcomes);
-                }
-            }
-            landed => {
-                let mut again: Vec<Batch> = a.then.into_iter().map(|(b, _)| b).collect();
-                let conflict = match landed {
-                    Landed::Conflict(b) => {
-                        again.insert(0, b);
-                        true
-                    }
-                    _ => false,
-                };
-                return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
-            }
+    while let Some(mut a) = flight.pop_front() {
+        let reply = (&mut a.reply).await;
+        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
+            return finish_after(sh, queue, cache, flight, again, None, conflict).await;
         }
-    }
-    if let Some(b) = behind {
-        queue.put_front(b);
     }
     false
 }
@@ -553,20 +509,10 @@ async fn finish_after(
     behind: Option<Batch>,
     conflict: bool,
 ) -> bool {
-    for a in flight {
-        let reply = a.reply.await;
-        let then = a.then;
-        match landed(sh, cache, a.batch, a.decided, reply) {
-            Landed::Written => {
-                for (b, d) in then {
-                    b.answer(sh, d.outcomes);
-                }
-            }
-            Landed::Conflict(b) => {
-                again.push(b);
-                again.extend(then.into_iter().map(|(b, _)| b));
-            }
-            Landed::Failed => again.extend(then.into_iter().map(|(b, _)| b)),
+    for mut a in flight {
+        let reply = (&mut a.reply).await;
+        if let Err((more, _)) = settle(sh, cache, a, reply) {
+            again.extend(more);
         }
     }
     again.extend(behind);
@@ -1176,8 +1122,18 @@ async fn cycle(
     turn: Turn<'_>,
 ) -> Result<Cycle, StoreError> {
     let (keys, args) = cycle_args(sh, write, next, turn);
-    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
-    parse_cycle(reply, next.is_some())
+    run_cycle(sh, &keys, &args, next.is_some()).await
+}
+
+/// The batch script run with `keys` and `args`, its answer parsed.
+async fn run_cycle(
+    sh: &Shared,
+    keys: &[String],
+    args: &[Vec<u8>],
+    read: bool,
+) -> Result<Cycle, StoreError> {
+    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, keys, args)).await?;
+    parse_cycle(reply, read)
 }
 
 /// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
@@ -1186,10 +1142,7 @@ async fn cycle(
 async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), turn: Turn<'_>) -> InFlight {
     let (keys, args) = cycle_args(sh, Some(write), None, turn);
     let sh = sh.clone();
-    let mut reply: InFlight = Box::pin(async move {
-        let reply: Value = within(&sh, sh.eval(&sh.scripts.cycle, &keys, &args)).await?;
-        parse_cycle(reply, false)
-    });
+    let mut reply: InFlight = Box::pin(async move { run_cycle(&sh, &keys, &args, false).await });
     let ready = std::future::poll_fn(|cx| match reply.as_mut().poll(cx) {
         std::task::Poll::Ready(r) => std::task::Poll::Ready(Some(r)),
         std::task::Poll::Pending => std::task::Poll::Ready(None),
