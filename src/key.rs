@@ -32,6 +32,26 @@ impl KeyKind {
     }
 }
 
+/// Whether two names are the same, compared inline a word at a time: names are short, and a
+/// call to the C library's comparison costs more than comparing a short name.
+#[inline]
+pub(crate) fn same_name(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word = |x: &[u8], at: usize| u64::from_ne_bytes(x[at..at + 8].try_into().expect("8 bytes"));
+    let half = |x: &[u8], at: usize| u32::from_ne_bytes(x[at..at + 4].try_into().expect("4 bytes"));
+    match n {
+        0 => true,
+        1..4 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
+        4..8 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
+        _ => a == b,
+    }
+}
+
 /// The version prefix: bump it when the state layout changes so old keys are never misread.
 pub(crate) const KEY_PREFIX: &str = "fs5";
 
@@ -129,6 +149,17 @@ pub(crate) fn hash_tag(key: &str) -> &str {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// Names compared a word at a time compare as strings do, at every length around the
+        /// word sizes.
+        #[test]
+        fn same_names_are_equal_strings(a in "[ab]{0,20}", b in "[ab]{0,20}", c in "\\PC{0,20}") {
+            prop_assert_eq!(same_name(&a, &b), a == b);
+            prop_assert_eq!(same_name(&c, &b), c == b);
+            prop_assert!(same_name(&c, &c.clone()));
+        }
+    }
 
     #[test]
     fn colon_in_names_does_not_collide() {

@@ -36,6 +36,7 @@ use hashbrown::HashTable;
 use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
+use crate::key::same_name;
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -91,37 +92,17 @@ impl<'a> Path<'a> {
 
     /// Whether `k` are this path's keys.
     fn is(&self, k: &CallKeys) -> bool {
-        self.is_below_tool(k) && same(&k.tool, self.tool)
+        self.is_below_tool(k) && same_name(&k.tool, self.tool)
     }
 
     /// Whether `k` are this path's keys, the tool's name aside.
     fn is_below_tool(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted
-            && same(&k.tenant, self.tenant)
+            && same_name(&k.tenant, self.tenant)
             && match (k.instance.as_deref(), self.instance) {
-                (Some(a), Some(b)) => same(a, b),
+                (Some(a), Some(b)) => same_name(a, b),
                 (a, b) => a.is_none() && b.is_none(),
             }
-    }
-}
-
-/// Whether two names are the same, compared inline a word at a time: names are short, and a
-/// call to the C library's comparison costs more than comparing a short name.
-#[inline]
-fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let n = a.len();
-    if n != b.len() {
-        return false;
-    }
-    let word = |x: &[u8], at: usize| u64::from_ne_bytes(x[at..at + 8].try_into().expect("8 bytes"));
-    let half = |x: &[u8], at: usize| u32::from_ne_bytes(x[at..at + 4].try_into().expect("4 bytes"));
-    match n {
-        0 => true,
-        1..4 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
-        4..8 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
-        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
-        _ => a == b,
     }
 }
 
@@ -257,6 +238,33 @@ struct Spare {
 }
 
 impl Lease {
+    /// Spends `c` from the current grant at `now`, if the grant is current and holds enough:
+    /// the grant, the call's part of it, and the size of the next grant to fetch ahead now
+    /// when it is time to (`may_fetch_ahead` is asked only then).
+    fn spend(
+        &mut self,
+        c: f64,
+        now: u64,
+        may_fetch_ahead: impl FnOnce() -> bool,
+    ) -> Option<(Arc<Admission>, Part, Option<f64>)> {
+        if !(now >= self.started && now < self.until && self.left + EPS >= c) {
+            return None;
+        }
+        let grant = self.grant.clone()?;
+        self.left = (self.left - c).max(0.0);
+        self.last = now;
+        let part = part_of(&grant, self.granted, self.left, c, now);
+        let ahead = (self.next.is_none()
+            && !self.refreshing
+            && !self.cool
+            && self.left < self.granted * FETCH_AHEAD_AT
+            && may_fetch_ahead())
+        .then(|| Leases::size(c, self.tool.lease_max, self, now))
+        .filter(|size| *size > c);
+        self.refreshing |= ahead.is_some();
+        Some((grant, part, ahead))
+    }
+
     /// Pushes what is left of the current grant, and the whole next one, for a return,
     /// leaving the lease empty (its history stays).
     fn give_back(&mut self, out: &mut Vec<Return>) {
@@ -411,37 +419,20 @@ impl Leases {
         valid: &impl Fn(&Lease) -> bool,
         c: f64,
         now: u64,
-        may_fetch_ahead: &impl Fn() -> bool,
+        may_fetch_ahead: impl FnOnce() -> bool,
     ) -> Option<Spent> {
         let mut shard = lock(shard_of(shards, hash));
         let l = shard.leases.find_mut(hash, |l| path.is(&l.keys))?;
-        if !(valid(l)
-            && now >= l.started
-            && now < l.until
-            && l.left + EPS >= c
-            && c <= l.tool.lease_max)
-        {
+        if !(valid(l) && c <= l.tool.lease_max) {
             return None;
         }
-        let g = l.grant.as_ref()?;
-        let left = (l.left - c).max(0.0);
-        let fetch = (l.next.is_none()
-            && !l.refreshing
-            && !l.cool
-            && left < l.granted * FETCH_AHEAD_AT
-            && may_fetch_ahead())
-        .then(|| Self::size(c, l.tool.lease_max, l, now))
-        .filter(|size| *size > c)
-        .map(|size| Box::new((size, l.keys.clone())));
-        l.refreshing |= fetch.is_some();
-        l.left = left;
-        l.last = now;
+        let (grant, part, ahead) = l.spend(c, now, may_fetch_ahead)?;
         crate::telemetry::lease_hit(l.tool.name_arc(), c);
         Some(Spent {
-            part: part_of(g, l.granted, left, c, now),
-            grant: g.clone(),
+            grant,
+            part,
             window_secs: l.known.window_secs,
-            fetch,
+            fetch: ahead.map(|size| Box::new((size, l.keys.clone()))),
         })
     }
 
@@ -471,20 +462,9 @@ impl Leases {
             return Take::Miss { grant: c };
         };
         let same = same_policy(&l.tool, plan.tool) && now >= l.started;
-        if same && now < l.until && l.left + EPS >= c {
-            if let Some(g) = l.grant.as_ref() {
-                l.left = (l.left - c).max(0.0);
-                l.last = now;
-                let part = part_of(g, l.granted, l.left, c, now);
-                let ahead = (may_fetch_ahead
-                    && l.next.is_none()
-                    && !l.refreshing
-                    && !l.cool
-                    && l.left < l.granted * FETCH_AHEAD_AT)
-                    .then(|| Self::size(c, plan.tool.lease_max, l, now))
-                    .filter(|g| *g > c);
-                l.refreshing |= ahead.is_some();
-                return Take::Hit(g.clone(), part, ahead);
+        if same {
+            if let Some((g, part, ahead)) = l.spend(c, now, || may_fetch_ahead) {
+                return Take::Hit(g, part, ahead);
             }
         }
         // The current grant is spent: the next one, if it was fetched in time.
@@ -821,18 +801,6 @@ pub(crate) fn borrowed(grant: &Admission) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// Names compared a word at a time compare as strings do, at every length around the
-        /// word sizes.
-        #[test]
-        fn same_names_are_equal_strings(a in "[ab]{0,20}", b in "[ab]{0,20}", c in "\\PC{0,20}") {
-            prop_assert_eq!(same(&a, &b), a == b);
-            prop_assert_eq!(same(&c, &b), c == b);
-            prop_assert!(same(&c, &c.clone()));
-        }
-    }
 
     fn grant(at: u64, reset_in: f64) -> Admission {
         Admission {

@@ -155,6 +155,15 @@ impl Ticket {
         }
     }
 
+    /// A call spent from a lease's `grant`: its `part` of it.
+    fn leased(grant: Arc<Admission>, part: Part, window_secs: u64) -> Ticket {
+        Ticket {
+            admission: Some(Charged::Leased(grant, part)),
+            shadow_refusal: None,
+            window_secs,
+        }
+    }
+
     /// The call's part of a lease's grant, if it was spent from one.
     fn leased_part(&self) -> Option<Part> {
         match &self.admission {
@@ -413,11 +422,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             if let Some(f) = &s.fetch {
                 self.fetch_ahead(caller, tool, &f.1, f.0);
             }
-            let ticket = Ticket {
-                admission: Some(Charged::Leased(s.grant, s.part)),
-                shadow_refusal: None,
-                window_secs: s.window_secs,
-            };
+            let ticket = Ticket::leased(s.grant, s.part, s.window_secs);
             trace_admitted(caller, tool, cost, &ticket);
             let outcome = Ok(ticket);
             #[cfg(feature = "metrics")]
@@ -891,13 +896,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let window_secs = tp.period().as_secs_ceil();
         let store = &self.inner.store;
         let decided = match decided {
-            Decided::Lease(grant, part) => {
-                return Ok(Ticket {
-                    admission: Some(Charged::Leased(grant, part)),
-                    shadow_refusal: None,
-                    window_secs,
-                })
-            }
+            Decided::Lease(grant, part) => return Ok(Ticket::leased(grant, part, window_secs)),
             Decided::Store(d) => d,
         };
         match decided {

@@ -117,7 +117,7 @@ pub enum Verdict {
 pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
     states
         .iter()
-        .filter(|s| s.live && s.t > now.as_micros() as f64)
+        .filter(|s| s.live)
         .fold(now, |t, s| t.max(Timestamp(s.t as u64)))
 }
 

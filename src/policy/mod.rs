@@ -83,7 +83,7 @@ impl NameIndex {
         if self.many.is_empty() {
             self.few
                 .iter()
-                .find(|(n, _)| n.len() == name.len() && n.as_bytes() == name.as_bytes())
+                .find(|(n, _)| crate::key::same_name(n, name))
                 .map(|(_, i)| i)
         } else {
             self.many.get(name)
