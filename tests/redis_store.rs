@@ -1111,40 +1111,9 @@ max_tenants = 1000
 "#,
     )
     .unwrap();
-    let rt = multi_thread();
     let clock = ManualClock::new(EPOCH);
-    let (ok, failed) = rt.block_on(async {
-        let mut handles = Vec::new();
-        for r in 0..2 {
-            let store = RedisStore::builder(server.url())
-                .injected_clock()
-                .timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .unwrap();
-            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
-            for k in 0..32 {
-                let limiter = limiter.clone();
-                let caller = Caller::new(format!("t-{r}-{k}"));
-                handles.push(tokio::spawn(async move {
-                    let (mut ok, mut failed) = (0u32, Vec::new());
-                    for _ in 0..1500 {
-                        match limiter.admit(&caller, "search", Cost(1.0)).await {
-                            Ok(_) => ok += 1,
-                            Err(e) => failed.push(e.to_string()),
-                        }
-                    }
-                    (ok, failed)
-                }));
-            }
-        }
-        let (mut ok, mut failed) = (0, Vec::new());
-        for h in handles {
-            let (o, f) = h.await.unwrap();
-            ok += o;
-            failed.extend(f);
-        }
-        (ok, failed)
+    let (ok, failed) = race(&server, &policy, &clock, 1500, |r, k| {
+        Caller::new(format!("t-{r}-{k}"))
     });
     assert!(
         failed.is_empty(),
@@ -1182,8 +1151,9 @@ ceiling = 6000
         clock.clone(),
     );
     let acme = Caller::new("acme");
+    let rt = current_thread();
     let expected = (0..calls)
-        .filter(|_| now_or_panic(alone.admit(&acme, "search", Cost(1.0))).is_ok())
+        .filter(|_| rt.block_on(alone.admit(&acme, "search", Cost(1.0))).is_ok())
         .count();
     assert!(
         expected > 0 && expected < calls,
@@ -1191,43 +1161,12 @@ ceiling = 6000
     );
 
     let server = RedisServer::start();
-    let rt = multi_thread();
-    let (ok, failed) = rt.block_on(async {
-        let mut handles = Vec::new();
-        for _ in 0..2 {
-            let store = RedisStore::builder(server.url())
-                .injected_clock()
-                .timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .unwrap();
-            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
-            for _ in 0..32 {
-                let limiter = limiter.clone();
-                handles.push(tokio::spawn(async move {
-                    let (mut ok, mut failed) = (0usize, Vec::new());
-                    for _ in 0..120 {
-                        match limiter
-                            .admit(&Caller::new("acme"), "search", Cost(1.0))
-                            .await
-                        {
-                            Ok(_) => ok += 1,
-                            Err(e) if e.reason.as_str() == "rate_limited" => {}
-                            Err(e) => failed.push(e.to_string()),
-                        }
-                    }
-                    (ok, failed)
-                }));
-            }
-        }
-        let (mut ok, mut failed) = (0, Vec::new());
-        for h in handles {
-            let (o, f) = h.await.unwrap();
-            ok += o;
-            failed.extend(f);
-        }
-        (ok, failed)
-    });
+    let (ok, refused) = race(&server, &policy, &clock, 120, |_, _| Caller::new("acme"));
+    let failed: Vec<String> = refused
+        .iter()
+        .filter(|r| r.reason.as_str() != "rate_limited")
+        .map(|r| r.to_string())
+        .collect();
     assert!(
         failed.is_empty(),
         "{} calls failed: {:?}",
@@ -1237,16 +1176,48 @@ ceiling = 6000
     assert_eq!(ok, expected, "admitted on Redis vs in process");
 }
 
-/// Polls a future the in-process store answers at once.
-fn now_or_panic<F: Future>(f: F) -> F::Output {
-    let mut f = std::pin::pin!(f);
-    match f
-        .as_mut()
-        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-    {
-        std::task::Poll::Ready(v) => v,
-        std::task::Poll::Pending => panic!("the memory store never waits"),
-    }
+/// Two replicas (stores on `server` with the injected `clock`, 5 s timeouts), 32 tasks each,
+/// every task making `calls` calls of `search` as `caller(replica, task)`: how many were
+/// admitted, and every refusal.
+fn race(
+    server: &RedisServer,
+    policy: &Policy,
+    clock: &ManualClock,
+    calls: usize,
+    caller: impl Fn(usize, usize) -> Caller,
+) -> (usize, Vec<tower_fairshare::Refusal>) {
+    multi_thread().block_on(async {
+        let mut handles = Vec::new();
+        for r in 0..2 {
+            let store = RedisStore::builder(server.url())
+                .injected_clock()
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
+            for k in 0..32 {
+                let (limiter, caller) = (limiter.clone(), caller(r, k));
+                handles.push(tokio::spawn(async move {
+                    let (mut ok, mut refused) = (0, Vec::new());
+                    for _ in 0..calls {
+                        match limiter.admit(&caller, "search", Cost(1.0)).await {
+                            Ok(_) => ok += 1,
+                            Err(e) => refused.push(e),
+                        }
+                    }
+                    (ok, refused)
+                }));
+            }
+        }
+        let (mut ok, mut refused) = (0, Vec::new());
+        for h in handles {
+            let (o, f) = h.await.unwrap();
+            ok += o;
+            refused.extend(f);
+        }
+        (ok, refused)
+    })
 }
 
 /// Four replicas (four stores on one Redis, each limiter with its own leases) × 64 tasks flood
