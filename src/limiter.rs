@@ -532,12 +532,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let store = &self.inner.store;
         if !lease::eligible(&p.plan) {
             let started = telemetry::Started::now();
-            return match store.decide_now(&p.plan, p.keys()) {
-                Some(d) => {
+            // The keys go to the answer: nothing after this needs them.
+            return match store.decide_now_keeping(&p.plan, p.owned_keys()) {
+                Ok(d) => {
                     started.record(store.kind());
                     AtOnce::Done(Decided::Store(d))
                 }
-                None => AtOnce::Wait(Waiting::default()),
+                Err(_) => AtOnce::Wait(Waiting::default()),
             };
         }
         let leases = &self.inner.leases;
@@ -1241,15 +1242,22 @@ impl Prepared<'_> {
 
     /// The store keys of the call.
     pub(crate) fn keys(&self) -> &CallKeys {
-        self.keys.get_or_init(|| {
-            keys_of(
-                self.plan.tool,
-                self.caller,
-                self.plan.tenant.name,
-                self.plan.untenanted,
-                self.plan.instance.is_some(),
-            )
-        })
+        self.keys.get_or_init(|| self.make_keys())
+    }
+
+    /// The store keys to hand over, made now unless already made.
+    fn owned_keys(&self) -> CallKeys {
+        self.keys.get().cloned().unwrap_or_else(|| self.make_keys())
+    }
+
+    fn make_keys(&self) -> CallKeys {
+        keys_of(
+            self.plan.tool,
+            self.caller,
+            self.plan.tenant.name,
+            self.plan.untenanted,
+            self.plan.instance.is_some(),
+        )
     }
 }
 

@@ -135,6 +135,19 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// [`decide_now`](Self::decide_now), handing the store the call's keys for its answer to
+    /// keep ([`Admission::keys`]): a store that can take them saves the copy (three reference
+    /// counts written, and three more when the caller's copy is dropped). `Err` gives the
+    /// keys back when the answer needs I/O, and then nothing has been done. The default lends
+    /// them to `decide_now`.
+    fn decide_now_keeping(
+        &self,
+        plan: &Plan<'_>,
+        keys: CallKeys,
+    ) -> Result<Result<Decision, StoreError>, CallKeys> {
+        self.decide_now(plan, &keys).ok_or(keys)
+    }
+
     /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
     /// entirely; 0.5 charges half again). Never touches a window that has closed.
     fn adjust<'a>(
@@ -198,6 +211,13 @@ impl<S: Store> Store for Arc<S> {
     }
     fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
         (**self).decide_now(plan, keys)
+    }
+    fn decide_now_keeping(
+        &self,
+        plan: &Plan<'_>,
+        keys: CallKeys,
+    ) -> Result<Result<Decision, StoreError>, CallKeys> {
+        (**self).decide_now_keeping(plan, keys)
     }
     fn adjust<'a>(
         &'a self,

@@ -289,12 +289,36 @@ fn period_of(plan: &Plan<'_>) -> f64 {
 /// Decides a call with the tenant's and the instance's states unpacked (fresh when not
 /// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
 /// tenant's and the instance's expiries come back with the admission.
+/// A call's keys as the store is handed them: lent (the answer keeps a copy) or given (the
+/// answer keeps them).
+enum Keys<'a> {
+    Lent(&'a CallKeys),
+    Given(CallKeys),
+}
+
+impl Keys<'_> {
+    fn get(&self) -> &CallKeys {
+        match self {
+            Keys::Lent(k) => k,
+            Keys::Given(k) => k,
+        }
+    }
+
+    /// The keys for the answer to keep.
+    fn keep(self) -> CallKeys {
+        match self {
+            Keys::Lent(k) => k.clone(),
+            Keys::Given(k) => k,
+        }
+    }
+}
+
 fn decide_on(
     cell: &ToolCell,
     tenant_state: &mut NodeState,
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
-    keys: &CallKeys,
+    keys: Keys<'_>,
 ) -> Result<(Box<Admission>, [u64; 2]), Box<Refusal>> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
@@ -359,7 +383,7 @@ fn decide_on(
     // The answer is built where it will live, and the charge written into it: no copy of
     // the record on the way.
     let mut admission = Box::new(Admission {
-        keys: keys.clone(),
+        keys: keys.keep(),
         charge: engine::Charge::default(),
         remaining: 0.0,
         quota: 0.0,
@@ -396,7 +420,7 @@ fn decide_packed(
     tenant: Option<&mut Packed>,
     instances: &mut Vec<Packed>,
     plan: &Plan<'_>,
-    keys: &CallKeys,
+    keys: Keys<'_>,
 ) -> (Decision, Option<Packed>) {
     let period = period_of(plan);
     let mut states = [NodeState::default(), NodeState::default()];
@@ -404,11 +428,10 @@ fn decide_packed(
     if let Some(p) = tenant.as_deref() {
         p.read(tenant_state, period);
     }
-    let name = match (plan.instance.is_some(), keys.instance.as_deref()) {
-        (true, Some(name)) => Some(name),
+    let slot = match (plan.instance.is_some(), keys.get().instance.as_deref()) {
+        (true, Some(name)) => Some(find_instance(instances, name)),
         _ => None,
     };
-    let slot = name.map(|n| find_instance(instances, n));
     if let Some(Ok(at)) = slot {
         instances[at].read(inst_state, period);
     }
@@ -422,6 +445,8 @@ fn decide_packed(
         Ok(a) => a,
         Err(r) => return (Decision::Refused(r), None),
     };
+    // The keys are the answer's now.
+    let keys = &admission.keys;
     let fresh = match tenant {
         Some(p) => {
             p.store(tenant_state, expires[0], period);
@@ -435,7 +460,7 @@ fn decide_packed(
             period,
         )),
     };
-    match (slot, name) {
+    match (slot, keys.instance.as_deref()) {
         (Some(Ok(at)), _) => instances[at].store(inst_state, expires[1], period),
         (Some(Err(at)), Some(name)) => insert_instance(
             instances,
@@ -450,8 +475,14 @@ fn decide_packed(
 impl MemoryStore {
     /// Decides at once: the memory store never waits.
     pub(crate) fn decide_sync(&self, plan: &Plan<'_>, keys: &CallKeys) -> Decision {
+        self.decide_keys(plan, Keys::Lent(keys))
+    }
+
+    /// Decides at once, with the keys lent or given for the answer to keep.
+    fn decide_keys(&self, plan: &Plan<'_>, keys: Keys<'_>) -> Decision {
         let now = plan.now.as_micros();
-        let hash = hash_tenant(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
+        let k = keys.get();
+        let hash = hash_tenant(&self.hasher, &k.tool, &k.tenant, k.untenanted);
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
         shard.ops += 1;
@@ -460,7 +491,7 @@ impl MemoryStore {
         }
         let found = shard
             .tenants
-            .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
+            .find_mut(hash, |e| e.is(&k.tool, &k.tenant, k.untenanted));
         if let Some(entry) = found {
             let TenantEntry {
                 tool,
@@ -470,7 +501,7 @@ impl MemoryStore {
             note_period(tool, plan);
             return decide_packed(tool, Some(state), instances, plan, keys).0;
         }
-        let tool = self.tool_cell(&keys.tool);
+        let tool = self.tool_cell(&k.tool);
         note_period(&tool, plan);
         let mut instances = Vec::new();
         let (decision, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
@@ -561,6 +592,14 @@ impl Store for MemoryStore {
         Some(Ok(self.decide_sync(plan, keys)))
     }
 
+    fn decide_now_keeping(
+        &self,
+        plan: &Plan<'_>,
+        keys: CallKeys,
+    ) -> Result<Result<Decision, StoreError>, CallKeys> {
+        Ok(Ok(self.decide_keys(plan, Keys::Given(keys))))
+    }
+
     fn adjust<'a>(
         &'a self,
         admission: &'a Admission,
@@ -601,5 +640,93 @@ impl Store for MemoryStore {
         let mut out: [Option<NodeState>; 3] = Default::default();
         self.update(keys, |level, s| out[level] = Some(*s));
         ready(Ok(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::engine::LevelRef;
+
+    /// Keys handed to the store are the ones its answer keeps; a store that cannot answer at
+    /// once hands them back untouched, and one that can answers as with lent keys.
+    #[test]
+    fn keys_handed_over_are_kept_by_the_answer_or_handed_back() {
+        let policy = crate::Policy::from_toml_str(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 2, per = \"1s\" }\n\
+             [tool.default_tenant]\nmax_tenants = 10\n",
+        )
+        .expect("valid");
+        let tool = policy.tool("t").expect("listed");
+        let plan = Plan {
+            now: Timestamp(1_767_225_600_000_000),
+            cost: 1.0,
+            tool,
+            tenant: LevelRef {
+                name: "a",
+                policy: tool.tenant("a").expect("the template"),
+            },
+            instance: None,
+            untenanted: false,
+        };
+        let keys = CallKeys {
+            tool: Arc::from("t"),
+            tenant: Arc::from("a"),
+            instance: None,
+            untenanted: false,
+        };
+        let store = MemoryStore::new();
+        let given = store.decide_now_keeping(&plan, keys.clone());
+        match given {
+            Ok(Ok(Decision::Admitted(a))) => assert_eq!(a.keys, keys),
+            _ => panic!("admitted at once"),
+        }
+        // The same tenant's record, whichever way the keys came: the second of two calls in a
+        // limit of 2 is admitted, the third refused.
+        assert!(matches!(
+            store.decide_now(&plan, &keys),
+            Some(Ok(Decision::Admitted(_)))
+        ));
+        assert!(matches!(
+            store.decide_now_keeping(&plan, keys.clone()),
+            Ok(Ok(Decision::Refused(_)))
+        ));
+
+        /// A store that always needs I/O, with the trait's own `decide_now_keeping`.
+        struct Remote;
+        impl Store for Remote {
+            fn decide<'a>(
+                &'a self,
+                _: &'a Plan<'a>,
+                _: &'a CallKeys,
+            ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
+                ready(Err(StoreError::Unavailable("never at once".into())))
+            }
+            fn adjust<'a>(
+                &'a self,
+                _: &'a Admission,
+                _: f64,
+                _: Timestamp,
+            ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+                ready(Ok(()))
+            }
+            fn release<'a>(
+                &'a self,
+                _: &'a Admission,
+            ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+                ready(Ok(()))
+            }
+            fn inspect<'a>(
+                &'a self,
+                _: &'a CallKeys,
+            ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a
+            {
+                ready(Ok([None, None, None]))
+            }
+        }
+        match Remote.decide_now_keeping(&plan, keys.clone()) {
+            Err(back) => assert_eq!(back, keys),
+            Ok(_) => panic!("a store that needs I/O answers nothing at once"),
+        }
     }
 }
