@@ -91,13 +91,13 @@ pub trait Clock: Send + Sync + 'static {
 ///
 /// The process reads the wall clock at most once every [`SystemClock::RESYNC`] and counts the
 /// time in between on a monotonic clock, which is cheaper to read. With the `quanta` feature
-/// (off by default: it adds five crates to the build) that is the CPU's time-stamp counter, calibrated against the operating
-/// system's monotonic clock once per process (well under a millisecond, at the first read):
-/// a read costs a few nanoseconds instead of a system clock call. Without it, std's
-/// `Instant`. Every thread counts from the same reading of the wall clock, so two threads
-/// reading at the same moment read the same time. A step of the wall clock (set by hand, or
-/// a large correction) shows within [`SystemClock::RESYNC`]. On this crate's hot path the
-/// clock is read once a decision.
+/// (off by default: it adds five crates to the build) that is the CPU's time-stamp counter,
+/// calibrated against the operating system's monotonic clock once per process (well under a
+/// millisecond, at the first read): a read costs a few nanoseconds instead of a system clock
+/// call. Without it, std's `Instant`. Every thread counts from the same reading of the wall
+/// clock, so two threads reading at the same moment read the same time. A step of the wall
+/// clock (set by hand, or a large correction) shows within [`SystemClock::RESYNC`]. On this
+/// crate's hot path the clock is read once a decision.
 #[derive(Copy, Clone, Debug, Default)]
 pub struct SystemClock;
 
