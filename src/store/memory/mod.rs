@@ -286,9 +286,6 @@ fn period_of(plan: &Plan<'_>) -> f64 {
     plan.tool.period.as_micros() as f64
 }
 
-/// Decides a call with the tenant's and the instance's states unpacked (fresh when not
-/// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
-/// tenant's and the instance's expiries come back with the admission.
 /// A call's keys as the store is handed them: lent (the answer keeps a copy) or given (the
 /// answer keeps them).
 enum Keys<'a> {
@@ -313,6 +310,9 @@ impl Keys<'_> {
     }
 }
 
+/// Decides a call with the tenant's and the instance's states unpacked (fresh when not
+/// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
+/// tenant's and the instance's expiries come back with the admission.
 fn decide_on(
     cell: &ToolCell,
     tenant_state: &mut NodeState,
