@@ -667,23 +667,9 @@ impl Queue {
             self.rx.try_recv().ok()?
         };
         let mut jobs = vec![first];
-        let mut held = None;
-        while jobs.len() < MAX_BATCH {
-            match self.rx.try_recv() {
-                Ok(j) if injected && j.now() != jobs[0].now() => {
-                    held = Some(j);
-                    break;
-                }
-                Ok(j) => jobs.push(j),
-                Err(_) => break,
-            }
-        }
+        self.take_queued(&mut jobs, injected);
         jobs.retain(|j| !j.gone());
         let batch = Batch::new(&self.namespace, jobs, 0);
-        if let Some(j) = held {
-            self.backlog
-                .push_back(Batch::new(&self.namespace, vec![j], 0));
-        }
         if batch.jobs.is_empty() {
             return if wait {
                 Box::pin(self.next_batch(injected, wait)).await
@@ -696,29 +682,35 @@ impl Queue {
 
     /// `b` with the jobs queued since it was taken, up to [`MAX_BATCH`] (none while older
     /// batches wait; with an injected clock, only jobs of the same `now`).
-    fn grow(&mut self, b: Batch, injected: bool) -> Batch {
-        if !self.backlog.is_empty() || b.jobs.len() >= MAX_BATCH {
+    fn grow(&mut self, mut b: Batch, injected: bool) -> Batch {
+        if !self.backlog.is_empty() {
             return b;
         }
-        let Ok(first) = self.rx.try_recv() else {
+        let had = b.jobs.len();
+        self.take_queued(&mut b.jobs, injected);
+        if b.jobs.len() == had {
             return b;
-        };
-        let mut jobs = b.jobs;
-        let mut next = Some(first);
-        while let Some(j) = next.take() {
+        }
+        Batch::new(&self.namespace, b.jobs, b.attempts)
+    }
+
+    /// Moves the jobs queued now into `jobs`, up to [`MAX_BATCH`], leaving out those whose
+    /// caller went away; with an injected clock, only jobs of the first one's `now` (the first
+    /// of another waits in the backlog, a batch of its own).
+    fn take_queued(&mut self, jobs: &mut Vec<Job>, injected: bool) {
+        while jobs.len() < MAX_BATCH {
+            let Ok(j) = self.rx.try_recv() else {
+                return;
+            };
             if injected && jobs.first().is_some_and(|f| j.now() != f.now()) {
                 self.backlog
                     .push_back(Batch::new(&self.namespace, vec![j], 0));
-                break;
+                return;
             }
             if !j.gone() {
                 jobs.push(j);
             }
-            if jobs.len() < MAX_BATCH {
-                next = self.rx.try_recv().ok();
-            }
         }
-        Batch::new(&self.namespace, jobs, b.attempts)
     }
 
     fn put_front(&mut self, b: Batch) {
