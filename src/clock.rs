@@ -107,11 +107,41 @@ impl SystemClock {
     pub const RESYNC: Duration = Duration::from_secs(1);
 }
 
-/// The monotonic clock counted between reads of the wall clock.
+/// The monotonic clock counted between reads of the wall clock, and the time it was first read.
+/// With `quanta`, the time-stamp counter read raw and scaled by its calibration (no check of a
+/// per-thread mock clock, as `quanta::Instant::now` makes); without, std's `Instant`.
 #[cfg(feature = "quanta")]
-type Mono = quanta::Instant;
+struct Mono(quanta::Clock, u64);
 #[cfg(not(feature = "quanta"))]
-type Mono = std::time::Instant;
+struct Mono(std::time::Instant);
+
+impl Mono {
+    #[cfg(feature = "quanta")]
+    fn start() -> Self {
+        let c = quanta::Clock::new();
+        let at = c.raw();
+        Mono(c, at)
+    }
+
+    #[cfg(not(feature = "quanta"))]
+    fn start() -> Self {
+        Mono(std::time::Instant::now())
+    }
+
+    /// Microseconds since the clock was first read.
+    #[cfg(feature = "quanta")]
+    #[inline]
+    fn micros(&self) -> u64 {
+        self.0.delta_as_nanos(self.1, self.0.raw()) / 1_000
+    }
+
+    /// Microseconds since the clock was first read.
+    #[cfg(not(feature = "quanta"))]
+    #[inline]
+    fn micros(&self) -> u64 {
+        self.0.elapsed().as_micros() as u64
+    }
+}
 
 /// The process's count of the wall clock: the wall clock's time minus the monotonic clock's
 /// (µs since the process's first read) at the last reading of the wall clock, and the
@@ -148,8 +178,7 @@ fn wall_micros() -> u64 {
 
 impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
-        let base = *ANCHOR.base.get_or_init(Mono::now);
-        let mono = Mono::now().saturating_duration_since(base).as_micros() as u64;
+        let mono = ANCHOR.base.get_or_init(Mono::start).micros();
         let a = &ANCHOR;
         if let Some(t) = counted(mono, a.offset.load(Relaxed), a.next.load(Relaxed)) {
             return Timestamp(t);

@@ -417,7 +417,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Err(r) => {
                 out.admitted = shadow;
                 out.why = Why::of(&r, now);
-                out.refusal = Some(*r);
+                out.refusal = Some(r);
             }
         }
         Ok(out)

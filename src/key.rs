@@ -34,7 +34,7 @@ impl KeyKind {
 
 /// Whether two names are the same, compared inline a word at a time: names are short, and a
 /// call to the C library's comparison costs more than comparing a short name.
-#[inline]
+#[inline(always)]
 pub(crate) fn same_name(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     let n = a.len();

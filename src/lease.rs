@@ -26,7 +26,7 @@
 //!   it ends, when its caller is idle for 100 ms, on policy reload, and when the limiter is
 //!   dropped or told to return its leases.
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -91,11 +91,13 @@ impl<'a> Path<'a> {
     }
 
     /// Whether `k` are this path's keys.
+    #[inline(always)]
     fn is(&self, k: &CallKeys) -> bool {
         self.is_below_tool(k) && same_name(&k.tool, self.tool)
     }
 
     /// Whether `k` are this path's keys, the tool's name aside.
+    #[inline(always)]
     fn is_below_tool(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted
             && same_name(&k.tenant, self.tenant)
@@ -173,7 +175,8 @@ pub(crate) struct Spent {
 pub(crate) struct Leases {
     /// Made at the first leasing call: a limiter whose policy never leases holds none.
     shards: std::sync::OnceLock<Box<[Padded]>>,
-    hasher: RandomState,
+    /// The hash's seed, random per limiter (see [`hash_path`]).
+    seed: u64,
     /// One bit per tool name that was ever granted a lease (see [`tool_bit`]): a call of a
     /// tool whose bit is clear looks for no lease before the policy is read.
     tools: AtomicU64,
@@ -241,6 +244,7 @@ impl Lease {
     /// Spends `c` from the current grant at `now`, if the grant is current and holds enough:
     /// the grant, the call's part of it, and the size of the next grant to fetch ahead now
     /// when it is time to (`may_fetch_ahead` is asked only then).
+    #[inline(always)]
     fn spend(
         &mut self,
         c: f64,
@@ -319,7 +323,7 @@ impl Leases {
     pub(crate) fn new() -> Self {
         Leases {
             shards: std::sync::OnceLock::new(),
-            hasher: RandomState::default(),
+            seed: RandomState::default().hash_one(0x5eed_u64),
             tools: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
@@ -348,11 +352,18 @@ impl Leases {
     }
 
     fn hash(&self, k: &CallKeys) -> u64 {
-        hash_path(&self.hasher, Path::of(k))
+        hash_path(self.seed, Path::of(k))
     }
 
     fn shard(&self, hash: u64) -> &Mutex<Shard> {
         shard_of(self.shards(), hash)
+    }
+
+    /// Whether a lease of `tool` may be held: `false` when no lease was ever granted, or none
+    /// of a tool with a name as long (see [`tool_bit`]).
+    #[inline]
+    pub(crate) fn may_hold(&self, tool: &str) -> bool {
+        self.tools.load(Relaxed) & tool_bit(tool) != 0
     }
 
     /// Spends `cost` from the lease of `caller` calling `tool`, before the call is resolved
@@ -361,6 +372,7 @@ impl Leases {
     /// call that was granted it did), the caller has the tier it was granted to, and the lease
     /// is current and holds enough. `None`: the call goes the whole way (where it may still
     /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
+    /// The caller checks [`may_hold`](Self::may_hold) first.
     pub(crate) fn spend(
         &self,
         version: u64,
@@ -371,7 +383,7 @@ impl Leases {
         may_fetch_ahead: impl Fn() -> bool,
     ) -> Option<Spent> {
         let shards = self.shards.get()?;
-        if !(cost.is_finite() && cost >= 0.0) || self.tools.load(Relaxed) & tool_bit(tool) == 0 {
+        if !(cost.is_finite() && cost >= 0.0) {
             return None;
         }
         let now = now.as_micros();
@@ -395,7 +407,7 @@ impl Leases {
             },
         };
         let valid = |l: &Lease| l.known.version == version && l.known.tier.as_deref() == tier;
-        let hash = hash_path(&self.hasher, path);
+        let hash = hash_path(self.seed, path);
         let spent = self.spend_at(shards, path, hash, &valid, cost, now, &may_fetch_ahead);
         if spent.is_some() || path.instance.is_none() {
             return spent;
@@ -406,11 +418,12 @@ impl Leases {
             ..path
         };
         let valid = |l: &Lease| valid(l) && !l.known.instances_limited;
-        let hash = hash_path(&self.hasher, tenant);
+        let hash = hash_path(self.seed, tenant);
         self.spend_at(shards, tenant, hash, &valid, cost, now, &may_fetch_ahead)
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn spend_at(
         &self,
         shards: &[Padded],
@@ -447,7 +460,7 @@ impl Leases {
     ) -> Take {
         let now = plan.now.as_micros();
         let c = plan.cost;
-        let hash = hash_path(&self.hasher, path);
+        let hash = hash_path(self.seed, path);
         let mut shard = lock(self.shard(hash));
         self.maybe_sweep(&mut shard, now, returns);
         // A lease of the same tool policy has the same tool name: compared by pointer first.
@@ -633,10 +646,10 @@ impl Leases {
                 l.cool = cool && granted <= plan.cost;
             }
             None => {
-                let hasher = &self.hasher;
+                let seed = self.seed;
                 shard
                     .leases
-                    .insert_unique(hash, lease, |l| hash_keys(hasher, &l.keys));
+                    .insert_unique(hash, lease, |l| hash_keys(seed, &l.keys));
             }
         }
         call
@@ -694,6 +707,7 @@ impl Leases {
     }
 
     /// Whether returns are parked for a call that can wait.
+    #[inline]
     pub(crate) fn has_pending(&self) -> bool {
         self.has_pending.load(Relaxed)
     }
@@ -729,7 +743,7 @@ fn shard_of(shards: &[Padded], hash: u64) -> &Mutex<Shard> {
     &shards[(hash >> 48) as usize & (shards.len() - 1)].0
 }
 
-fn hash_keys(h: &RandomState, k: &CallKeys) -> u64 {
+fn hash_keys(h: u64, k: &CallKeys) -> u64 {
     hash_path(h, Path::of(k))
 }
 
@@ -739,13 +753,58 @@ fn tool_bit(tool: &str) -> u64 {
     1 << (tool.len() % 64)
 }
 
-fn hash_path(h: &RandomState, p: Path<'_>) -> u64 {
-    let mut s = h.build_hasher();
-    p.tool.hash(&mut s);
-    p.tenant.hash(&mut s);
-    p.untenanted.hash(&mut s);
-    p.instance.hash(&mut s);
-    s.finish()
+/// A path's hash: each name folded in a word at a time (names are short), with its length and
+/// the path's shape, from a seed random per limiter. The table compares whole names after it,
+/// so the hash only spreads paths; it is what a call computes before it finds its lease.
+#[inline(always)]
+fn hash_path(seed: u64, p: Path<'_>) -> u64 {
+    let shape = match (p.untenanted, p.instance) {
+        (true, _) => 1,
+        (false, None) => 2,
+        (false, Some(_)) => 3,
+    };
+    let h = hash_name(seed ^ shape, p.tool);
+    let h = hash_name(h, p.tenant);
+    match p.instance {
+        Some(i) => hash_name(h, i),
+        None => h,
+    }
+}
+
+/// Folds `name` into `h` (see [`hash_path`]).
+#[inline(always)]
+fn hash_name(h: u64, name: &str) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let b = name.as_bytes();
+    let n = b.len();
+    let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    let half = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as u64;
+    let (x, y) = match n {
+        0 => (0, 0),
+        1..4 => {
+            let v = (b[0] as u64) << 16 | (b[n / 2] as u64) << 8 | b[n - 1] as u64;
+            (v, 0)
+        }
+        4..8 => (half(0), half(n - 4)),
+        8..=16 => (word(0), word(n - 8)),
+        _ => {
+            let mut h = h;
+            let mut at = 0;
+            while at + 16 < n {
+                h = fold(h ^ word(at), K ^ word(at + 8));
+                at += 16;
+            }
+            (h ^ word(n - 16), word(n - 8))
+        }
+    };
+    fold(h ^ x ^ ((n as u64) << 56), K ^ y).rotate_left(23)
+}
+
+/// Multiplies `a` by `b` and folds the 128-bit product's halves together.
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = (a as u128).wrapping_mul(b as u128);
+    (p as u64) ^ ((p >> 64) as u64)
 }
 
 fn sweep(shard: &mut Shard, now: u64, returns: &mut Vec<Return>) {
@@ -780,6 +839,7 @@ fn ends(grant: &Admission, now: u64) -> u64 {
 /// A call's part of a grant it is spent from: its share of what the grant charged at each
 /// level (so settling or refunding the call corrects the store by that share exactly), and
 /// the grant's figures as of the call, the units still held counted as the caller's.
+#[inline(always)]
 fn part_of(grant: &Admission, granted: f64, left: f64, cost: f64, now: u64) -> Part {
     let since = now.saturating_sub(grant.at.as_micros()) as f64;
     Part {

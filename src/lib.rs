@@ -92,7 +92,7 @@ pub mod policy;
 pub mod store;
 pub mod telemetry;
 
-pub use admission::{Reason, Refusal, Scope};
+pub use admission::{Reason, Refusal, RefusalDetails, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use console::{Console, Explanation};
 pub use identity::{Caller, Cost};

@@ -1,9 +1,12 @@
 //! The limiter: policy + store + clock. Resolves who is calling what, asks the store, and
 //! turns the answer into an admission or a typed refusal. The layer is a thin shell over it.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
+use std::task::Poll;
 
 use arc_swap::ArcSwap;
 
@@ -130,7 +133,7 @@ fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
 #[derive(Clone, Debug)]
 pub struct Ticket {
     admission: Option<Charged>,
-    shadow_refusal: Option<Box<Refusal>>,
+    shadow_refusal: Option<Refusal>,
     window_secs: u64,
 }
 
@@ -205,7 +208,7 @@ impl Ticket {
 
     /// In shadow mode (`enforce = false`), the refusal that would have been returned.
     pub fn shadow_refusal(&self) -> Option<&Refusal> {
-        self.shadow_refusal.as_deref()
+        self.shadow_refusal.as_ref()
     }
 
     /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
@@ -366,28 +369,49 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ///
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
-    pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Result<Ticket, Refusal> {
-        let (outcome, _leased) = match self.admit_at_once(caller, tool, cost, true) {
-            Ok(done) if !self.inner.leases.has_pending() => done,
+    pub fn admit<'a>(
+        &'a self,
+        caller: &'a Caller,
+        tool: &'a str,
+        cost: Cost,
+    ) -> impl Future<Output = Result<Ticket, Refusal>> + Send + 'a {
+        Admit {
+            limiter: self,
+            caller,
+            tool,
+            cost,
+            step: Step::Start,
+        }
+    }
+
+    /// The first step of [`admit`](Self::admit), when it is first polled: the answer when it
+    /// needs no waiting (and whether it is to spend a unit of the runtime's cooperative
+    /// budget first), or the part that waits, boxed.
+    fn admit_first<'a>(&'a self, caller: &'a Caller, tool: &'a str, cost: Cost) -> Step<'a> {
+        // Most calls on a leasing path: spent from the caller's lease, nothing else to wait
+        // for but a unit of tokio's cooperative budget (see below).
+        if !self.inner.leases.has_pending() {
+            if let Some(ticket) = self.spend_leased(caller, tool, cost) {
+                return Step::Answer(Ok(ticket), true);
+            }
+        }
+        match self.admit_at_once(caller, tool, cost, true) {
+            // A decision on a leasing path may not wait: it spends a unit of tokio's
+            // cooperative budget, so a task that loops on leased decisions still lets the
+            // runtime run its other tasks (a store's own among them).
+            Ok((outcome, leased)) if !self.inner.leases.has_pending() => {
+                Step::Answer(outcome, leased)
+            }
             // Leases that ended on the way, which the store could not take back at once: given
             // back before the answer, as by any leasing call that waits.
-            Ok(done) => return Box::pin(self.give_back_and_answer(done)).await,
+            Ok(done) => Step::Waiting(Box::pin(self.give_back_and_answer(done))),
             // A call that waits for a store's I/O (or applies returns parked for one). That part
             // is boxed, so that a call decided at once (in memory, or from a lease) moves a
             // small future, not one sized for the store's round trip.
             Err(deferred) => {
-                return Box::pin(self.admit_waiting(caller, tool, cost, deferred)).await
+                Step::Waiting(Box::pin(self.admit_waiting(caller, tool, cost, deferred)))
             }
-        };
-        // A decision on a leasing path may not wait: it spends a unit of tokio's cooperative
-        // budget, so a task that loops on leased decisions still lets the runtime run its
-        // other tasks (a store's own among them).
-        #[cfg(feature = "tokio")]
-        if _leased {
-            tokio::task::coop::consume_budget().await;
         }
-        // Boxed until here: a refusal is large, and moves on the way cost more than one box.
-        outcome.map_err(|r| *r)
     }
 
     /// Applies the returns parked for a call that can wait, then answers with `done` (an
@@ -400,10 +424,37 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if done.1 {
             tokio::task::coop::consume_budget().await;
         }
-        done.0.map_err(|r| *r)
+        done.0
     }
 
-    /// The part of [`admit`](Self::admit) that needs no waiting: the outcome, recorded, and
+    /// A call spent from its caller's lease before the policy is read (see
+    /// [`Leases::spend`]), recorded; `None` when it is not, and goes the whole way.
+    #[inline]
+    fn spend_leased(&self, caller: &Caller, tool: &str, cost: Cost) -> Option<Ticket> {
+        let leases = &self.inner.leases;
+        if !leases.may_hold(tool) {
+            return None;
+        }
+        let version = self.inner.version.load(Acquire);
+        let now = self.inner.clock.now();
+        let may_fetch_ahead = || self.may_fetch_ahead();
+        let s = leases.spend(version, tool, caller, cost.0, now, may_fetch_ahead)?;
+        if let Some(f) = &s.fetch {
+            self.fetch_ahead(caller, tool, &f.1, f.0);
+        }
+        let ticket = Ticket::leased(s.grant, s.part, s.window_secs);
+        trace_admitted(caller, tool, cost, &ticket);
+        #[cfg(feature = "metrics")]
+        let ticket = {
+            let outcome = Ok(ticket);
+            self.count(&self.inner.policy.load(), caller, tool, &outcome);
+            outcome.ok()?
+        };
+        Some(ticket)
+    }
+
+    /// The part of [`admit`](Self::admit) that needs no waiting, for a call not spent from its
+    /// lease by [`spend_leased`](Self::spend_leased): the outcome, recorded, and
     /// whether it was admitted on a leasing path; or, when the store needs I/O (or returns
     /// parked earlier are to be applied first), where the part that waits starts (nothing
     /// recorded yet).
@@ -414,22 +465,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: Cost,
         can_wait: bool,
     ) -> Result<(Outcome, bool), Deferred> {
-        let version = self.inner.version.load(Acquire);
-        let now = self.inner.clock.now();
-        let leases = &self.inner.leases;
-        let may_fetch_ahead = || self.may_fetch_ahead();
-        if let Some(s) = leases.spend(version, tool, caller, cost.0, now, may_fetch_ahead) {
-            if let Some(f) = &s.fetch {
-                self.fetch_ahead(caller, tool, &f.1, f.0);
-            }
-            let ticket = Ticket::leased(s.grant, s.part, s.window_secs);
-            trace_admitted(caller, tool, cost, &ticket);
-            let outcome = Ok(ticket);
-            #[cfg(feature = "metrics")]
-            self.count(&self.inner.policy.load(), caller, tool, &outcome);
-            return Ok((outcome, true));
-        }
         let policy = self.inner.policy.load();
+        let now = self.inner.clock.now();
         let mut leased = false;
         let outcome = match self.prepare_at(&policy, caller, tool, cost, Some(now)) {
             Err(r) => Err(r),
@@ -475,7 +512,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
         };
         self.record(policy, caller, tool, cost, &outcome);
-        outcome.map_err(|r| *r)
+        outcome
     }
 
     /// Decides one call like [`admit`](Self::admit), without waiting: `Some` when the store
@@ -505,8 +542,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
     ) -> Option<Result<Ticket, Refusal>> {
+        if let Some(ticket) = self.spend_leased(caller, tool, cost) {
+            return Some(Ok(ticket));
+        }
         match self.admit_at_once(caller, tool, cost, false) {
-            Ok((outcome, _)) => Some(outcome.map_err(|r| *r)),
+            Ok((outcome, _)) => Some(outcome),
             Err(d) => {
                 // Nothing decided; what leases gave back on the way waits for a call that can
                 // wait.
@@ -855,7 +895,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &'p Caller,
         tool: &str,
         cost: Cost,
-    ) -> Result<Prepared<'p>, Box<Refusal>> {
+    ) -> Result<Prepared<'p>, Refusal> {
         self.prepare_at(policy, caller, tool, cost, None)
     }
 
@@ -867,7 +907,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
         now: Option<crate::clock::Timestamp>,
-    ) -> Result<Prepared<'p>, Box<Refusal>> {
+    ) -> Result<Prepared<'p>, Refusal> {
         let (tp, tenant, instance, untenanted) = resolve(policy, caller, tool)?;
         let c = cost.0;
         if !(c.is_finite() && c >= 0.0) {
@@ -1035,11 +1075,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// alone earns (unknown tool, tier, missing tenant).
     pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
         let policy = self.policy();
-        resolve(&policy, caller, tool)
-            .map(|(tp, tenant, instance, untenanted)| {
-                keys_of(tp, caller, tenant.name, untenanted, instance.is_some())
-            })
-            .map_err(|r| *r)
+        resolve(&policy, caller, tool).map(|(tp, tenant, instance, untenanted)| {
+            keys_of(tp, caller, tenant.name, untenanted, instance.is_some())
+        })
     }
 
     /// Corrects an admitted call's charge to its actual cost.
@@ -1091,11 +1129,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 }
 
-/// The decision event of an admitted call.
+/// The decision event of an admitted call (the check that anyone listens, inline; the event,
+/// not).
+#[inline(always)]
 fn trace_admitted(caller: &Caller, tool: &str, cost: Cost, t: &Ticket) {
-    if !tracing::enabled!(target: "tower_fairshare::decision", tracing::Level::DEBUG) {
-        return;
+    if tracing::enabled!(target: "tower_fairshare::decision", tracing::Level::DEBUG) {
+        trace_admitted_event(caller, tool, cost, t);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn trace_admitted_event(caller: &Caller, tool: &str, cost: Cost, t: &Ticket) {
     let Some(a) = t.admission() else {
         return;
     };
@@ -1135,16 +1180,16 @@ fn fill_caller(r: &mut Refusal, caller: &Caller) {
     r.instance = caller.instance().map(str::to_owned);
 }
 
-fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Box<Refusal> {
+fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Refusal {
     let mut r = Refusal::new(reason, tool);
     fill_caller(&mut r, caller);
     r.scope = Some(Scope::Tool);
     r.detail = Some(what);
-    Box::new(r)
+    r
 }
 
 /// A decision as it travels inside the limiter: the refusal boxed.
-type Outcome = Result<Ticket, Box<Refusal>>;
+type Outcome = Result<Ticket, Refusal>;
 
 /// What a call was decided with.
 enum Decided {
@@ -1185,6 +1230,63 @@ enum AtOnce {
     Done(Decided),
     /// The store needs I/O.
     Wait(Waiting),
+}
+
+/// The future of [`Limiter::admit`]: decides when first polled; waits only for a store's
+/// I/O (boxed) or, on a leasing path, for a unit of tokio's cooperative budget.
+struct Admit<'a, S, C> {
+    limiter: &'a Limiter<S, C>,
+    caller: &'a Caller,
+    tool: &'a str,
+    cost: Cost,
+    step: Step<'a>,
+}
+
+/// Where an [`Admit`] is.
+enum Step<'a> {
+    /// Not polled yet: nothing decided.
+    Start,
+    /// Decided: the answer, once a unit of the runtime's cooperative budget is spent when the
+    /// flag says so.
+    Answer(Result<Ticket, Refusal>, bool),
+    /// The part that waits for the store.
+    Waiting(Pin<Box<dyn Future<Output = Result<Ticket, Refusal>> + Send + 'a>>),
+    /// Answered.
+    Done,
+}
+
+impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
+    type Output = Result<Ticket, Refusal>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Step::Start = this.step {
+            match this.limiter.admit_first(this.caller, this.tool, this.cost) {
+                // Most calls: answered at once.
+                Step::Answer(answer, false) => {
+                    this.step = Step::Done;
+                    return Poll::Ready(answer);
+                }
+                step => this.step = step,
+            }
+        }
+        #[cfg(feature = "tokio")]
+        if let Step::Answer(_, budget @ true) = &mut this.step {
+            std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
+            *budget = false;
+        }
+        match std::mem::replace(&mut this.step, Step::Done) {
+            Step::Answer(answer, _) => Poll::Ready(answer),
+            Step::Waiting(mut f) => match f.as_mut().poll(cx) {
+                Poll::Ready(answer) => Poll::Ready(answer),
+                Poll::Pending => {
+                    this.step = Step::Waiting(f);
+                    Poll::Pending
+                }
+            },
+            Step::Start | Step::Done => panic!("`Limiter::admit` polled after it answered"),
+        }
+    }
 }
 
 /// A call [`Limiter::admit_at_once`] left for the part that waits: the policy and the time it
@@ -1324,12 +1426,12 @@ fn resolve<'p>(
     policy: &'p Policy,
     caller: &'p Caller,
     tool: &str,
-) -> Result<Resolved<'p>, Box<Refusal>> {
+) -> Result<Resolved<'p>, Refusal> {
     let Some(tp) = policy.tool(tool) else {
         let mut r = Refusal::new(Reason::PermissionDenied, tool);
         r.detail = Some("unknown_tool");
         fill_caller(&mut r, caller);
-        return Err(Box::new(r));
+        return Err(r);
     };
     // Identity before permission: a caller without one is 401 whatever the tool's tier.
     if caller.tenant().is_none() && tp.require_tenant() {

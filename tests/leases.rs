@@ -684,3 +684,60 @@ burst = 1
     assert_eq!(r.reason.as_str(), "rate_limited", "{r:?}");
     assert_eq!(r.scope.map(|s| s.as_str()), Some("instance"), "{r:?}");
 }
+
+/// A task that loops on decisions spent from its lease never waits for the store, so it must
+/// yield to the runtime by itself: it spends tokio's cooperative budget now and then, and the
+/// other tasks on its thread still run. (If it never yielded, the runtime's thread would spin
+/// in it for ever; the test fails after a minute instead of hanging.) Without the `tokio`
+/// feature the limiter knows no runtime to yield to.
+#[cfg(feature = "tokio")]
+#[test]
+fn a_task_looping_on_leased_decisions_lets_the_runtime_run_its_other_tasks() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+
+    const HUGE: &str = r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+lease = { max = 64 }
+[tool.default_tenant]
+"#;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let calls = rt.block_on(async {
+            let l = Arc::new(limiter(HUGE).0);
+            let (calls, stop) = (
+                Arc::new(AtomicU64::new(0)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let looping = tokio::spawn({
+                let (l, calls, stop) = (l.clone(), calls.clone(), stop.clone());
+                async move {
+                    let acme = Caller::new("acme");
+                    while !stop.load(Relaxed) {
+                        l.admit(&acme, "search", Cost(1.0)).await.expect("admitted");
+                        calls.fetch_add(1, Relaxed);
+                    }
+                }
+            });
+            // Runs the looping task: this one is polled again only once that one yields.
+            tokio::task::yield_now().await;
+            stop.store(true, Relaxed);
+            looping.await.expect("the loop ends");
+            calls.load(Relaxed)
+        });
+        let _ = tx.send(calls);
+    });
+    let calls = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the task looping on leased decisions never yielded to the runtime");
+    assert!(
+        calls > 64,
+        "more calls than one lease holds before it yielded: {calls}"
+    );
+}

@@ -105,7 +105,7 @@ pub enum Verdict {
     /// Admit, writing the new state.
     Admit(Box<Admitted>),
     /// Refuse; nothing changes.
-    Refuse(Box<Refusal>),
+    Refuse(Refusal),
 }
 
 /// The time a call is decided at: its own, or the latest time any of its levels' states was
@@ -176,7 +176,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with
 /// nothing written anywhere: for `Limiter::explain`.
 pub(crate) struct Explained {
-    pub(crate) verdict: Result<(), Box<Refusal>>,
+    pub(crate) verdict: Result<(), Refusal>,
     pub(crate) levels: Vec<crate::console::LevelFigures>,
 }
 

@@ -54,4 +54,4 @@ mod state;
 mod template;
 mod walk;
 
-pub use refusal::{Reason, Refusal, Scope};
+pub use refusal::{Reason, Refusal, RefusalDetails, Scope};

@@ -352,7 +352,7 @@ pub(crate) struct Top {
     slack: f64,
 }
 
-fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
+fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
     let tool = plan.tool;
     let mut r = Refusal::new(f.reason, &tool.name);
     r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
@@ -378,7 +378,7 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Box<Refusal> {
     if f.sure_wait.is_finite() && f.sure_wait > 0.0 {
         r.not_before = Some(Duration::from_micros(f.sure_wait.floor() as u64));
     }
-    Box::new(r)
+    r
 }
 
 /// The tool's level at `b`'s instant: its numbers, and its state brought up to date (refilled,
@@ -456,7 +456,7 @@ pub(crate) fn above(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
     tool_state: &mut NodeState,
-) -> Result<Top, Box<Refusal>> {
+) -> Result<Top, Refusal> {
     let (now, period) = (b.now, b.period);
     if let Some(mut f) = b.callers {
         if f.scope == Scope::Tenant {

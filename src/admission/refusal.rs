@@ -61,9 +61,41 @@ impl Scope {
 }
 
 /// A refused call: what refused it, the numbers behind it, and when a retry can succeed.
+///
+/// Its fields are [`RefusalDetails`]', read through it (`refusal.reason`,
+/// `refusal.retry_after`). They are boxed: a refusal is one pointer wide, so the
+/// `Result<Ticket, Refusal>` every decision answers stays as small as its ticket, and an
+/// admitted call never moves the room a refusal needs.
+///
+/// [`Ticket`]: crate::Ticket
+#[derive(Clone, PartialEq)]
+pub struct Refusal(Box<RefusalDetails>);
+
+impl std::ops::Deref for Refusal {
+    type Target = RefusalDetails;
+
+    fn deref(&self) -> &RefusalDetails {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Refusal {
+    fn deref_mut(&mut self) -> &mut RefusalDetails {
+        &mut self.0
+    }
+}
+
+impl fmt::Debug for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+/// What a [`Refusal`] says: what refused the call, the numbers behind it, and when a retry
+/// can succeed.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
-pub struct Refusal {
+pub struct RefusalDetails {
     /// The kind of refusal.
     pub reason: Reason,
     /// The tool called.
@@ -102,7 +134,7 @@ pub struct Refusal {
 
 impl Refusal {
     pub(crate) fn new(reason: Reason, tool: &str) -> Self {
-        Refusal {
+        Refusal(Box::new(RefusalDetails {
             reason,
             tool: tool.to_owned(),
             tenant: None,
@@ -117,7 +149,7 @@ impl Refusal {
             retryable: false,
             detail: None,
             not_before: None,
-        }
+        }))
     }
 
     /// Whole seconds to wait, rounded up, at least 1: the `Retry-After` header.

@@ -50,7 +50,7 @@ pub trait Describe<Req>: Send + Sync + 'static {
 #[non_exhaustive]
 pub enum FairShareError<E> {
     /// Refused; the inner service was not called.
-    Refused(Box<Refusal>),
+    Refused(Refusal),
     /// The inner service failed.
     Inner(E),
 }
@@ -67,7 +67,7 @@ impl<E: fmt::Display> fmt::Display for FairShareError<E> {
 impl<E: std::error::Error + 'static> std::error::Error for FairShareError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            FairShareError::Refused(r) => Some(&**r),
+            FairShareError::Refused(r) => Some(r),
             FairShareError::Inner(e) => Some(e),
         }
     }
@@ -170,9 +170,7 @@ where
                 held: Some(Held::new(ticket, &self.limiter)),
                 fut: self.inner.call(req),
             },
-            Some(Err(r)) => GenState::Refused {
-                refusal: Some(Box::new(r)),
-            },
+            Some(Err(r)) => GenState::Refused { refusal: Some(r) },
             None => {
                 let admission = self.limiter.admit(caller, tool, cost);
                 let clone = self.inner.clone();
@@ -217,7 +215,7 @@ pin_project! {
             held: Option<Held>,
         },
         Refused {
-            refusal: Option<Box<Refusal>>,
+            refusal: Option<Refusal>,
         },
     }
 }
@@ -240,7 +238,7 @@ impl<S: Service<Req>, Req> Future for DescribedFuture<S, Req> {
                     req,
                     limiter,
                 } => match ready!(admission.as_mut().poll(cx)) {
-                    Err(r) => return Poll::Ready(Err(FairShareError::Refused(Box::new(r)))),
+                    Err(r) => return Poll::Ready(Err(FairShareError::Refused(r))),
                     Ok(ticket) => {
                         let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
                             panic!("DescribedFuture polled after completion");

@@ -83,7 +83,7 @@ pub enum Decision {
     /// Admitted and committed.
     Admitted(Box<Admission>),
     /// Refused; nothing was charged.
-    Refused(Box<Refusal>),
+    Refused(Refusal),
 }
 
 /// A store could not decide. Backend errors convert into this one enum.

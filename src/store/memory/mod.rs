@@ -319,7 +319,7 @@ fn decide_on(
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
     keys: Keys<'_>,
-) -> Result<(Box<Admission>, [u64; 2]), Box<Refusal>> {
+) -> Result<(Box<Admission>, [u64; 2]), Refusal> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the

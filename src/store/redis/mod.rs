@@ -740,7 +740,7 @@ impl Store for RedisStore {
         if let Some(cache) = &self.shared.cache {
             if let Some(r) = cache.lookup(keys, plan, self.shared.config.time) {
                 self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
-                return Ok(Decision::Refused(Box::new(r)));
+                return Ok(Decision::Refused(r));
             }
         }
         self.decide_remote(plan, keys).await
