@@ -54,6 +54,8 @@ const ROOM_PART: f64 = 0.25;
 const FETCH_AHEAD_AT: f64 = 0.5;
 /// A shard is swept for idle leases at most this often.
 const SWEEP_US: u64 = 50_000;
+/// The most lease shards a limiter makes (2 MiB of them).
+const MAX_SHARDS: usize = 16_384;
 /// Tolerance for float comparisons, as in the engine.
 const EPS: f64 = 1e-9;
 
@@ -332,14 +334,17 @@ impl Leases {
     }
 
     /// The shards, made on first use: enough that threads deciding for distinct callers
-    /// seldom share one (each is on cache lines of its own).
+    /// seldom share one (each is on cache lines of its own, 128 bytes). Two threads cycling
+    /// over `k` callers each share about `k² / n` of `n` shards, and every call on a shared
+    /// one moves its lines between the cores: 2,048 a core (4,096 on two cores, 512 KiB), at most
+    /// [`MAX_SHARDS`].
     fn shards(&self) -> &[Padded] {
         self.shards.get_or_init(|| {
             let n = std::thread::available_parallelism()
                 .map_or(4, |n| n.get())
-                .saturating_mul(256)
+                .saturating_mul(2048)
                 .next_power_of_two()
-                .max(512);
+                .clamp(512, MAX_SHARDS);
             (0..n)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect()
