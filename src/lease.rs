@@ -613,31 +613,27 @@ impl Leases {
         if self.tools.load(Relaxed) & bit == 0 {
             self.tools.fetch_or(bit, Relaxed);
         }
-        let lease = Lease {
-            keys: keys.clone(),
-            tool: plan.tool.clone(),
-            known,
-            granted,
-            left,
-            grant,
-            until,
-            started: now,
-            last: now,
-            room,
-            cool: false,
-            next: None,
-            refreshing: false,
-        };
         let hash = self.hash(keys);
         let mut shard = lock(self.shard(hash));
         match shard.leases.find_mut(hash, |l| l.keys == *keys) {
             Some(l) => {
                 // What is left of the current grant goes back; a grant fetched ahead (or on its
-                // way) under the same policy stays the next one, any other goes back too.
+                // way) under the same policy stays the next one, any other goes back too. The
+                // lease is renewed in place: its keys and (under the same policy) its tool stay,
+                // so a busy caller's grants write no count shared with other callers' threads.
                 l.give_back_current(returns);
-                let (next, refreshing, cool) = (l.next.take(), l.refreshing, l.cool);
-                *l = lease;
-                match next {
+                if !Arc::ptr_eq(&l.tool, plan.tool) {
+                    l.tool = plan.tool.clone();
+                }
+                l.known = known;
+                l.granted = granted;
+                l.left = left;
+                l.grant = grant;
+                l.until = until;
+                l.started = now;
+                l.last = now;
+                l.room = room;
+                match l.next.take() {
                     Some(n) if same_policy(&n.tool, &l.tool) => l.next = Some(n),
                     Some(n) => returns.push(Return {
                         factor: -1.0,
@@ -646,11 +642,25 @@ impl Leases {
                     }),
                     None => {}
                 }
-                l.refreshing = refreshing;
                 // A call decided alone after a refused or borrowing grant: the next one too.
-                l.cool = cool && granted <= plan.cost;
+                l.cool = l.cool && granted <= plan.cost;
             }
             None => {
+                let lease = Lease {
+                    keys: keys.clone(),
+                    tool: plan.tool.clone(),
+                    known,
+                    granted,
+                    left,
+                    grant,
+                    until,
+                    started: now,
+                    last: now,
+                    room,
+                    cool: false,
+                    next: None,
+                    refreshing: false,
+                };
                 let seed = self.seed;
                 shard
                     .leases
