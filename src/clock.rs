@@ -111,16 +111,23 @@ impl SystemClock {
 /// With `quanta`, the time-stamp counter read raw and scaled by its calibration (no check of a
 /// per-thread mock clock, as `quanta::Instant::now` makes); without, std's `Instant`.
 #[cfg(feature = "quanta")]
-struct Mono(quanta::Clock, u64);
+struct Mono {
+    clock: quanta::Clock,
+    /// The counter's reading when the clock was first read.
+    base: u64,
+    /// Microseconds per count, times 2⁴⁰ (the counter's calibration, taken once).
+    scale: u64,
+}
 #[cfg(not(feature = "quanta"))]
 struct Mono(std::time::Instant);
 
 impl Mono {
     #[cfg(feature = "quanta")]
     fn start() -> Self {
-        let c = quanta::Clock::new();
-        let at = c.raw();
-        Mono(c, at)
+        let clock = quanta::Clock::new();
+        let scale = clock.delta_as_nanos(0, 1 << 40) / 1_000;
+        let base = clock.raw();
+        Mono { clock, base, scale }
     }
 
     #[cfg(not(feature = "quanta"))]
@@ -132,7 +139,8 @@ impl Mono {
     #[cfg(feature = "quanta")]
     #[inline]
     fn micros(&self) -> u64 {
-        self.0.delta_as_nanos(self.1, self.0.raw()) / 1_000
+        let counts = self.clock.raw().saturating_sub(self.base);
+        ((u128::from(counts) * u128::from(self.scale)) >> 40) as u64
     }
 
     /// Microseconds since the clock was first read.

@@ -231,6 +231,9 @@ struct Lease {
     next: Option<Spare>,
     /// A grant is being fetched ahead for this lease.
     refreshing: bool,
+    /// The current grant cannot be fetched ahead of (a call past the point found no runtime
+    /// to fetch it on); cleared with each grant.
+    unfetchable: bool,
 }
 
 /// A grant fetched ahead of need, whole until its lease runs out.
@@ -263,8 +266,14 @@ impl Lease {
         let ahead = (self.next.is_none()
             && !self.refreshing
             && !self.cool
+            && !self.unfetchable
             && self.left < self.granted * FETCH_AHEAD_AT
-            && may_fetch_ahead())
+            && {
+                // Asked once a grant: where no grant can be fetched ahead (no runtime), the
+                // rest of this one is spent without asking again.
+                self.unfetchable = !may_fetch_ahead();
+                !self.unfetchable
+            })
         .then(|| Leases::size(c, self.tool.lease_max, self, now))
         .filter(|size| *size > c);
         self.refreshing |= ahead.is_some();
@@ -502,6 +511,7 @@ impl Leases {
             l.room = n.room;
             l.started = now;
             l.last = now;
+            l.unfetchable = false;
             return Take::Hit(grant, part, None);
         }
         // Sized on what the caller spent of it, before what is left goes back.
@@ -633,6 +643,7 @@ impl Leases {
                 l.started = now;
                 l.last = now;
                 l.room = room;
+                l.unfetchable = false;
                 match l.next.take() {
                     Some(n) if same_policy(&n.tool, &l.tool) => l.next = Some(n),
                     Some(n) => returns.push(Return {
@@ -660,6 +671,7 @@ impl Leases {
                     cool: false,
                     next: None,
                     refreshing: false,
+                    unfetchable: false,
                 };
                 let seed = self.seed;
                 shard
@@ -768,28 +780,34 @@ fn tool_bit(tool: &str) -> u64 {
     1 << (tool.len() % 64)
 }
 
-/// A path's hash: each name folded in a word at a time (names are short), with its length and
-/// the path's shape, from a seed random per limiter. The table compares whole names after it,
+/// A path's hash: each name folded on its own, a word at a time (names are short), with its
+/// length and its place in the path, then the three together: the names' folds do not wait
+/// for one another. From a seed random per limiter. The table compares whole names after it,
 /// so the hash only spreads paths; it is what a call computes before it finds its lease.
 #[inline(always)]
 fn hash_path(seed: u64, p: Path<'_>) -> u64 {
+    const K: [u64; 4] = [
+        0x9e37_79b9_7f4a_7c15,
+        0xc2b2_ae3d_27d4_eb4f,
+        0x1656_67b1_9e37_79f9,
+        0x85eb_ca77_c2b2_ae63,
+    ];
     let shape = match (p.untenanted, p.instance) {
         (true, _) => 1,
         (false, None) => 2,
         (false, Some(_)) => 3,
     };
-    let h = hash_name(seed ^ shape, p.tool);
-    let h = hash_name(h, p.tenant);
-    match p.instance {
-        Some(i) => hash_name(h, i),
-        None => h,
-    }
+    let tool = hash_name(seed, K[0], p.tool);
+    let tenant = hash_name(seed.rotate_left(21) ^ shape, K[1], p.tenant);
+    let instance = p
+        .instance
+        .map_or(0, |i| hash_name(seed.rotate_left(42), K[2], i));
+    fold(tool ^ instance.rotate_left(29), tenant ^ K[3])
 }
 
-/// Folds `name` into `h` (see [`hash_path`]).
+/// `name`'s fold, from `h` and the constant `k` of its place in a path (see [`hash_path`]).
 #[inline(always)]
-fn hash_name(h: u64, name: &str) -> u64 {
-    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+fn hash_name(h: u64, k: u64, name: &str) -> u64 {
     let b = name.as_bytes();
     let n = b.len();
     let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
@@ -806,13 +824,13 @@ fn hash_name(h: u64, name: &str) -> u64 {
             let mut h = h;
             let mut at = 0;
             while at + 16 < n {
-                h = fold(h ^ word(at), K ^ word(at + 8));
+                h = fold(h ^ word(at), k ^ word(at + 8));
                 at += 16;
             }
             (h ^ word(n - 16), word(n - 8))
         }
     };
-    fold(h ^ x ^ ((n as u64) << 56), K ^ y).rotate_left(23)
+    fold(h ^ x ^ ((n as u64) << 56), k ^ y)
 }
 
 /// Multiplies `a` by `b` and folds the 128-bit product's halves together.
@@ -876,6 +894,68 @@ pub(crate) fn borrowed(grant: &Admission) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Paths that differ in any name, in where a name stands, or in their shape hash apart:
+    /// 20,100 paths of short and long names (every length branch of the hash), no two the
+    /// same hash, and the shards they fall in evenly used.
+    #[test]
+    fn paths_hash_apart_and_spread_over_the_shards() {
+        let seed = 0x1234_5678_9abc_def0;
+        let names: Vec<String> = (0..100)
+            .map(|i| match i % 4 {
+                0 => format!("t{i}"),
+                1 => format!("team-{i}"),
+                2 => format!("tenant-number-{i}"),
+                _ => format!("a-rather-long-tenant-name-{i}-of-some-org"),
+            })
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut shards = vec![0u32; 512];
+        let mut paths = 0;
+        for (a, tenant) in names.iter().enumerate() {
+            for (b, other) in names.iter().enumerate().take(100) {
+                let instance = (a != b).then_some(other.as_str());
+                for (tool, untenanted) in [("search", false), ("report", false), ("search", true)] {
+                    if untenanted && instance.is_some() {
+                        continue;
+                    }
+                    let p = Path {
+                        tool,
+                        tenant,
+                        instance,
+                        untenanted,
+                    };
+                    let h = hash_path(seed, p);
+                    assert!(
+                        seen.insert(h),
+                        "two paths hash alike: {tool} {tenant} {instance:?}"
+                    );
+                    shards[(h >> 48) as usize & 511] += 1;
+                    paths += 1;
+                }
+            }
+        }
+        assert!(paths >= 20_000, "{paths} paths");
+        let (min, max) = (shards.iter().min().unwrap(), shards.iter().max().unwrap());
+        let mean = paths as f64 / 512.0;
+        assert!(
+            f64::from(*min) > mean * 0.3 && f64::from(*max) < mean * 1.7,
+            "shards used unevenly: {min}..{max} around {mean}"
+        );
+        // A name moved to another place in the path is another path.
+        let swap = |t: &str, i: &str| {
+            hash_path(
+                seed,
+                Path {
+                    tool: "search",
+                    tenant: t,
+                    instance: Some(i),
+                    untenanted: false,
+                },
+            )
+        };
+        assert_ne!(swap("acme", "bot"), swap("bot", "acme"));
+    }
 
     fn grant(at: u64, reset_in: f64) -> Admission {
         Admission {
