@@ -531,10 +531,9 @@ impl Leases {
         &self,
         plan: &Plan<'_>,
         keys: &CallKeys,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         granted: f64,
     ) -> Option<Return> {
-        let grant: Arc<Admission> = grant.into();
         let now = plan.now.as_micros();
         let hash = self.hash(keys);
         let mut shard = lock(self.shard(hash));
@@ -600,10 +599,10 @@ impl Leases {
         plan: &Plan<'_>,
         keys: &CallKeys,
         known: Known,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         granted: f64,
         returns: &mut Vec<Return>,
-    ) -> Result<(Arc<Admission>, Part), Box<Admission>> {
+    ) -> Result<(Arc<Admission>, Part), Arc<Admission>> {
         let now = plan.now.as_micros();
         let left = (granted - plan.cost).max(0.0);
         // The room the grant left above the caller: its quota left in the window, the tool's
@@ -611,7 +610,6 @@ impl Leases {
         let room = grant.remaining.min(grant.slack).max(0.0);
         let (call, grant) = if left > EPS {
             // Shared from here on by the lease and every call spent from it.
-            let grant: Arc<Admission> = grant.into();
             let part = part_of(&grant, granted, left, plan.cost, now);
             (Ok((grant.clone(), part)), Some(grant))
         } else {
@@ -1003,7 +1001,7 @@ mod tests {
         let g = grant(now, 500_000.0);
         let known = Known::new(3, Some(Arc::from("gold")), &plan);
         let mut back = Vec::new();
-        let call = leases.granted(&plan, &g.keys, known, Box::new(g.clone()), 10.0, &mut back);
+        let call = leases.granted(&plan, &g.keys, known, Arc::new(g.clone()), 10.0, &mut back);
         assert!(call.is_ok() && back.is_empty());
         let gold = Caller::new("a").with_tier("gold");
         let at = Timestamp(now + 10);

@@ -141,7 +141,7 @@ pub struct Ticket {
 #[derive(Clone, Debug)]
 enum Charged {
     /// The call's own admission.
-    Own(Box<Admission>),
+    Own(Arc<Admission>),
     /// Spent from a lease: the lease's grant and the call's part of it.
     Leased(Arc<Admission>, Part),
 }
@@ -618,7 +618,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     // gets it back with a later call.
                     if store.adjust_now(&grant, -1.0, p.plan.now).is_none() {
                         returns.push(lease::Return {
-                            grant: grant.into(),
+                            grant,
                             factor: -1.0,
                             units: 0.0,
                         });
@@ -808,7 +808,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Decision::Admitted(a)) => {
                 leases.fetch_failed(p.keys(), true);
                 Some(lease::Return {
-                    grant: a.into(),
+                    grant: a,
                     factor: -1.0,
                     units: 0.0,
                 })
@@ -857,7 +857,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn keep(
         &self,
         p: &Prepared<'_>,
-        grant: Box<Admission>,
+        grant: Arc<Admission>,
         ask: f64,
         returns: &mut Vec<lease::Return>,
     ) -> Decided {
@@ -1312,7 +1312,7 @@ enum Next {
     /// The answer.
     Done(Decided),
     /// Decide the call alone, after giving back this grant (it borrowed), if any.
-    Alone(Option<Box<Admission>>),
+    Alone(Option<Arc<Admission>>),
 }
 
 /// A call resolved and timed, ready for the store.

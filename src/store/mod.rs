@@ -81,7 +81,7 @@ pub struct Admission {
 #[derive(Clone, Debug)]
 pub enum Decision {
     /// Admitted and committed.
-    Admitted(Box<Admission>),
+    Admitted(Arc<Admission>),
     /// Refused; nothing was charged.
     Refused(Refusal),
 }

@@ -319,7 +319,7 @@ fn decide_on(
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
     keys: Keys<'_>,
-) -> Result<(Box<Admission>, [u64; 2]), Refusal> {
+) -> Result<(Arc<Admission>, [u64; 2]), Refusal> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
@@ -380,9 +380,9 @@ fn decide_on(
         publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
-    // The answer is built where it will live, and the charge written into it: no copy of
-    // the record on the way.
-    let mut admission = Box::new(Admission {
+    // The answer is built where it will live (shared as it is if it becomes a lease's
+    // grant), and the charge written into it: no copy of the record on the way.
+    let mut shared = Arc::new(Admission {
         keys: keys.keep(),
         charge: engine::Charge::default(),
         remaining: 0.0,
@@ -393,6 +393,8 @@ fn decide_on(
         at: plan.now,
         call: 0,
     });
+    // Only this answer holds it yet: never copied.
+    let admission = Arc::make_mut(&mut shared);
     let s = engine::commit_below(
         plan,
         &mut below,
@@ -407,7 +409,7 @@ fn decide_on(
     admission.slack = s.slack;
     admission.views = s.views;
     Ok((
-        admission,
+        shared,
         [micros_ceil(s.expires[1]), micros_ceil(s.expires[2])],
     ))
 }

@@ -131,7 +131,7 @@ pub(super) enum Job {
     },
     /// Add `factor` × an admitted call's charge at every level it charged.
     Adjust {
-        admission: Box<Admission>,
+        admission: Arc<Admission>,
         factor: f64,
         now: Timestamp,
         reply: Option<oneshot::Sender<Result<(), StoreError>>>,
@@ -902,7 +902,7 @@ fn clone_error(e: &StoreError) -> StoreError {
 
 /// An admission whose caller went away: its units refunded at every level (through the
 /// queue, like any write) and its permits released.
-fn give_back(sh: &Arc<Shared>, admission: Box<Admission>) {
+fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     sh.abandoned
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     crate::telemetry::abandoned(&admission.keys.tool);
@@ -1040,7 +1040,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                                 }
                             }
                         }
-                        outcomes.push(Outcome::Decided(Decision::Admitted(Box::new(
+                        outcomes.push(Outcome::Decided(Decision::Admitted(Arc::new(
                             a.into_admission(ck.clone(), now, *call),
                         ))));
                     }

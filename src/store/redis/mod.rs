@@ -763,7 +763,7 @@ impl Store for RedisStore {
             sh,
             &admission.keys.tool,
             batch::Job::Adjust {
-                admission: Box::new(admission.clone()),
+                admission: Arc::new(admission.clone()),
                 factor,
                 now,
                 reply: Some(reply),
