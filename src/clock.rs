@@ -278,6 +278,36 @@ mod tests {
         });
     }
 
+    /// The monotonic count runs at the operating system's rate (with `quanta`: the counter's
+    /// scale is right). A real clock can only be checked against real time: this one spins
+    /// for 20 ms of std's monotonic clock and compares.
+    #[test]
+    fn the_monotonic_count_runs_at_the_system_clocks_rate() {
+        let mono = Mono::start();
+        // Both clocks read together: a pair the thread was descheduled in the middle of is
+        // read again.
+        let pair = || loop {
+            let (before, m, after) = (
+                std::time::Instant::now(),
+                mono.micros(),
+                std::time::Instant::now(),
+            );
+            if after - before < Duration::from_micros(20) {
+                return (before, m);
+            }
+        };
+        let (start, a) = pair();
+        while start.elapsed() < Duration::from_millis(20) {
+            std::hint::spin_loop();
+        }
+        let (end, b) = pair();
+        let (counted, real) = ((b - a) as f64, (end - start).as_micros() as f64);
+        assert!(
+            (counted - real).abs() <= real * 0.02 + 50.0,
+            "counted {counted} µs while {real} µs passed"
+        );
+    }
+
     #[test]
     fn rfc3339_formats_known_instants() {
         assert_eq!(Timestamp(0).to_rfc3339(), "1970-01-01T00:00:00Z");
