@@ -386,23 +386,19 @@ impl Leases {
     /// call that was granted it did), the caller has the tier it was granted to, and the lease
     /// is current and holds enough. `None`: the call goes the whole way (where it may still
     /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
-    /// The caller checks [`may_hold`](Self::may_hold) first.
+    /// The caller checks [`may_hold`](Self::may_hold) first; `now` is read once the path is
+    /// hashed.
     pub(crate) fn spend(
         &self,
         version: u64,
         tool: &str,
         caller: &Caller,
         cost: f64,
-        now: Timestamp,
+        now: impl FnOnce() -> Timestamp,
         may_fetch_ahead: impl Fn() -> bool,
     ) -> Option<Spent> {
         let shards = self.shards.get()?;
         if !(cost.is_finite() && cost >= 0.0) {
-            return None;
-        }
-        let now = now.as_micros();
-        // Leases to sweep: the whole way does that.
-        if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
             return None;
         }
         let tier = caller.tier();
@@ -422,6 +418,13 @@ impl Leases {
         };
         let valid = |l: &Lease| l.known.version == version && l.known.tier.as_deref() == tier;
         let hash = hash_path(self.seed, path);
+        // The clock is read once the path is hashed: the counter's latency and the hash's
+        // overlap.
+        let now = now().as_micros();
+        // Leases to sweep: the whole way does that.
+        if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
+            return None;
+        }
         let spent = self.spend_at(shards, path, hash, &valid, cost, now, &may_fetch_ahead);
         if spent.is_some() || path.instance.is_none() {
             return spent;
@@ -1009,7 +1012,7 @@ mod tests {
         leases.swept_at.store(now, Relaxed);
         let spend = |version, caller: &Caller| {
             leases
-                .spend(version, "t", caller, 1.0, at, || false)
+                .spend(version, "t", caller, 1.0, || at, || false)
                 .is_some()
         };
         assert!(!spend(4, &gold), "a later policy version");

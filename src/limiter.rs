@@ -436,7 +436,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return None;
         }
         let version = self.inner.version.load(Acquire);
-        let now = self.inner.clock.now();
+        let now = || self.inner.clock.now();
         let may_fetch_ahead = || self.may_fetch_ahead();
         let s = leases.spend(version, tool, caller, cost.0, now, may_fetch_ahead)?;
         if let Some(f) = &s.fetch {
