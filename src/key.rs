@@ -32,24 +32,36 @@ impl KeyKind {
     }
 }
 
+/// A name of at most 16 bytes as two words, read inline whatever its length (`None` when it
+/// is longer): two names of one length are the same exactly when their words are. What
+/// [`same_name`] compares, and what lease paths are hashed from.
+#[inline(always)]
+pub(crate) fn short_name_words(b: &[u8]) -> Option<(u64, u64)> {
+    let n = b.len();
+    let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    let half = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as u64;
+    Some(match n {
+        0 => (0, 0),
+        1..4 => (
+            (b[0] as u64) << 16 | (b[n / 2] as u64) << 8 | b[n - 1] as u64,
+            0,
+        ),
+        4..8 => (half(0), half(n - 4)),
+        8..=16 => (word(0), word(n - 8)),
+        _ => return None,
+    })
+}
+
 /// Whether two names are the same, compared inline a word at a time: names are short, and a
 /// call to the C library's comparison costs more than comparing a short name.
 #[inline(always)]
 pub(crate) fn same_name(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
-    let n = a.len();
-    if n != b.len() {
-        return false;
-    }
-    let word = |x: &[u8], at: usize| u64::from_ne_bytes(x[at..at + 8].try_into().expect("8 bytes"));
-    let half = |x: &[u8], at: usize| u32::from_ne_bytes(x[at..at + 4].try_into().expect("4 bytes"));
-    match n {
-        0 => true,
-        1..4 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
-        4..8 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
-        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
-        _ => a == b,
-    }
+    a.len() == b.len()
+        && match short_name_words(a) {
+            Some(words) => short_name_words(b) == Some(words),
+            None => a == b,
+        }
 }
 
 /// The version prefix: bump it when the state layout changes so old keys are never misread.

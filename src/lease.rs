@@ -36,7 +36,7 @@ use hashbrown::HashTable;
 use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
-use crate::key::same_name;
+use crate::key::{same_name, short_name_words};
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -811,26 +811,16 @@ fn hash_path(seed: u64, p: Path<'_>) -> u64 {
 fn hash_name(h: u64, k: u64, name: &str) -> u64 {
     let b = name.as_bytes();
     let n = b.len();
-    let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-    let half = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as u64;
-    let (x, y) = match n {
-        0 => (0, 0),
-        1..4 => {
-            let v = (b[0] as u64) << 16 | (b[n / 2] as u64) << 8 | b[n - 1] as u64;
-            (v, 0)
+    let (x, y) = short_name_words(b).unwrap_or_else(|| {
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        let mut h = h;
+        let mut at = 0;
+        while at + 16 < n {
+            h = fold(h ^ word(at), k ^ word(at + 8));
+            at += 16;
         }
-        4..8 => (half(0), half(n - 4)),
-        8..=16 => (word(0), word(n - 8)),
-        _ => {
-            let mut h = h;
-            let mut at = 0;
-            while at + 16 < n {
-                h = fold(h ^ word(at), k ^ word(at + 8));
-                at += 16;
-            }
-            (h ^ word(n - 16), word(n - 8))
-        }
-    };
+        (h ^ word(n - 16), word(n - 8))
+    });
     fold(h ^ x ^ ((n as u64) << 56), k ^ y)
 }
 

@@ -1188,7 +1188,7 @@ fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Re
     r
 }
 
-/// A decision as it travels inside the limiter: the refusal boxed.
+/// A decision as it travels inside the limiter (a `Refusal` is one pointer: nothing to box).
 type Outcome = Result<Ticket, Refusal>;
 
 /// What a call was decided with.
@@ -1271,9 +1271,9 @@ impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
             }
         }
         #[cfg(feature = "tokio")]
-        if let Step::Answer(_, budget @ true) = &mut this.step {
+        if let Step::Answer(_, true) = this.step {
+            // Answered just below once the unit is spent.
             std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
-            *budget = false;
         }
         match std::mem::replace(&mut this.step, Step::Done) {
             Step::Answer(answer, _) => Poll::Ready(answer),
