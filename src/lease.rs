@@ -37,6 +37,7 @@ use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
 use crate::key::{same_name, short_name_words};
+use crate::limiter::Ticket;
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -163,15 +164,9 @@ impl Known {
     }
 }
 
-/// A call spent from its lease without the policy at hand (see [`Leases::spend`]).
-pub(crate) struct Spent {
-    pub(crate) grant: Arc<Admission>,
-    pub(crate) part: Part,
-    pub(crate) window_secs: u64,
-    /// The size of the next grant to fetch ahead now, and the lease's keys (seldom: boxed,
-    /// so that the answer stays small).
-    pub(crate) fetch: Option<Box<(f64, CallKeys)>>,
-}
+/// The next grant to fetch ahead for a call spent from its lease without the policy at hand
+/// (see [`Leases::spend`]): its size and the lease's keys. Seldom made: boxed.
+pub(crate) type FetchAhead = Option<Box<(f64, CallKeys)>>;
 
 /// Every lease this process holds, sharded by caller path.
 pub(crate) struct Leases {
@@ -387,7 +382,10 @@ impl Leases {
     /// is current and holds enough. `None`: the call goes the whole way (where it may still
     /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
     /// The caller checks [`may_hold`](Self::may_hold) first; `now` is read once the path is
-    /// hashed.
+    /// hashed. The ticket is built here, where the call's part is worked out, so that it is
+    /// not moved again on the way out; the grant to fetch ahead, if any, is left in `fetch`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub(crate) fn spend(
         &self,
         version: u64,
@@ -396,7 +394,8 @@ impl Leases {
         cost: f64,
         now: impl FnOnce() -> Timestamp,
         may_fetch_ahead: impl Fn() -> bool,
-    ) -> Option<Spent> {
+        fetch: &mut FetchAhead,
+    ) -> Option<Ticket> {
         let shards = self.shards.get()?;
         if !(cost.is_finite() && cost >= 0.0) {
             return None;
@@ -425,7 +424,16 @@ impl Leases {
         if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
             return None;
         }
-        let spent = self.spend_at(shards, path, hash, &valid, cost, now, &may_fetch_ahead);
+        let spent = self.spend_at(
+            shards,
+            path,
+            hash,
+            &valid,
+            cost,
+            now,
+            &may_fetch_ahead,
+            fetch,
+        );
         if spent.is_some() || path.instance.is_none() {
             return spent;
         }
@@ -436,7 +444,16 @@ impl Leases {
         };
         let valid = |l: &Lease| valid(l) && !l.known.instances_limited;
         let hash = hash_path(self.seed, tenant);
-        self.spend_at(shards, tenant, hash, &valid, cost, now, &may_fetch_ahead)
+        self.spend_at(
+            shards,
+            tenant,
+            hash,
+            &valid,
+            cost,
+            now,
+            &may_fetch_ahead,
+            fetch,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -450,7 +467,8 @@ impl Leases {
         c: f64,
         now: u64,
         may_fetch_ahead: impl FnOnce() -> bool,
-    ) -> Option<Spent> {
+        fetch: &mut FetchAhead,
+    ) -> Option<Ticket> {
         let mut shard = lock(shard_of(shards, hash));
         let l = shard.leases.find_mut(hash, |l| path.is(&l.keys))?;
         if !(valid(l) && c <= l.tool.lease_max) {
@@ -458,12 +476,10 @@ impl Leases {
         }
         let (grant, part, ahead) = l.spend(c, now, may_fetch_ahead)?;
         crate::telemetry::lease_hit(l.tool.name_arc(), c);
-        Some(Spent {
-            grant,
-            part,
-            window_secs: l.known.window_secs,
-            fetch: ahead.map(|size| Box::new((size, l.keys.clone()))),
-        })
+        if let Some(size) = ahead {
+            *fetch = Some(Box::new((size, l.keys.clone())));
+        }
+        Some(Ticket::leased(grant, part, l.known.window_secs))
     }
 
     /// Spends `plan`'s cost from its caller's lease, or says how much to ask the store for.
@@ -1002,7 +1018,7 @@ mod tests {
         leases.swept_at.store(now, Relaxed);
         let spend = |version, caller: &Caller| {
             leases
-                .spend(version, "t", caller, 1.0, || at, || false)
+                .spend(version, "t", caller, 1.0, || at, || false, &mut None)
                 .is_some()
         };
         assert!(!spend(4, &gold), "a later policy version");

@@ -159,7 +159,7 @@ impl Ticket {
     }
 
     /// A call spent from a lease's `grant`: its `part` of it.
-    fn leased(grant: Arc<Admission>, part: Part, window_secs: u64) -> Ticket {
+    pub(crate) fn leased(grant: Arc<Admission>, part: Part, window_secs: u64) -> Ticket {
         Ticket {
             admission: Some(Charged::Leased(grant, part)),
             shadow_refusal: None,
@@ -388,13 +388,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// needs no waiting (and whether it is to spend a unit of the runtime's cooperative
     /// budget first), or the part that waits, boxed.
     fn admit_first<'a>(&'a self, caller: &'a Caller, tool: &'a str, cost: Cost) -> Step<'a> {
-        // Most calls on a leasing path: spent from the caller's lease, nothing else to wait
-        // for but a unit of tokio's cooperative budget (see below).
-        if !self.inner.leases.has_pending() {
-            if let Some(ticket) = self.spend_leased(caller, tool, cost) {
-                return Step::Answer(Ok(ticket), true);
-            }
-        }
+        // (A call spent from its lease was answered by `Admit::poll`.)
         match self.admit_at_once(caller, tool, cost, true) {
             // A decision on a leasing path may not wait: it spends a unit of tokio's
             // cooperative budget, so a task that loops on leased decisions still lets the
@@ -438,11 +432,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let version = self.inner.version.load(Acquire);
         let now = || self.inner.clock.now();
         let may_fetch_ahead = || self.may_fetch_ahead();
-        let s = leases.spend(version, tool, caller, cost.0, now, may_fetch_ahead)?;
-        if let Some(f) = &s.fetch {
+        let mut fetch = None;
+        let ticket = leases.spend(
+            version,
+            tool,
+            caller,
+            cost.0,
+            now,
+            may_fetch_ahead,
+            &mut fetch,
+        )?;
+        if let Some(f) = fetch {
             self.fetch_ahead(caller, tool, &f.1, f.0);
         }
-        let ticket = Ticket::leased(s.grant, s.part, s.window_secs);
         trace_admitted(caller, tool, cost, &ticket);
         #[cfg(feature = "metrics")]
         let ticket = {
@@ -1261,7 +1263,23 @@ impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         if let Step::Start = this.step {
-            match this.limiter.admit_first(this.caller, this.tool, this.cost) {
+            let l = this.limiter;
+            // Most calls on a leasing path: spent from the caller's lease, answered from here
+            // (not moved through `step`) once a unit of the cooperative budget is spent.
+            if !l.inner.leases.has_pending() {
+                if let Some(ticket) = l.spend_leased(this.caller, this.tool, this.cost) {
+                    #[cfg(feature = "tokio")]
+                    match tokio::task::coop::poll_proceed(cx) {
+                        Poll::Ready(unit) => unit.made_progress(),
+                        Poll::Pending => {
+                            this.step = Step::Answer(Ok(ticket), true);
+                            return Poll::Pending;
+                        }
+                    }
+                    return Poll::Ready(Ok(ticket));
+                }
+            }
+            match l.admit_first(this.caller, this.tool, this.cost) {
                 // Most calls: answered at once.
                 Step::Answer(answer, false) => {
                     this.step = Step::Done;
