@@ -29,6 +29,7 @@
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
@@ -37,7 +38,7 @@ use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
 use crate::key::{same_name, short_name_words};
-use crate::limiter::Ticket;
+use crate::limiter::{Answer, Ticket};
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -382,8 +383,9 @@ impl Leases {
     /// is current and holds enough. `None`: the call goes the whole way (where it may still
     /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
     /// The caller checks [`may_hold`](Self::may_hold) first; `now` is read once the path is
-    /// hashed. The ticket is built here, where the call's part is worked out, so that it is
-    /// not moved again on the way out; the grant to fetch ahead, if any, is left in `fetch`.
+    /// hashed. The ticket is written to `answer` here, where the call's part is worked out
+    /// (`answer` is where the caller receives it: it is not moved again); the grant to fetch
+    /// ahead, if any, is left in `fetch`. Whether the call was spent.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub(crate) fn spend(
@@ -395,10 +397,13 @@ impl Leases {
         now: impl FnOnce() -> Timestamp,
         may_fetch_ahead: impl Fn() -> bool,
         fetch: &mut FetchAhead,
-    ) -> Option<Ticket> {
-        let shards = self.shards.get()?;
+        answer: &mut Answer,
+    ) -> bool {
+        let Some(shards) = self.shards.get() else {
+            return false;
+        };
         if !(cost.is_finite() && cost >= 0.0) {
-            return None;
+            return false;
         }
         let tier = caller.tier();
         let path = match caller.tenant() {
@@ -422,7 +427,7 @@ impl Leases {
         let now = now().as_micros();
         // Leases to sweep: the whole way does that.
         if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
-            return None;
+            return false;
         }
         let spent = self.spend_at(
             shards,
@@ -433,8 +438,9 @@ impl Leases {
             now,
             &may_fetch_ahead,
             fetch,
+            answer,
         );
-        if spent.is_some() || path.instance.is_none() {
+        if spent || path.instance.is_none() {
             return spent;
         }
         // A tenant that does not limit its instances is one path for all of them.
@@ -453,6 +459,7 @@ impl Leases {
             now,
             &may_fetch_ahead,
             fetch,
+            answer,
         )
     }
 
@@ -468,18 +475,24 @@ impl Leases {
         now: u64,
         may_fetch_ahead: impl FnOnce() -> bool,
         fetch: &mut FetchAhead,
-    ) -> Option<Ticket> {
+        answer: &mut Answer,
+    ) -> bool {
         let mut shard = lock(shard_of(shards, hash));
-        let l = shard.leases.find_mut(hash, |l| path.is(&l.keys))?;
+        let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
+            return false;
+        };
         if !(valid(l) && c <= l.tool.lease_max) {
-            return None;
+            return false;
         }
-        let (grant, part, ahead) = l.spend(c, now, may_fetch_ahead)?;
+        let Some((grant, part, ahead)) = l.spend(c, now, may_fetch_ahead) else {
+            return false;
+        };
         crate::telemetry::lease_hit(l.tool.name_arc(), c);
         if let Some(size) = ahead {
             *fetch = Some(Box::new((size, l.keys.clone())));
         }
-        Some(Ticket::leased(grant, part, l.known.window_secs))
+        *answer = Poll::Ready(Ok(Ticket::leased(grant, part, l.known.window_secs)));
+        true
     }
 
     /// Spends `plan`'s cost from its caller's lease, or says how much to ask the store for.
@@ -1017,9 +1030,16 @@ mod tests {
         // Swept just now (a sweep due sends the call the whole way, which sweeps).
         leases.swept_at.store(now, Relaxed);
         let spend = |version, caller: &Caller| {
-            leases
-                .spend(version, "t", caller, 1.0, || at, || false, &mut None)
-                .is_some()
+            leases.spend(
+                version,
+                "t",
+                caller,
+                1.0,
+                || at,
+                || false,
+                &mut None,
+                &mut Poll::Pending,
+            )
         };
         assert!(!spend(4, &gold), "a later policy version");
         assert!(!spend(3, &Caller::new("a")), "another tier");

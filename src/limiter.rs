@@ -422,18 +422,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// A call spent from its caller's lease before the policy is read (see
-    /// [`Leases::spend`]), recorded; `None` when it is not, and goes the whole way.
-    #[inline]
-    fn spend_leased(&self, caller: &Caller, tool: &str, cost: Cost) -> Option<Ticket> {
+    /// [`Leases::spend`]), recorded, its ticket written to `answer`; `false` when it is not,
+    /// and goes the whole way.
+    #[inline(always)]
+    fn spend_leased(&self, caller: &Caller, tool: &str, cost: Cost, answer: &mut Answer) -> bool {
         let leases = &self.inner.leases;
         if !leases.may_hold(tool) {
-            return None;
+            return false;
         }
         let version = self.inner.version.load(Acquire);
         let now = || self.inner.clock.now();
         let may_fetch_ahead = || self.may_fetch_ahead();
         let mut fetch = None;
-        let ticket = leases.spend(
+        let spent = leases.spend(
             version,
             tool,
             caller,
@@ -441,18 +442,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             now,
             may_fetch_ahead,
             &mut fetch,
-        )?;
+            answer,
+        );
+        if !spent {
+            return false;
+        }
         if let Some(f) = fetch {
             self.fetch_ahead(caller, tool, &f.1, f.0);
         }
-        trace_admitted(caller, tool, cost, &ticket);
-        #[cfg(feature = "metrics")]
-        let ticket = {
-            let outcome = Ok(ticket);
-            self.count(&self.inner.policy.load(), caller, tool, &outcome);
-            outcome.ok()?
-        };
-        Some(ticket)
+        if let Poll::Ready(outcome) = answer {
+            if let Ok(ticket) = outcome {
+                trace_admitted(caller, tool, cost, ticket);
+            }
+            #[cfg(feature = "metrics")]
+            self.count(&self.inner.policy.load(), caller, tool, outcome);
+        }
+        true
     }
 
     /// The part of [`admit`](Self::admit) that needs no waiting, for a call not spent from its
@@ -544,8 +549,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
     ) -> Option<Result<Ticket, Refusal>> {
-        if let Some(ticket) = self.spend_leased(caller, tool, cost) {
-            return Some(Ok(ticket));
+        let mut answer = Poll::Pending;
+        if self.spend_leased(caller, tool, cost, &mut answer) {
+            if let Poll::Ready(outcome) = answer {
+                return Some(outcome);
+            }
         }
         match self.admit_at_once(caller, tool, cost, false) {
             Ok((outcome, _)) => Some(outcome),
@@ -1260,47 +1268,62 @@ enum Step<'a> {
 impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
     type Output = Result<Ticket, Refusal>;
 
+    /// Every way out writes the one `answer` it returns: a leased call's ticket is written
+    /// where the caller receives it, not moved there through the steps between.
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        if let Step::Start = this.step {
-            let l = this.limiter;
+        let mut answer = Poll::Pending;
+        self.get_mut().poll_into(cx, &mut answer);
+        answer
+    }
+}
+
+/// What [`Admit`] answers when polled.
+pub(crate) type Answer = Poll<Result<Ticket, Refusal>>;
+
+impl<S: Store, C: Clock> Admit<'_, S, C> {
+    #[inline(always)]
+    fn poll_into(&mut self, cx: &mut std::task::Context<'_>, answer: &mut Answer) {
+        if let Step::Start = self.step {
+            let l = self.limiter;
             // Most calls on a leasing path: spent from the caller's lease, answered from here
             // (not moved through `step`) once a unit of the cooperative budget is spent.
-            if !l.inner.leases.has_pending() {
-                if let Some(ticket) = l.spend_leased(this.caller, this.tool, this.cost) {
-                    #[cfg(feature = "tokio")]
-                    match tokio::task::coop::poll_proceed(cx) {
-                        Poll::Ready(unit) => unit.made_progress(),
-                        Poll::Pending => {
-                            this.step = Step::Answer(Ok(ticket), true);
-                            return Poll::Pending;
+            if !l.inner.leases.has_pending()
+                && l.spend_leased(self.caller, self.tool, self.cost, answer)
+            {
+                #[cfg(feature = "tokio")]
+                match tokio::task::coop::poll_proceed(cx) {
+                    Poll::Ready(unit) => unit.made_progress(),
+                    Poll::Pending => {
+                        if let Poll::Ready(a) = std::mem::replace(answer, Poll::Pending) {
+                            self.step = Step::Answer(a, true);
                         }
                     }
-                    return Poll::Ready(Ok(ticket));
                 }
+                return;
             }
-            match l.admit_first(this.caller, this.tool, this.cost) {
+            match l.admit_first(self.caller, self.tool, self.cost) {
                 // Most calls: answered at once.
-                Step::Answer(answer, false) => {
-                    this.step = Step::Done;
-                    return Poll::Ready(answer);
+                Step::Answer(a, false) => {
+                    self.step = Step::Done;
+                    *answer = Poll::Ready(a);
+                    return;
                 }
-                step => this.step = step,
+                step => self.step = step,
             }
         }
         #[cfg(feature = "tokio")]
-        if let Step::Answer(_, true) = this.step {
+        if let Step::Answer(_, true) = self.step {
             // Answered just below once the unit is spent.
-            std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
+            match tokio::task::coop::poll_proceed(cx) {
+                Poll::Ready(unit) => unit.made_progress(),
+                Poll::Pending => return,
+            }
         }
-        match std::mem::replace(&mut this.step, Step::Done) {
-            Step::Answer(answer, _) => Poll::Ready(answer),
+        match std::mem::replace(&mut self.step, Step::Done) {
+            Step::Answer(a, _) => *answer = Poll::Ready(a),
             Step::Waiting(mut f) => match f.as_mut().poll(cx) {
-                Poll::Ready(answer) => Poll::Ready(answer),
-                Poll::Pending => {
-                    this.step = Step::Waiting(f);
-                    Poll::Pending
-                }
+                Poll::Ready(a) => *answer = Poll::Ready(a),
+                Poll::Pending => self.step = Step::Waiting(f),
             },
             Step::Start | Step::Done => panic!("`Limiter::admit` polled after it answered"),
         }
