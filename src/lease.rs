@@ -380,7 +380,7 @@ impl Leases {
     /// against the policy, when nothing else is needed: the policy is the version the lease
     /// was granted under (`version`, so the call would resolve to the lease's path as the
     /// call that was granted it did), the caller has the tier it was granted to, and the lease
-    /// is current and holds enough. `None`: the call goes the whole way (where it may still
+    /// is current and holds enough. `false`: the call goes the whole way (where it may still
     /// be spent from the lease). The next grant is fetched ahead as by [`Leases::take`].
     /// The caller checks [`may_hold`](Self::may_hold) first; `now` is read once the path is
     /// hashed. The ticket is written to `answer` here, where the call's part is worked out
