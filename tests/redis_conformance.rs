@@ -17,7 +17,9 @@ use support::RedisServer;
 /// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::store::RedisStore;
-use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Store, Timestamp};
+use tower_fairshare::{
+    Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Reason, Store, Timestamp,
+};
 
 /// One redis-server per test function; every case starts from an empty database.
 struct Redis {
@@ -314,9 +316,24 @@ fn redis_script_matches_the_engine_call_for_call() {
                                 let tool = if other { "u" } else { "t" };
                                 let a = mem.admit(c, tool, Cost(cost as f64)).await;
                                 let b = red.admit(c, tool, Cost(cost as f64)).await;
+                                let cached_before = cac.store().cached_refusals();
                                 let z = cac.admit(c, tool, Cost(cost as f64)).await;
+                                let from_cache = cac.store().cached_refusals() > cached_before;
                                 match (&a, &z) {
                                     (Ok(_), Ok(_)) => {}
+                                    // A refusal from the cache repeats the one Redis gave the
+                                    // same call before: a sibling may since have spent what the
+                                    // call needed, so that the engine now names another limit.
+                                    // Refused either way.
+                                    (Err(_), Err(y)) if from_cache => prop_assert!(
+                                        matches!(
+                                            y.reason,
+                                            Reason::RateLimited | Reason::CapExceeded
+                                        ),
+                                        "op {}: the cache replayed {:?}",
+                                        n,
+                                        y
+                                    ),
                                     (Err(x), Err(y)) => {
                                         prop_assert_eq!(x.reason, y.reason, "op {}", n)
                                     }

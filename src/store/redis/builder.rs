@@ -86,7 +86,12 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Turns the local refusal cache on (the default) or off.
+    /// Turns the local refusal cache on (the default) or off. After a refusal that names when
+    /// the same call could pass at the earliest, this replica refuses that call again until
+    /// then without a Redis command. A call refused from the cache gets the refusal Redis gave
+    /// before (its reason, and the time left): if another caller of the tenant has since spent
+    /// what the call would need, Redis would now name that limit instead. The call is refused
+    /// either way; a refund on this replica clears the tool's cached refusals.
     pub fn refusal_cache(mut self, on: bool) -> Self {
         self.refusal_cache = on;
         self
