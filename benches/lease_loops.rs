@@ -1,8 +1,9 @@
 //! Two loops that criterion's medians blur on a noisy host, for `docs/performance.md`:
 //!
-//! - `alternate`: 200,000-call chunks of governor's keyed `check_key` and of a leased decision
-//!   (`lease = { max = 64 }`, one caller) in turn, each chunk's ratio printed: when the host's
-//!   speed changes, both sides of one pair see the same host.
+//! - `alternate`: 200,000-call chunks of governor's keyed `check_key`, of a leased decision
+//!   (`lease = { max = 64 }`, one caller) and of an exact decision (the same tool without a
+//!   lease) in turn, each chunk's ratios printed: when the host's speed changes, every side of
+//!   one round sees the same host.
 //! - `threads`: one thread, then two threads started together on a barrier, each cycling over
 //!   64 callers of its own leasing tenants for a million calls; the throughput gain per round and
 //!   its median.
@@ -25,6 +26,17 @@ name = "leased"
 unit = "calls"
 rate = { limit = 1000000000000, per = "1s" }
 lease = { max = 64 }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+# As "leased", every call decided exactly.
+[[tool]]
+name = "exact"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
 [tool.default_tenant]
 max_tenants = 2000000
 budgets = [{ period = "day", max = 1e15 }]
@@ -61,8 +73,8 @@ fn alternate(rounds: usize) {
     ));
     let l = limiter();
     let who = Caller::new("tenant").with_instance("agent");
-    println!("alternate: governor ns / leased ns = ratio, {CHUNK} calls each");
-    let mut ratios = Vec::new();
+    println!("alternate: governor ns, leased ns (ratio), exact ns (ratio), {CHUNK} calls each");
+    let (mut ratios, mut exact) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let g = per_call(CHUNK, |_| {
             black_box(gov.check_key(black_box(&0u64)).is_ok());
@@ -70,10 +82,18 @@ fn alternate(rounds: usize) {
         let f = per_call(CHUNK, |_| {
             black_box(now(l.admit(black_box(&who), "leased", Cost(1.0))).is_ok());
         });
-        println!("  {g:6.1} / {f:6.1} = {:.2}", f / g);
+        let e = per_call(CHUNK, |_| {
+            black_box(now(l.admit(black_box(&who), "exact", Cost(1.0))).is_ok());
+        });
+        println!("  {g:6.1}, {f:6.1} ({:.2}), {e:6.1} ({:.2})", f / g, e / g);
         ratios.push(f / g);
+        exact.push(e / g);
     }
-    println!("  median {:.2}", median(&mut ratios));
+    println!(
+        "  median leased {:.2}, exact {:.2}",
+        median(&mut ratios),
+        median(&mut exact)
+    );
 }
 
 fn threads(rounds: usize) {
