@@ -2,7 +2,8 @@
 //! of the stored states (for stores that read, decide and write atomically; the in-process
 //! store runs the same halves around its tool's lock).
 
-use super::phases::{above, below, commit_below, figures, Below};
+use super::bucket::aligned_window;
+use super::phases::{above, below, commit_below, figures, Below, Report, Top};
 use super::refusal::Refusal;
 use super::state::{Charge, LevelView, NodeState};
 use super::template;
@@ -132,7 +133,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         ..*plan
     };
     let mut tool = snap.tool;
-    let mut tenant = snap.tenant;
+    let tenant = snap.tenant;
     let mut instance = if plan.instance.is_some() {
         snap.instance
     } else {
@@ -146,31 +147,40 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         plan.instance.is_some().then_some(&instance),
         tenants_counted(plan, &tool),
     );
-    let mut top = match above(plan, &mut b, &mut tool) {
-        Ok(top) => top,
-        Err(r) => return Verdict::Refuse(r),
-    };
-    let mut charge = Charge::default();
-    let s = commit_below(
-        plan,
-        &mut b,
-        &mut top,
-        &mut tenant,
-        plan.instance.is_some().then_some(&mut instance),
-        &mut charge,
-    );
-    Verdict::Admit(Box::new(Admitted {
+    let mut top = Top::default();
+    if let Err(r) = above(plan, &mut b, &mut tool, &mut top) {
+        return Verdict::Refuse(r);
+    }
+    let mut a = Box::new(Admitted {
         tool,
         tenant,
-        instance,
-        expires: s.expires,
-        charge,
-        remaining: s.remaining,
-        quota: s.quota,
-        reset_in: s.reset_in,
-        slack: s.slack,
-        views: s.views,
-    }))
+        instance: NodeState::default(),
+        expires: [0.0; 3],
+        charge: Charge::default(),
+        remaining: 0.0,
+        quota: 0.0,
+        reset_in: 0.0,
+        slack: 0.0,
+        views: Default::default(),
+    });
+    let a_ = &mut *a;
+    a_.expires = commit_below(
+        plan,
+        &mut b,
+        &top,
+        &mut a_.tenant,
+        plan.instance.is_some().then_some(&mut instance),
+        Report {
+            charge: &mut a_.charge,
+            remaining: &mut a_.remaining,
+            quota: &mut a_.quota,
+            reset_in: &mut a_.reset_in,
+            slack: &mut a_.slack,
+            views: &mut a_.views,
+        },
+    );
+    a_.instance = instance;
+    Verdict::Admit(a)
 }
 
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with
@@ -193,7 +203,7 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
         tenants_counted(plan, &tool),
     );
     let levels = figures(plan, &b, &tool);
-    let verdict = above(plan, &mut b, &mut tool).map(|_| ());
+    let verdict = above(plan, &mut b, &mut tool, &mut Top::default());
     Explained { verdict, levels }
 }
 
@@ -201,6 +211,9 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
 /// takes.
 #[inline]
 fn tenants_counted(plan: &Plan<'_>, tool_state: &NodeState) -> u64 {
-    let window = (plan.now.as_micros() as f64 / plan.tool.period.as_micros() as f64).floor();
+    let window = aligned_window(
+        plan.now.as_micros() as f64,
+        plan.tool.period.as_micros() as f64,
+    );
     template::counted_at(tool_state, window)
 }

@@ -5,12 +5,10 @@
 
 use std::time::Duration;
 
-use super::bucket::{bucket, expiry, refill, roll_window, EPS};
+use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::decide::Plan;
 use super::refusal::{Reason, Refusal, Scope};
-use super::state::{
-    BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, Scalars,
-};
+use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Scalars};
 use super::template::{self, Standing};
 use super::walk::{Fail, Label, Level, PathCtx, Walk};
 use crate::clock::Timestamp;
@@ -39,8 +37,10 @@ pub(crate) struct Below<'a> {
     concurrency: Option<Fail>,
     /// The worst failing budget of the tenant and the instance.
     budgets: Option<Fail>,
-    /// The walk up to the tool, share first (floor first is walked only if needed).
-    walk: Result<Walk, Fail>,
+    /// The walk up to the tool, share first (floor first is walked only if needed), and why
+    /// it cannot pass below the tool, if it cannot.
+    walk: Walk,
+    walk_failed: Option<Fail>,
     /// The budgets' windows at this instant.
     windows: Windows,
 }
@@ -84,12 +84,6 @@ fn placeholder<'a>() -> Level<'a> {
 impl Below<'_> {
     /// An empty first half, for [`below`] to fill.
     pub(crate) fn new() -> Self {
-        let walk = Walk {
-            takes: [[0.0; 3]; 3],
-            rem: 0.0,
-            own_chain: true,
-            child_threshold: 0.5,
-        };
         Below {
             levels: [placeholder(), placeholder(), placeholder()],
             n: 2,
@@ -103,7 +97,8 @@ impl Below<'_> {
             callers: None,
             concurrency: None,
             budgets: None,
-            walk: Ok(walk),
+            walk: Walk::default(),
+            walk_failed: None,
             windows: Windows::default(),
         }
     }
@@ -120,7 +115,7 @@ pub(crate) fn below<'a>(
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
     let period = tool.period.as_micros() as f64;
-    let window = (now / period).floor();
+    let window = aligned_window(now, period);
     let next_window = (window + 1.0) * period;
     let c = plan.cost;
     b.n = 2;
@@ -270,9 +265,9 @@ pub(crate) fn below<'a>(
         period,
         now,
         next_window,
-        period_secs: tool.period.as_secs_ceil(),
+        tool_period: tool.period,
     };
-    b.walk = ctx.below(true);
+    b.walk_failed = ctx.below_into(true, &mut b.walk).err();
 }
 
 /// The refusal for a template caller over `max_tracked`; `wait` is until a counted one stops
@@ -345,9 +340,9 @@ fn budget_fails(
 }
 
 /// The tool's half of an admitted decision, already written to the tool's state.
+#[derive(Default)]
 pub(crate) struct Top {
     takes: [[f64; 3]; 3],
-    charge: LevelCharge,
     expires: f64,
     slack: f64,
 }
@@ -456,7 +451,8 @@ pub(crate) fn above(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
     tool_state: &mut NodeState,
-) -> Result<Top, Refusal> {
+    top: &mut Top,
+) -> Result<(), Refusal> {
     let (now, period) = (b.now, b.period);
     if let Some(mut f) = b.callers {
         if f.scope == Scope::Tenant {
@@ -515,9 +511,13 @@ pub(crate) fn above(
         period,
         now,
         next_window: b.next_window,
-        period_secs: tool.period.as_secs_ceil(),
+        tool_period: tool.period,
     };
-    let takes = match b.walk.and_then(|w| ctx.at_tool(w, true)) {
+    let walked = match b.walk_failed {
+        Some(f) => Err(f),
+        None => Ok(b.walk),
+    };
+    let takes = match walked.and_then(|w| ctx.at_tool(w, true)) {
         Ok(t) => t,
         Err(_) => match ctx.below(false).and_then(|w| ctx.at_tool(w, false)) {
             Ok(t) => t,
@@ -537,9 +537,9 @@ pub(crate) fn above(
         return Err(refuse(plan, now, f));
     }
 
-    // 6. Commit the tool.
-    let mut charge = LevelCharge::default();
-    let mut expires = commit_level(plan, b, 0, takes[0], tool_state, &mut charge);
+    // 6. Commit the tool (its charge record is written by `commit_below`, where the answer
+    // holds it).
+    let mut expires = commit_level(plan, b, 0, takes[0], tool_state);
     // The tool counts every floor unit drawn below it, for the window report.
     let mut floor_units = 0.0;
     for take in &takes[..b.n] {
@@ -552,13 +552,12 @@ pub(crate) fn above(
         expires = expires.max(template::counts_until(s, period));
     }
     s.write(tool_state);
-    let l = &b.levels[0];
-    Ok(Top {
-        takes,
-        charge,
-        expires,
-        slack: l.state.ceiling,
-    })
+    // Written where the store keeps it (not returned: a moved record is read back by wide
+    // loads before its narrow stores land).
+    top.takes = takes;
+    top.expires = expires;
+    top.slack = b.levels[0].state.ceiling;
+    Ok(())
 }
 
 impl Top {
@@ -581,15 +580,27 @@ impl Below<'_> {
     }
 }
 
+/// Whether the call takes a concurrency permit at level `idx`.
+#[inline]
+fn takes_permit(plan: &Plan<'_>, idx: usize) -> bool {
+    match idx {
+        0 => plan.tool.max_concurrency.is_some(),
+        1 => plan.tenant.policy.max_concurrency.is_some(),
+        _ => plan
+            .instance
+            .is_some_and(|i| i.policy.max_concurrency.is_some()),
+    }
+}
+
 /// Takes `take` (floor, share, ceiling) from level `idx`, counts the call in its windows and
 /// budgets, and writes the budgets to `target` (the bucket numbers stay in `b` until written).
+/// What it took is described by [`charge_of`].
 fn commit_level(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
     idx: usize,
     take: [f64; 3],
     target: &mut NodeState,
-    out: &mut LevelCharge,
 ) -> f64 {
     let c = plan.cost;
     let l = &mut b.levels[idx];
@@ -601,18 +612,10 @@ fn commit_level(
     s.total += c;
     s.non_floor += k;
     s.floor_used += f;
-    let permit = match idx {
-        0 => plan.tool.max_concurrency.is_some(),
-        1 => plan.tenant.policy.max_concurrency.is_some(),
-        _ => plan
-            .instance
-            .is_some_and(|i| i.policy.max_concurrency.is_some()),
-    };
-    if permit {
+    if takes_permit(plan, idx) {
         s.in_flight += 1.0;
     }
     let list = budget_list(plan, idx);
-    let mut charged = ChargedBudgets::default();
     for bud in list {
         let start = b.windows.get(bud.period, plan.now).0;
         match target.budgets.iter_mut().find(|x| x.period == bud.period) {
@@ -627,19 +630,7 @@ fn commit_level(
                 used: c,
             }),
         }
-        charged.push(bud.period, start);
     }
-    *out = LevelCharge {
-        present: true,
-        floor: f,
-        floor_depth: l.floor_b.depth,
-        share: h,
-        share_depth: l.share_b.depth,
-        ceiling: k,
-        ceiling_depth: l.ceil_b.depth,
-        permit,
-        budgets: charged,
-    };
     expiry(
         &l.state,
         &target.budgets,
@@ -652,41 +643,66 @@ fn commit_level(
     )
 }
 
-/// What an admitted call's answer says besides its charge and the new states.
-pub(crate) struct Summary {
-    pub(crate) expires: [f64; 3],
-    pub(crate) remaining: f64,
-    pub(crate) quota: f64,
-    pub(crate) reset_in: f64,
-    pub(crate) slack: f64,
-    pub(crate) views: [LevelView; 2],
+/// Writes what [`commit_level`] took at level `idx` into `out`, field by field where the
+/// answer holds it (a record built aside and copied in would be read back by wide loads
+/// before its narrow stores land: a stall per level).
+fn charge_of(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    idx: usize,
+    take: [f64; 3],
+    out: &mut LevelCharge,
+) {
+    let l = &b.levels[idx];
+    let [f, h, k] = take;
+    out.present = true;
+    out.floor = f;
+    out.floor_depth = l.floor_b.depth;
+    out.share = h;
+    out.share_depth = l.share_b.depth;
+    out.ceiling = k;
+    out.ceiling_depth = l.ceil_b.depth;
+    out.permit = takes_permit(plan, idx);
+    out.budgets.clear();
+    for bud in budget_list(plan, idx) {
+        let start = b.windows.get(bud.period, plan.now).0;
+        out.budgets.push(bud.period, start);
+    }
+}
+
+/// Where an admitted call's answer is written: fields of the store's own answer, filled in
+/// place (a summary returned and copied over would be read back by wide loads before its
+/// narrow stores land).
+pub(crate) struct Report<'x> {
+    pub(crate) charge: &'x mut Charge,
+    pub(crate) remaining: &'x mut f64,
+    pub(crate) quota: &'x mut f64,
+    pub(crate) reset_in: &'x mut f64,
+    pub(crate) slack: &'x mut f64,
+    pub(crate) views: &'x mut [LevelView; 2],
 }
 
 /// A decision's last part, once [`above`] admitted it: writes the tenant's and the
-/// instance's states, and what the call charged into `charge` (in place: a store may hand in
-/// the one its answer holds, so the record is not copied). Needs no tool state.
+/// instance's states, and what the call charged and what its answer says into `out`; answers
+/// when each level's state (tool, tenant, instance) may be forgotten (µs). Needs no tool
+/// state.
 pub(crate) fn commit_below(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
-    top: &mut Top,
+    top: &Top,
     tenant_state: &mut NodeState,
     instance_state: Option<&mut NodeState>,
-    charge: &mut Charge,
-) -> Summary {
+    out: Report<'_>,
+) -> [f64; 3] {
     let n = b.n;
+    let charge = out.charge;
     charge.cost = plan.cost;
     charge.window = b.window;
     let mut expires = [b.now; 3];
-    charge.levels[0] = std::mem::take(&mut top.charge);
+    charge_of(plan, b, 0, top.takes[0], &mut charge.levels[0]);
     expires[0] = top.expires;
-    let mut e1 = commit_level(
-        plan,
-        b,
-        1,
-        top.takes[1],
-        tenant_state,
-        &mut charge.levels[1],
-    );
+    let mut e1 = commit_level(plan, b, 1, top.takes[1], tenant_state);
+    charge_of(plan, b, 1, top.takes[1], &mut charge.levels[1]);
     let instance_template = n == 3 && plan.instance.is_some_and(|i| i.policy.template);
     if instance_template {
         let s = &mut b.levels[1].state;
@@ -698,14 +714,16 @@ pub(crate) fn commit_below(
     }
     expires[1] = e1;
     b.levels[1].state.write(tenant_state);
-    charge.levels[2] = LevelCharge::default();
     if let (3, Some(s)) = (n, instance_state) {
-        let mut e2 = commit_level(plan, b, 2, top.takes[2], s, &mut charge.levels[2]);
+        let mut e2 = commit_level(plan, b, 2, top.takes[2], s);
+        charge_of(plan, b, 2, top.takes[2], &mut charge.levels[2]);
         if instance_template {
             e2 = e2.max(template::counted_until(b.window, b.period));
         }
         expires[2] = e2;
         b.levels[2].state.write(s);
+    } else {
+        charge.levels[2] = LevelCharge::default();
     }
 
     let leaf = n - 1;
@@ -717,28 +735,21 @@ pub(crate) fn commit_below(
     for l in &b.levels[1..n] {
         remaining = remaining.min(l.numbers.ceiling - l.state.total);
     }
-    let remaining = remaining.max(0.0);
-
-    let view = |l: &Level<'_>| LevelView {
-        weight: l.numbers.weight,
-        floor: l.numbers.floor,
-        share: l.numbers.share,
-        ceiling: l.numbers.ceiling,
+    *out.remaining = remaining.max(0.0);
+    *out.quota = b.levels[leaf].numbers.ceiling;
+    *out.reset_in = b.next_window - b.now;
+    *out.slack = top.slack;
+    let view = |l: &Level<'_>, v: &mut LevelView| {
+        v.weight = l.numbers.weight;
+        v.floor = l.numbers.floor;
+        v.share = l.numbers.share;
+        v.ceiling = l.numbers.ceiling;
     };
-    let views = [
-        view(&b.levels[1]),
-        if n == 3 {
-            view(&b.levels[2])
-        } else {
-            LevelView::default()
-        },
-    ];
-    Summary {
-        expires,
-        remaining,
-        quota: b.levels[leaf].numbers.ceiling,
-        reset_in: b.next_window - b.now,
-        slack: top.slack,
-        views,
+    view(&b.levels[1], &mut out.views[0]);
+    if n == 3 {
+        view(&b.levels[2], &mut out.views[1]);
+    } else {
+        out.views[1] = LevelView::default();
     }
+    expires
 }

@@ -168,6 +168,11 @@ impl ChargedBudgets {
         self.len += 1;
     }
 
+    /// Drops every window.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
     /// The windows, in the order they were charged.
     pub fn iter(&self) -> impl Iterator<Item = (BudgetPeriod, f64)> + '_ {
         self.items[..usize::from(self.len)]

@@ -47,12 +47,13 @@ pub(super) struct PathCtx<'l, 'a> {
     pub(super) period: f64,
     pub(super) now: f64,
     pub(super) next_window: f64,
-    pub(super) period_secs: u64,
+    /// The tool's period as written (its whole seconds name a refusal's window).
+    pub(super) tool_period: crate::policy::Period,
 }
 
 /// Where a walk from the caller up stands: what each level takes so far, what is left to
 /// place higher up, and whether everything so far was within its share.
-#[derive(Copy, Clone)]
+#[derive(Copy, Clone, Default)]
 pub(super) struct Walk {
     pub(super) takes: [[f64; 3]; 3],
     pub(super) rem: f64,
@@ -65,19 +66,25 @@ impl PathCtx<'_, '_> {
     /// or why the call cannot pass below the tool. Needs no tool state.
     #[inline]
     pub(super) fn below(&self, share_first: bool) -> Result<Walk, Fail> {
-        let mut w = Walk {
-            takes: [[0.0f64; 3]; 3],
-            rem: self.cost,
-            own_chain: true,
-            child_threshold: 0.5,
-        };
+        let mut w = Walk::default();
+        self.below_into(share_first, &mut w).map(|()| w)
+    }
+
+    /// [`below`](Self::below), into `w` (written where the decision keeps it, not moved
+    /// there: a moved walk is read back by wide loads before its narrow stores land).
+    #[inline]
+    pub(super) fn below_into(&self, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
+        w.takes = [[0.0f64; 3]; 3];
+        w.rem = self.cost;
+        w.own_chain = true;
+        w.child_threshold = 0.5;
         for idx in (1..self.levels.len()).rev() {
             if w.rem <= EPS {
                 break;
             }
-            self.step(idx, share_first, &mut w)?;
+            self.step(idx, share_first, w)?;
         }
-        Ok(w)
+        Ok(())
     }
 
     /// The tool's part of a walk: units per level (floor, share, ceiling), or why not.
@@ -193,7 +200,7 @@ impl PathCtx<'_, '_> {
             scope: l.scope,
             wait,
             window: Label::Period,
-            window_secs: Some(self.period_secs),
+            window_secs: Some(self.tool_period.as_secs_ceil()),
             limit: l.numbers.ceiling,
             used: s.total,
             reset_at: None,

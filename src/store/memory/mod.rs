@@ -365,24 +365,21 @@ fn decide_on(
             );
         }
     }
-    let top = engine::above(plan, &mut below, tool_state);
-    let mut top = match top {
-        Ok(t) => t,
-        Err(r) => {
-            if templates {
-                publish(cell, below.tenants_counted());
-            }
-            return Err(r);
+    let mut top = engine::Top::default();
+    if let Err(r) = engine::above(plan, &mut below, tool_state, &mut top) {
+        if templates {
+            publish(cell, below.tenants_counted());
         }
-    };
+        return Err(r);
+    }
     *tool_expires = micros_ceil(top.expires());
     if templates {
         publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
-    // The answer is built where it will live (shared as it is if it becomes a lease's
-    // grant), and the charge written into it: no copy of the record on the way.
-    let mut shared = Arc::new(Admission {
+    // The answer is made whole, its charge written into it, before it is shared: making a
+    // fresh `Arc` mutable again would cost an atomic compare-and-swap.
+    let mut admission = Admission {
         keys: keys.keep(),
         charge: engine::Charge::default(),
         remaining: 0.0,
@@ -392,26 +389,25 @@ fn decide_on(
         views: Default::default(),
         at: plan.now,
         call: 0,
-    });
-    // Only this answer holds it yet: never copied.
-    let admission = Arc::make_mut(&mut shared);
-    let s = engine::commit_below(
+    };
+    let a = &mut admission;
+    let expires = engine::commit_below(
         plan,
         &mut below,
-        &mut top,
+        &top,
         tenant_state,
         inst_state,
-        &mut admission.charge,
+        engine::Report {
+            charge: &mut a.charge,
+            remaining: &mut a.remaining,
+            quota: &mut a.quota,
+            reset_in: &mut a.reset_in,
+            slack: &mut a.slack,
+            views: &mut a.views,
+        },
     );
-    admission.remaining = s.remaining;
-    admission.quota = s.quota;
-    admission.reset_in = s.reset_in;
-    admission.slack = s.slack;
-    admission.views = s.views;
-    Ok((
-        shared,
-        [micros_ceil(s.expires[1]), micros_ceil(s.expires[2])],
-    ))
+    let shared = Arc::new(admission);
+    Ok((shared, [micros_ceil(expires[1]), micros_ceil(expires[2])]))
 }
 
 /// Decides a call of a tenant whose packed state is `tenant` (`None`: not stored) with its

@@ -49,19 +49,6 @@ fn period_of(bits: u64) -> BudgetPeriod {
     BudgetPeriod::ALL[((bits & 3) as usize).min(BudgetPeriod::ALL.len() - 1)]
 }
 
-/// The aligned window of a state last written at `t` (never negative), as the engine numbers
-/// it: `floor(t / period)` (a cast: `f64::floor` is a library call on baseline x86-64).
-#[inline]
-fn window_of(t: f64, period: f64) -> f64 {
-    let x = t / period;
-    let w = x as u64 as f64;
-    if w > x {
-        w - 1.0
-    } else {
-        w
-    }
-}
-
 /// How many numbers a header's layout holds.
 #[inline]
 fn numbers_in(header: u64) -> usize {
@@ -87,7 +74,7 @@ fn layout(s: &NodeState, period: f64) -> (u64, u64) {
             s.template_window,
             s.template_in_window,
             s.template_counted,
-            window_of(s.t, period),
+            engine::aligned_window(s.t, period),
         );
         template = (in_window as u32 as u64) | ((counted as u32 as u64) << 32);
         if template != 0 {
@@ -205,7 +192,7 @@ impl Packed {
         let h = word(b, 0);
         let f = |at: usize| f64::from_bits(word(b, at));
         let t = f(HEADER);
-        let window = window_of(t, period);
+        let window = engine::aligned_window(t, period);
         s.live = true;
         s.t = t;
         s.share = f(HEADER + 8);
@@ -359,14 +346,6 @@ mod tests {
             check(&p, &s, expires)?;
             p.store(&next, expires ^ 1, P);
             check(&p, &next, expires ^ 1)?;
-        }
-    }
-
-    proptest! {
-        /// The window worked out from `t` is the engine's `floor(t / period)`.
-        #[test]
-        fn the_window_is_the_engines(t in 0.0f64..1e16, period in 1.0f64..1e11) {
-            prop_assert_eq!(window_of(t, period), (t / period).floor());
         }
     }
 
