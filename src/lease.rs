@@ -429,38 +429,34 @@ impl Leases {
         if now >= self.swept_at.load(Relaxed).saturating_add(SWEEP_US) {
             return false;
         }
-        let spent = self.spend_at(
-            shards,
-            path,
-            hash,
-            &valid,
-            cost,
-            now,
-            &may_fetch_ahead,
-            fetch,
-            answer,
-        );
-        if spent || path.instance.is_none() {
-            return spent;
+        // The caller's own path, then (for a tenant that does not limit its instances: one
+        // path for all of them) the tenant-wide one.
+        let (mut path, mut hash, mut tenant_wide) = (path, hash, false);
+        loop {
+            if self.spend_at(
+                shards,
+                path,
+                hash,
+                &valid,
+                tenant_wide,
+                cost,
+                now,
+                &may_fetch_ahead,
+                fetch,
+                answer,
+            ) {
+                return true;
+            }
+            if tenant_wide || path.instance.is_none() {
+                return false;
+            }
+            path = Path {
+                instance: None,
+                ..path
+            };
+            hash = hash_path(self.seed, path);
+            tenant_wide = true;
         }
-        // A tenant that does not limit its instances is one path for all of them.
-        let tenant = Path {
-            instance: None,
-            ..path
-        };
-        let valid = |l: &Lease| valid(l) && !l.known.instances_limited;
-        let hash = hash_path(self.seed, tenant);
-        self.spend_at(
-            shards,
-            tenant,
-            hash,
-            &valid,
-            cost,
-            now,
-            &may_fetch_ahead,
-            fetch,
-            answer,
-        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -471,6 +467,7 @@ impl Leases {
         path: Path<'_>,
         hash: u64,
         valid: &impl Fn(&Lease) -> bool,
+        tenant_wide: bool,
         c: f64,
         now: u64,
         may_fetch_ahead: impl FnOnce() -> bool,
@@ -481,7 +478,7 @@ impl Leases {
         let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
             return false;
         };
-        if !(valid(l) && c <= l.tool.lease_max) {
+        if !(valid(l) && !(tenant_wide && l.known.instances_limited) && c <= l.tool.lease_max) {
             return false;
         }
         let Some((grant, part, ahead)) = l.spend(c, now, may_fetch_ahead) else {
@@ -1045,6 +1042,57 @@ mod tests {
         assert!(!spend(3, &Caller::new("a")), "another tier");
         assert!(spend(3, &gold));
         assert_eq!(leases.held().0, 8.0);
+    }
+
+    /// A tenant that does not limit its instances has one lease for all of them: a call from
+    /// any of its instances is spent from it before the call is resolved. A tenant that does
+    /// limit them never lends an instance its tenant-wide lease.
+    #[test]
+    fn instances_of_a_tenant_that_does_not_limit_them_spend_its_one_lease() {
+        let now = 1_767_225_600_000_000;
+        let at = Timestamp(now + 10);
+        for (limits_instances, spent) in [(false, true), (true, false)] {
+            let mut text = String::from(
+                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1000, per = \"1s\" }\n\
+                 lease = { max = 64 }\n[tool.default_tenant]\nmax_tenants = 10\n",
+            );
+            if limits_instances {
+                text.push_str("[tool.default_tenant.default_instance]\nmax_instances = 10\n");
+            }
+            let policy = crate::Policy::from_toml_str(&text).expect("valid");
+            let tool = policy.tool("t").expect("listed");
+            let plan = Plan {
+                now: Timestamp(now),
+                cost: 1.0,
+                tool,
+                tenant: crate::admission::engine::LevelRef {
+                    name: "a",
+                    policy: tool.tenant("a").expect("the template"),
+                },
+                instance: None,
+                untenanted: false,
+            };
+            let leases = Leases::new();
+            let g = grant(now, 500_000.0);
+            let known = Known::new(3, None, &plan);
+            let mut back = Vec::new();
+            let call = leases.granted(&plan, &g.keys, known, Arc::new(g.clone()), 10.0, &mut back);
+            assert!(call.is_ok() && back.is_empty());
+            leases.swept_at.store(now, Relaxed);
+            let bot = Caller::new("a").with_instance("bot");
+            let hit = leases.spend(
+                3,
+                "t",
+                &bot,
+                1.0,
+                || at,
+                || false,
+                &mut None,
+                &mut Poll::Pending,
+            );
+            assert_eq!(hit, spent, "instances limited: {limits_instances}");
+            assert_eq!(leases.held().0, if spent { 8.0 } else { 9.0 });
+        }
     }
 
     /// The store's clock (Redis's) may run ahead of the limiter's: a lease still ends when
