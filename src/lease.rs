@@ -993,18 +993,12 @@ mod tests {
         }
     }
 
-    /// A lease is spent before the call is resolved only under the policy version and for the
-    /// tier it was granted under: a grant decided under a policy that was replaced meanwhile
-    /// (its version is not the limiter's any more) is never spent that way.
-    #[test]
-    fn a_lease_is_spent_unresolved_only_under_its_version_and_tier() {
-        let policy = crate::Policy::from_toml_str(
-            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1000, per = \"1s\" }\n\
-             lease = { max = 64 }\n[tool.default_tenant]\nmax_tenants = 10\n",
-        )
-        .expect("valid");
+    /// Leases holding one grant of 10 units (one of them spent by the call that asked) for
+    /// tenant `a` of the tool `t` that `policy` lists, under policy version 3 and `tier`,
+    /// swept at `now` (a sweep due would send a call the whole way).
+    fn granted_to_a(policy: &str, tier: Option<&str>, now: u64) -> Leases {
+        let policy = crate::Policy::from_toml_str(policy).expect("valid");
         let tool = policy.tool("t").expect("listed");
-        let now = 1_767_225_600_000_000;
         let plan = Plan {
             now: Timestamp(now),
             cost: 1.0,
@@ -1018,26 +1012,43 @@ mod tests {
         };
         let leases = Leases::new();
         let g = grant(now, 500_000.0);
-        let known = Known::new(3, Some(Arc::from("gold")), &plan);
+        let known = Known::new(3, tier.map(Arc::from), &plan);
         let mut back = Vec::new();
         let call = leases.granted(&plan, &g.keys, known, Arc::new(g.clone()), 10.0, &mut back);
         assert!(call.is_ok() && back.is_empty());
+        leases.swept_at.store(now, Relaxed);
+        leases
+    }
+
+    /// One unit of tool `t` spent from `caller`'s lease at `at` under policy `version`.
+    fn spend_one(leases: &Leases, version: u64, caller: &Caller, at: Timestamp) -> bool {
+        leases.spend(
+            version,
+            "t",
+            caller,
+            1.0,
+            || at,
+            || false,
+            &mut None,
+            &mut Poll::Pending,
+        )
+    }
+
+    /// The tool `t` with leases and a template tenant.
+    const LEASING: &str =
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1000, per = \"1s\" }\n\
+         lease = { max = 64 }\n[tool.default_tenant]\nmax_tenants = 10\n";
+
+    /// A lease is spent before the call is resolved only under the policy version and for the
+    /// tier it was granted under: a grant decided under a policy that was replaced meanwhile
+    /// (its version is not the limiter's any more) is never spent that way.
+    #[test]
+    fn a_lease_is_spent_unresolved_only_under_its_version_and_tier() {
+        let now = 1_767_225_600_000_000;
+        let leases = granted_to_a(LEASING, Some("gold"), now);
         let gold = Caller::new("a").with_tier("gold");
         let at = Timestamp(now + 10);
-        // Swept just now (a sweep due sends the call the whole way, which sweeps).
-        leases.swept_at.store(now, Relaxed);
-        let spend = |version, caller: &Caller| {
-            leases.spend(
-                version,
-                "t",
-                caller,
-                1.0,
-                || at,
-                || false,
-                &mut None,
-                &mut Poll::Pending,
-            )
-        };
+        let spend = |version, caller: &Caller| spend_one(&leases, version, caller, at);
         assert!(!spend(4, &gold), "a later policy version");
         assert!(!spend(3, &Caller::new("a")), "another tier");
         assert!(spend(3, &gold));
@@ -1052,44 +1063,13 @@ mod tests {
         let now = 1_767_225_600_000_000;
         let at = Timestamp(now + 10);
         for (limits_instances, spent) in [(false, true), (true, false)] {
-            let mut text = String::from(
-                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1000, per = \"1s\" }\n\
-                 lease = { max = 64 }\n[tool.default_tenant]\nmax_tenants = 10\n",
-            );
+            let mut policy = String::from(LEASING);
             if limits_instances {
-                text.push_str("[tool.default_tenant.default_instance]\nmax_instances = 10\n");
+                policy.push_str("[tool.default_tenant.default_instance]\nmax_instances = 10\n");
             }
-            let policy = crate::Policy::from_toml_str(&text).expect("valid");
-            let tool = policy.tool("t").expect("listed");
-            let plan = Plan {
-                now: Timestamp(now),
-                cost: 1.0,
-                tool,
-                tenant: crate::admission::engine::LevelRef {
-                    name: "a",
-                    policy: tool.tenant("a").expect("the template"),
-                },
-                instance: None,
-                untenanted: false,
-            };
-            let leases = Leases::new();
-            let g = grant(now, 500_000.0);
-            let known = Known::new(3, None, &plan);
-            let mut back = Vec::new();
-            let call = leases.granted(&plan, &g.keys, known, Arc::new(g.clone()), 10.0, &mut back);
-            assert!(call.is_ok() && back.is_empty());
-            leases.swept_at.store(now, Relaxed);
+            let leases = granted_to_a(&policy, None, now);
             let bot = Caller::new("a").with_instance("bot");
-            let hit = leases.spend(
-                3,
-                "t",
-                &bot,
-                1.0,
-                || at,
-                || false,
-                &mut None,
-                &mut Poll::Pending,
-            );
+            let hit = spend_one(&leases, 3, &bot, at);
             assert_eq!(hit, spent, "instances limited: {limits_instances}");
             assert_eq!(leases.held().0, if spent { 8.0 } else { 9.0 });
         }
