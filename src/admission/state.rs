@@ -50,11 +50,18 @@ pub struct NodeState {
 
 /// A level's calendar budget counters, held inline: at most one per period (hour, day,
 /// month), so a state is a fixed-size value and reading or copying one allocates nothing.
-/// Derefs to a slice of the counters held.
-#[derive(Copy, Clone, PartialEq)]
+/// Derefs to a slice of the counters held; two lists are equal when they hold the same
+/// counters.
+#[derive(Copy, Clone)]
 pub struct Budgets {
     len: u8,
     items: [BudgetCounter; 3],
+}
+
+impl PartialEq for Budgets {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
 }
 
 impl Default for Budgets {
@@ -152,11 +159,18 @@ pub struct LevelCharge {
 }
 
 /// The budget windows a call was charged at one level, as (period, window start µs): at most
-/// one per period, held inline (a decision allocates nothing for them).
-#[derive(Copy, Clone, Debug, Default, PartialEq)]
+/// one per period, held inline (a decision allocates nothing for them). Two are equal when
+/// they hold the same windows in the same order.
+#[derive(Copy, Clone, Debug, Default)]
 pub struct ChargedBudgets {
     len: u8,
     items: [Option<(BudgetPeriod, f64)>; 3],
+}
+
+impl PartialEq for ChargedBudgets {
+    fn eq(&self, other: &Self) -> bool {
+        self.items[..usize::from(self.len)] == other.items[..usize::from(other.len)]
+    }
 }
 
 impl ChargedBudgets {
@@ -289,5 +303,39 @@ impl Scalars {
         s.template_window = self.template_window;
         s.template_in_window = self.template_in_window;
         s.template_counted = self.template_counted;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal counters are equal values, whatever a cleared list held before: a cleared and
+    /// refilled list compares by what it holds now.
+    #[test]
+    fn cleared_lists_compare_by_what_they_hold() {
+        let day = BudgetCounter {
+            period: BudgetPeriod::Day,
+            start: 86_400e6,
+            used: 2.0,
+        };
+        let hour = BudgetCounter {
+            period: BudgetPeriod::Hour,
+            start: 3_600e6,
+            used: 1.0,
+        };
+        let mut reused: Budgets = [day, hour].into_iter().collect();
+        reused.clear();
+        reused.set(day);
+        let fresh: Budgets = [day].into_iter().collect();
+        assert_eq!(reused, fresh);
+
+        let mut reused: ChargedBudgets = [(BudgetPeriod::Day, 0.0), (BudgetPeriod::Hour, 1.0)]
+            .into_iter()
+            .collect();
+        reused.clear();
+        reused.push(BudgetPeriod::Day, 0.0);
+        let fresh: ChargedBudgets = [(BudgetPeriod::Day, 0.0)].into_iter().collect();
+        assert_eq!(reused, fresh);
     }
 }
