@@ -4,59 +4,19 @@
 //!
 //! With `FS_DECISIONS=N` it makes N decisions of one caller and exits, for instruction counts:
 //! `valgrind --tool=callgrind` at N and 2N, the difference divided by N is one decision's
-//! marginal cost (`scripts/callgrind-decision` does this).
+//! marginal cost (`scripts/callgrind-decision` does this). `FS_TOOL=leased` decides on the
+//! leasing tool instead; `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
+//! most calls refused.
 
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
-use tower_fairshare::{Caller, Cost, Limiter, MemoryStore, Policy, SystemClock};
+use tower_fairshare::{Caller, Cost, Limiter, Policy};
 
-const POLICY: &str = r#"
-[[tool]]
-name = "search"
-unit = "calls"
-rate = { limit = 1000000000000, per = "1s" }
-[tool.default_tenant]
-max_tenants = 100000
-budgets = [{ period = "day", max = 1e15 }]
-[tool.default_tenant.default_instance]
-max_instances = 100
-
-# As "search", leasing: `FS_TOOL=leased` counts a decision spent from a lease.
-[[tool]]
-name = "leased"
-unit = "calls"
-rate = { limit = 1000000000000, per = "1s" }
-lease = { max = 64 }
-[tool.default_tenant]
-max_tenants = 100000
-budgets = [{ period = "day", max = 1e15 }]
-[tool.default_tenant.default_instance]
-max_instances = 100
-"#;
-
-/// The in-memory store answers at once: poll the decision once, no runtime needed.
-fn now<F: Future>(f: F) -> F::Output {
-    let mut f = pin!(f);
-    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(v) => v,
-        Poll::Pending => panic!("the memory store never waits"),
-    }
-}
-
-fn limiter() -> Limiter<MemoryStore, SystemClock> {
-    Limiter::new(Policy::from_toml_str(POLICY).unwrap())
-}
-
-fn callers(prefix: &str, n: usize) -> Vec<Caller> {
-    (0..n)
-        .map(|i| Caller::new(format!("{prefix}{i}")).with_instance("agent"))
-        .collect()
-}
+#[path = "common/mod.rs"]
+mod common;
+use common::{callers, limiter, now, saturated_policy};
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
@@ -122,6 +82,20 @@ fn main() {
         .and_then(|v| v.parse::<u64>().ok())
     {
         let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());
+        if tool == "saturated" {
+            // The saturated policy's 120 tenants in turn, most calls refused (as in
+            // `benches/compare.rs`).
+            let l = Limiter::new(Policy::from_toml_str(&saturated_policy()).expect("valid"));
+            let crowd: Vec<Caller> = (0..120)
+                .map(|t| Caller::new(format!("team-{t}")).with_instance(format!("agent-{}", t % 7)))
+                .collect();
+            let mut refused = 0u64;
+            for k in 0..n as usize {
+                refused += u64::from(now(l.admit(&crowd[k % 120], &tool, Cost(1.0))).is_err());
+            }
+            assert!(refused * 2 > n, "most calls refused: {refused} of {n}");
+            return;
+        }
         let l = limiter();
         let one = callers("tenant", 1);
         let mut admitted = 0u64;

@@ -2,7 +2,7 @@
 //!
 //! - `alternate`: 200,000-call chunks of governor's keyed `check_key`, of a leased decision
 //!   (`lease = { max = 64 }`, one caller) and of an exact decision (the same tool without a
-//!   lease) in turn, each chunk's ratios printed: when the host's speed changes, every side of
+//!   lease, `search`) in turn, each chunk's ratios printed: when the host's speed changes, every side of
 //!   one round sees the same host.
 //! - `threads`: one thread, then two threads started together on a barrier, each cycling over
 //!   64 callers of its own leasing tenants for a million calls; the throughput gain per round and
@@ -11,51 +11,15 @@
 //! `cargo bench --features quanta --bench lease_loops [-- alternate|threads [ROUNDS]]`
 //! (both by default). Not a criterion bench: wall time over fixed call counts.
 
-use std::future::Future;
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use tower_fairshare::{Caller, Cost, Limiter, MemoryStore, Policy, SystemClock};
+use tower_fairshare::{Caller, Cost, Limiter, MemoryStore, SystemClock};
 
-const POLICY: &str = r#"
-[[tool]]
-name = "leased"
-unit = "calls"
-rate = { limit = 1000000000000, per = "1s" }
-lease = { max = 64 }
-[tool.default_tenant]
-max_tenants = 2000000
-budgets = [{ period = "day", max = 1e15 }]
-[tool.default_tenant.default_instance]
-max_instances = 100
-
-# As "leased", every call decided exactly.
-[[tool]]
-name = "exact"
-unit = "calls"
-rate = { limit = 1000000000000, per = "1s" }
-[tool.default_tenant]
-max_tenants = 2000000
-budgets = [{ period = "day", max = 1e15 }]
-[tool.default_tenant.default_instance]
-max_instances = 100
-"#;
-
-/// Polls a future once: every decision here is answered at once.
-fn now<F: Future>(f: F) -> F::Output {
-    let mut f = pin!(f);
-    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(v) => v,
-        Poll::Pending => panic!("every decision in this bench is answered at once"),
-    }
-}
-
-fn limiter() -> Limiter<MemoryStore, SystemClock> {
-    Limiter::new(Policy::from_toml_str(POLICY).expect("the bench policy is valid"))
-}
+#[path = "common/mod.rs"]
+mod common;
+use common::{limiter, now};
 
 /// Nanoseconds a call over `calls` calls of `f`.
 fn per_call(calls: usize, mut f: impl FnMut(usize)) -> f64 {
@@ -83,7 +47,7 @@ fn alternate(rounds: usize) {
             black_box(now(l.admit(black_box(&who), "leased", Cost(1.0))).is_ok());
         });
         let e = per_call(CHUNK, |_| {
-            black_box(now(l.admit(black_box(&who), "exact", Cost(1.0))).is_ok());
+            black_box(now(l.admit(black_box(&who), "search", Cost(1.0))).is_ok());
         });
         println!("  {g:6.1}, {f:6.1} ({:.2}), {e:6.1} ({:.2})", f / g, e / g);
         ratios.push(f / g);

@@ -1,0 +1,96 @@
+//! What the benches share (each bench is a crate of its own and includes this file with
+//! `#[path]`): the policies they decide on, their callers, and polling a decision once.
+
+// Each bench uses a part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use tower_fairshare::{Caller, Limiter, MemoryStore, Policy, SystemClock};
+
+/// Tool + tenant + instance + one budget, generous enough that every decision is admitted.
+pub const POLICY: &str = r#"
+[[tool]]
+name = "search"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+# As "search", with a period long enough that nothing goes idle (and is swept) while the memory
+# part runs: every caller stays resident and is counted.
+[[tool]]
+name = "resident"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1h" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 1000
+
+# As "search", with leases: most decisions are spent from a lease this process holds.
+[[tool]]
+name = "leased"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+lease = { max = 64 }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+[[tool]]
+name = "exhausted"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+[tool.default_tenant]
+ceiling = 1
+burst = 1
+"#;
+
+/// 120 tenants with floors, weights and ceilings; a daily budget on the tool; template
+/// instances: the shape of a real, busy multi-tenant tool.
+pub fn saturated_policy() -> String {
+    let mut p = String::from(
+        "[[tool]]\nname = \"saturated\"\nunit = \"calls\"\nrate = { limit = 6000, per = \"1m\" }\n\
+         budgets = [{ period = \"day\", max = 5000000 }]\n",
+    );
+    for t in 0..120 {
+        p.push_str(&format!(
+            "[tool.tenants.team-{t}]\nweight = {}\nfloor = {}\nceiling = {}\n\
+             [tool.tenants.team-{t}.default_instance]\nmax_instances = 10\n",
+            1 + t % 5,
+            5 + t % 10,
+            60 + 4 * (t % 10),
+        ));
+    }
+    p
+}
+
+pub fn limiter() -> Limiter<MemoryStore, SystemClock> {
+    Limiter::new(Policy::from_toml_str(POLICY).expect("the bench policy is valid"))
+}
+
+pub fn callers(prefix: &str, n: usize) -> Vec<Caller> {
+    (0..n)
+        .map(|i| Caller::new(format!("{prefix}{i}")).with_instance("agent"))
+        .collect()
+}
+
+/// Polls a future once: every one the benches time is ready at its first poll (the in-process
+/// store, a lease, `service_fn` over an async block, tower's limit layers with capacity), so no
+/// runtime is in the measurement.
+pub fn now<F: Future>(f: F) -> F::Output {
+    let mut f = pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => panic!("every future in this bench is ready at once"),
+    }
+}
