@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
-use tower_fairshare::{Caller, Cost, Limiter, Policy};
+use tower_fairshare::Cost;
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{callers, limiter, now, saturated_policy};
+use common::{callers, limiter, now, saturated};
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
@@ -85,10 +85,7 @@ fn main() {
         if tool == "saturated" {
             // The saturated policy's 120 tenants in turn, most calls refused (as in
             // `benches/compare.rs`).
-            let l = Limiter::new(Policy::from_toml_str(&saturated_policy()).expect("valid"));
-            let crowd: Vec<Caller> = (0..120)
-                .map(|t| Caller::new(format!("team-{t}")).with_instance(format!("agent-{}", t % 7)))
-                .collect();
+            let (l, crowd) = saturated();
             let mut refused = 0u64;
             for k in 0..n as usize {
                 refused += u64::from(now(l.admit(&crowd[k % 120], &tool, Cost(1.0))).is_err());

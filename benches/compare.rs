@@ -39,7 +39,7 @@ use http_body_util::Full;
 use tonic::body::Body;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{service_fn, Layer, Service, ServiceExt};
-use tower_fairshare::{Caller, Cost, FairShareLayer, Limiter, Policy, SystemClock};
+use tower_fairshare::{Caller, Cost, FairShareLayer, SystemClock};
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::GlobalKeyExtractor;
 use tower_governor::GovernorLayer;
@@ -97,7 +97,7 @@ static ALLOCATOR: Counting = Counting;
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{callers, limiter, now, saturated_policy, POLICY};
+use common::{callers, limiter, now, saturated, POLICY};
 
 /// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads and returns the
 /// wall time of all of them: criterion divides by `iters`, so the figure is wall time per call,
@@ -185,10 +185,7 @@ fn decisions(c: &mut Criterion) {
     // A saturated, realistic policy: 120 tenants with floors, weights and ceilings on a tool
     // with a daily budget, each tenant's instances limited by a template; the callers cycle
     // over the tenants far faster than the capacity refills, so most calls are refused.
-    let l = Limiter::new(Policy::from_toml_str(&saturated_policy()).expect("valid"));
-    let crowd: Vec<Caller> = (0..120)
-        .map(|t| Caller::new(format!("team-{t}")).with_instance(format!("agent-{}", t % 7)))
-        .collect();
+    let (l, crowd) = saturated();
     let mut refused = 0u64;
     let mut calls = 0u64;
     let mut i = 0;

@@ -19,7 +19,7 @@ use tower_fairshare::{Caller, Cost, Limiter, MemoryStore, SystemClock};
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{limiter, now};
+use common::{callers, limiter, now};
 
 /// Nanoseconds a call over `calls` calls of `f`.
 fn per_call(calls: usize, mut f: impl FnMut(usize)) -> f64 {
@@ -64,11 +64,7 @@ fn threads(rounds: usize) {
     const CALLS: usize = 1_000_000;
     let run = |l: &Limiter<MemoryStore, SystemClock>, threads: usize| {
         let who: Vec<Vec<Caller>> = (0..threads)
-            .map(|t| {
-                (0..64)
-                    .map(|i| Caller::new(format!("t{t}-{i}")).with_instance("agent"))
-                    .collect()
-            })
+            .map(|t| callers(&format!("t{t}-"), 64))
             .collect();
         let barrier = std::sync::Barrier::new(threads + 1);
         std::thread::scope(|s| {

@@ -74,6 +74,16 @@ pub fn saturated_policy() -> String {
     p
 }
 
+/// A limiter on the saturated policy and its 120 tenants' callers (an instance of seven
+/// each), to call in turn.
+pub fn saturated() -> (Limiter<MemoryStore, SystemClock>, Vec<Caller>) {
+    let l = Limiter::new(Policy::from_toml_str(&saturated_policy()).expect("valid"));
+    let crowd = (0..120)
+        .map(|t| Caller::new(format!("team-{t}")).with_instance(format!("agent-{}", t % 7)))
+        .collect();
+    (l, crowd)
+}
+
 pub fn limiter() -> Limiter<MemoryStore, SystemClock> {
     Limiter::new(Policy::from_toml_str(POLICY).expect("the bench policy is valid"))
 }
