@@ -134,7 +134,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     };
     let mut tool = snap.tool;
     let tenant = snap.tenant;
-    let mut instance = if plan.instance.is_some() {
+    let instance = if plan.instance.is_some() {
         snap.instance
     } else {
         NodeState::default()
@@ -154,7 +154,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
     let mut a = Box::new(Admitted {
         tool,
         tenant,
-        instance: NodeState::default(),
+        instance,
         expires: [0.0; 3],
         charge: Charge::default(),
         remaining: 0.0,
@@ -163,23 +163,22 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         slack: 0.0,
         views: Default::default(),
     });
-    let a_ = &mut *a;
-    a_.expires = commit_below(
+    let out = &mut *a;
+    out.expires = commit_below(
         plan,
         &mut b,
         &top,
-        &mut a_.tenant,
-        plan.instance.is_some().then_some(&mut instance),
+        &mut out.tenant,
+        plan.instance.is_some().then_some(&mut out.instance),
         Report {
-            charge: &mut a_.charge,
-            remaining: &mut a_.remaining,
-            quota: &mut a_.quota,
-            reset_in: &mut a_.reset_in,
-            slack: &mut a_.slack,
-            views: &mut a_.views,
+            charge: &mut out.charge,
+            remaining: &mut out.remaining,
+            quota: &mut out.quota,
+            reset_in: &mut out.reset_in,
+            slack: &mut out.slack,
+            views: &mut out.views,
         },
     );
-    a_.instance = instance;
     Verdict::Admit(a)
 }
 
