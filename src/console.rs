@@ -629,7 +629,8 @@ impl<S: Store, C: Clock> Console<S, C> {
                 continue;
             };
             let period = tp.period().as_micros();
-            let window = (now.as_micros() / period) as f64;
+            let window =
+                crate::admission::engine::aligned_window(now.as_micros() as f64, period as f64);
             let mut tool_used = 0.0;
             let mut tenants = Vec::new();
             for t in tp.tenants() {
