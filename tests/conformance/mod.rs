@@ -1314,6 +1314,9 @@ max_instances = 10
                 let policy = policy_of(f, toml).expect("valid");
                 let (limiter, clock) = harness(&policy, f.store_in(&rt));
                 let caller = Caller::new("acme").with_instance("agent");
+                // When the latest admission was decided: a call made earlier is decided then
+                // (never back in time), and its admission says so.
+                let mut decided = 0;
                 for (i, (window, off)) in calls.iter().enumerate() {
                     // Within 3 ms of the start of `window`, on either side.
                     let at = (window * 1_000_000 + off).saturating_sub(3_000);
@@ -1322,6 +1325,12 @@ max_instances = 10
                     check(r.is_ok(), || {
                         format!("call {i} at +{at} µs: {}", r.as_ref().err().unwrap())
                     })?;
+                    let a = r.as_ref().ok().and_then(|t| t.admission()).map(|a| a.at.0);
+                    let a = a.expect("an admitted call has its admission");
+                    check(a >= decided, || {
+                        format!("call {i} at +{at} µs: decided at {a}, before an earlier call's {decided}")
+                    })?;
+                    decided = a;
                 }
                 Ok(())
             },
