@@ -49,11 +49,9 @@ impl Store for MapStore {
                 if let (Some(i), true) = (&instance, plan.instance.is_some()) {
                     inner.states.insert(i.clone(), (a.instance, a.expires[2]));
                 }
-                Ok(Decision::Admitted(std::sync::Arc::new(a.into_admission(
-                    keys.clone(),
-                    plan.now,
-                    0,
-                ))))
+                Ok(Decision::Admitted(std::sync::Arc::new(
+                    a.into_admission(keys.clone(), 0),
+                )))
             }
         }
     }

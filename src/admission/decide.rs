@@ -74,16 +74,18 @@ pub struct Admitted {
     pub slack: f64,
     /// Tenant and instance numbers.
     pub views: [LevelView; 2],
+    /// When the call was decided: the plan's time, or its records' latest if they are later
+    /// (see [`decided_at`]).
+    pub at: Timestamp,
 }
 
 impl Admitted {
     /// The [`Admission`](crate::store::Admission) a store answers for this call: what it
-    /// charged and the numbers for headers and logs, under `keys`, decided `at`, with the
-    /// store's `call` id (0 when it keeps no per-call entries).
+    /// charged, the numbers for headers and logs and when it was decided, under `keys`, with
+    /// the store's `call` id (0 when it keeps no per-call entries).
     pub fn into_admission(
         self,
         keys: crate::store::CallKeys,
-        at: Timestamp,
         call: u128,
     ) -> crate::store::Admission {
         crate::store::Admission {
@@ -94,7 +96,7 @@ impl Admitted {
             reset_in: self.reset_in,
             slack: self.slack,
             views: self.views,
-            at,
+            at: self.at,
             call,
         }
     }
@@ -162,6 +164,7 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         reset_in: 0.0,
         slack: 0.0,
         views: Default::default(),
+        at: plan.now,
     });
     let out = &mut *a;
     out.expires = commit_below(

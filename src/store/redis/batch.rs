@@ -1009,12 +1009,6 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                         NodeState::default()
                     },
                 };
-                // The engine decides a call no earlier than its records' time, and the answer
-                // says when it was decided (as the in-process store's does).
-                let decided_at = engine::decided_at(
-                    now,
-                    &[&snapshot.tool, &snapshot.tenant, &snapshot.instance],
-                );
                 match engine::decide(&p, &snapshot) {
                     Verdict::Refuse(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
                     Verdict::Admit(a) => {
@@ -1047,7 +1041,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                             }
                         }
                         outcomes.push(Outcome::Decided(Decision::Admitted(Arc::new(
-                            a.into_admission(ck.clone(), decided_at, *call),
+                            a.into_admission(ck.clone(), *call),
                         ))));
                     }
                 }
