@@ -117,7 +117,7 @@ impl Why {
 struct Slim {
     reason: Reason,
     scope: Option<crate::Scope>,
-    window: Option<String>,
+    window: Option<std::sync::Arc<str>>,
     limit: Option<f64>,
     used: Option<f64>,
     retry_after: Option<std::time::Duration>,
@@ -141,7 +141,7 @@ impl Slim {
         Why {
             reason: Some(self.reason.as_str()),
             binding: self.scope.map(|s| s.as_str()),
-            window: self.window.clone(),
+            window: self.window.as_deref().map(str::to_owned),
             limit: self.limit,
             used: self.used,
             retry_after_ms: self.retry_after.map(|d| d.as_millis() as u64),

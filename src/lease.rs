@@ -1004,7 +1004,7 @@ mod tests {
             cost: 1.0,
             tool,
             tenant: crate::admission::engine::LevelRef {
-                name: "a",
+                name: &Arc::from("a"),
                 policy: tool.tenant("a").expect("the template"),
             },
             instance: None,

@@ -959,7 +959,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
                 if r.instance.is_none() && !p.plan.untenanted {
-                    r.instance = caller.instance().map(str::to_owned);
+                    r.instance = caller.instance_arc().cloned();
                 }
                 if tp.enforce() {
                     Err(r)
@@ -1086,7 +1086,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
         let policy = self.policy();
         resolve(&policy, caller, tool).map(|(tp, tenant, instance, untenanted)| {
-            keys_of(tp, caller, tenant.name, untenanted, instance.is_some())
+            keys_of(tp, &tenant, instance.as_ref(), untenanted)
         })
     }
 
@@ -1186,8 +1186,8 @@ fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outc
 }
 
 fn fill_caller(r: &mut Refusal, caller: &Caller) {
-    r.tenant = caller.tenant().map(str::to_owned);
-    r.instance = caller.instance().map(str::to_owned);
+    r.tenant = caller.tenant_arc().cloned();
+    r.instance = caller.instance_arc().cloned();
 }
 
 fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Refusal {
@@ -1373,7 +1373,7 @@ impl Prepared<'_> {
         lease::Path {
             tool: self.plan.tool.name(),
             tenant: self.plan.tenant.name,
-            instance: self.plan.instance.map(|i| i.name),
+            instance: self.plan.instance.map(|i| &**i.name),
             untenanted: self.plan.untenanted,
         }
     }
@@ -1396,37 +1396,31 @@ impl Prepared<'_> {
     fn make_keys(&self) -> CallKeys {
         keys_of(
             self.plan.tool,
-            self.caller,
-            self.plan.tenant.name,
+            &self.plan.tenant,
+            self.plan.instance.as_ref(),
             self.plan.untenanted,
-            self.plan.instance.is_some(),
         )
     }
 }
 
-/// The store keys of `caller` on `tool`, sharing the caller's names: a decision allocates no
-/// key strings.
+/// The store keys of a call of `tp` charged to `tenant` and `instance` as resolved, sharing
+/// the caller's names: a decision allocates no key strings.
 fn keys_of(
     tp: &Arc<ToolPolicy>,
-    caller: &Caller,
-    tenant_name: &str,
+    tenant: &LevelRef<'_>,
+    instance: Option<&LevelRef<'_>>,
     untenanted: bool,
-    has_instance: bool,
 ) -> CallKeys {
     CallKeys {
         tool: tool_name(tp.name_arc()),
-        tenant: match (untenanted, caller.tenant_arc(), caller.instance_arc()) {
-            (false, Some(t), _) | (true, _, Some(t)) => t.clone(),
-            _ => Arc::from(tenant_name),
-        },
-        instance: if has_instance {
-            caller.instance_arc().cloned()
-        } else {
-            None
-        },
+        tenant: tenant.name.clone(),
+        instance: instance.map(|i| i.name.clone()),
         untenanted,
     }
 }
+
+/// The name of an untenanted caller that gave no client id.
+static NO_NAME: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
 
 /// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
 /// decision clones and drops the name it is charged to; on the policy's own `Arc` that would
@@ -1486,7 +1480,7 @@ fn resolve<'p>(
     if !tp.allows_tier(caller.tier()) {
         return Err(denial(Reason::PermissionDenied, tool, caller, "tier"));
     }
-    let (tenant_name, untenanted, tenant_policy) = match caller.tenant() {
+    let (tenant_name, untenanted, tenant_policy) = match caller.tenant_arc() {
         Some(t) => match tp.tenant(t) {
             Some(p) => (t, false, p),
             None => {
@@ -1507,7 +1501,7 @@ fn resolve<'p>(
             ))
         }
         None => match tp.default_tenant() {
-            Some(p) => (caller.instance().unwrap_or(""), true, p),
+            Some(p) => (caller.instance_arc().unwrap_or(&NO_NAME), true, p),
             None => {
                 return Err(denial(
                     Reason::UnidentifiedCaller,
@@ -1518,7 +1512,7 @@ fn resolve<'p>(
             }
         },
     };
-    let instance = match (untenanted, caller.instance()) {
+    let instance = match (untenanted, caller.instance_arc()) {
         (false, Some(i)) if tenant_policy.has_instances() => match tenant_policy.instance(i) {
             Some(p) => Some(LevelRef { name: i, policy: p }),
             None => {

@@ -130,13 +130,14 @@ async fn decisions(store: Arc<RedisStore>, policy: Arc<Policy>, n: usize) -> Rep
         async move {
             let tool = policy.tool("search").unwrap();
             let tenant = tool.tenant("acme").unwrap();
-            let instance = format!("agent-{task}");
+            let instance: Arc<str> = Arc::from(format!("agent-{task}"));
+            let acme = Arc::from("acme");
             let plan = Plan {
                 now: Timestamp(0),
                 cost: 1.0,
                 tool,
                 tenant: LevelRef {
-                    name: "acme",
+                    name: &acme,
                     policy: tenant,
                 },
                 instance: Some(LevelRef {
@@ -148,7 +149,7 @@ async fn decisions(store: Arc<RedisStore>, policy: Arc<Policy>, n: usize) -> Rep
             let keys = CallKeys {
                 tool: "search".into(),
                 tenant: "acme".into(),
-                instance: Some(instance.as_str().into()),
+                instance: Some(instance.clone()),
                 untenanted: false,
             };
             match store.decide(&plan, &keys).await {

@@ -316,7 +316,7 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
     });
 }
 
-fn plan_for<'p>(policy: &'p Policy, tenant: &'p str, now: Timestamp) -> Plan<'p> {
+fn plan_for<'p>(policy: &'p Policy, tenant: &'p Arc<str>, now: Timestamp) -> Plan<'p> {
     let tool = policy.tool("strict").unwrap();
     Plan {
         now,
@@ -357,7 +357,8 @@ fn a_slow_redis_hits_the_timeout() {
                 .unwrap();
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let plan = plan_for(&policy, "A", EPOCH);
+        let name = Arc::from("A");
+        let plan = plan_for(&policy, &name, EPOCH);
         let t0 = Instant::now();
         let r = limiter.store().decide(&plan, &keys).await;
         let took = t0.elapsed();

@@ -15,8 +15,9 @@ use crate::policy::{LevelPolicy, ToolPolicy};
 /// A level of the call: its name and the policy that applies (own entry or template).
 #[derive(Copy, Clone, Debug)]
 pub struct LevelRef<'a> {
-    /// Tenant or instance name (for an untenanted caller: its client id).
-    pub name: &'a str,
+    /// Tenant or instance name (for an untenanted caller: its client id), shared with the
+    /// caller's keys.
+    pub name: &'a Arc<str>,
     /// The applicable policy.
     pub policy: &'a LevelPolicy,
 }

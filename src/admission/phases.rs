@@ -349,17 +349,17 @@ pub(crate) struct Top {
 
 fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
     let tool = plan.tool;
-    let mut r = Refusal::new(f.reason, &tool.name);
-    r.tenant = (!plan.untenanted).then(|| plan.tenant.name.to_owned());
+    let mut r = Refusal::new(f.reason, tool.name.clone());
+    r.tenant = (!plan.untenanted).then(|| plan.tenant.name.clone());
     r.instance = if plan.untenanted {
-        Some(plan.tenant.name.to_owned())
+        Some(plan.tenant.name.clone())
     } else {
-        plan.instance.map(|i| i.name.to_owned())
+        plan.instance.map(|i| i.name.clone())
     };
     r.scope = Some(f.scope);
     r.window = Some(match f.window {
-        Label::Period => tool.period.label(),
-        Label::Word(w) => w.to_owned(),
+        Label::Period => tool.period_label.clone(),
+        Label::Word(w) => super::refusal::word(w),
     });
     r.limit = Some(f.limit);
     r.used = Some(f.used);

@@ -1,6 +1,7 @@
 //! Why a call was refused, in a form a program (or an agent) can act on.
 
 use std::fmt;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use crate::clock::{civil_from_days, Timestamp};
@@ -98,17 +99,18 @@ impl fmt::Debug for Refusal {
 pub struct RefusalDetails {
     /// The kind of refusal.
     pub reason: Reason,
-    /// The tool called.
-    pub tool: String,
+    /// The tool called. The names are shared with the policy and the caller, not copied:
+    /// a refusal allocates nothing for them.
+    pub tool: Arc<str>,
     /// The caller's tenant.
-    pub tenant: Option<String>,
+    pub tenant: Option<Arc<str>>,
     /// The caller's instance.
-    pub instance: Option<String>,
+    pub instance: Option<Arc<str>>,
     /// The level that refused.
     pub scope: Option<Scope>,
     /// The window that is full: a budget period (`hour`), the rate period (`1m`),
     /// `in_flight`, or `callers` for too many template callers.
-    pub window: Option<String>,
+    pub window: Option<Arc<str>>,
     /// The limit of that window.
     pub limit: Option<f64>,
     /// How much of it is used.
@@ -132,11 +134,22 @@ pub struct RefusalDetails {
     pub(crate) not_before: Option<Duration>,
 }
 
+/// The fixed words a refusal's window can be, each made once: a refusal shares its word.
+pub(crate) fn word(w: &'static str) -> Arc<str> {
+    const WORDS: [&str; 5] = ["in_flight", "callers", "hour", "day", "month"];
+    static SHARED: LazyLock<[Arc<str>; 5]> = LazyLock::new(|| WORDS.map(Arc::from));
+    match WORDS.iter().position(|x| *x == w) {
+        Some(i) => SHARED[i].clone(),
+        None => Arc::from(w),
+    }
+}
+
 impl Refusal {
-    pub(crate) fn new(reason: Reason, tool: &str) -> Self {
+    /// A refusal of a call of `tool` (a name the policy or the caller gave, or a copy).
+    pub(crate) fn new(reason: Reason, tool: impl Into<Arc<str>>) -> Self {
         Refusal(Box::new(RefusalDetails {
             reason,
-            tool: tool.to_owned(),
+            tool: tool.into(),
             tenant: None,
             instance: None,
             scope: None,

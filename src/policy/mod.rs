@@ -163,6 +163,8 @@ pub struct ToolPolicy {
     pub(crate) unit: Unit,
     pub(crate) capacity: f64,
     pub(crate) period: Period,
+    /// The period as a refusal names its window (`1m`), made once.
+    pub(crate) period_label: Arc<str>,
     pub(crate) burst: f64,
     pub(crate) tiers: Vec<String>,
     pub(crate) require_tenant: bool,

@@ -418,6 +418,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         unit: raw.unit,
         capacity,
         period,
+        period_label: Arc::from(period.label()),
         burst,
         tiers,
         require_tenant,

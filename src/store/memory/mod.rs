@@ -661,7 +661,7 @@ mod tests {
             cost: 1.0,
             tool,
             tenant: LevelRef {
-                name: "a",
+                name: &Arc::from("a"),
                 policy: tool.tenant("a").expect("the template"),
             },
             instance: None,

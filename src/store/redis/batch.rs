@@ -100,7 +100,7 @@ impl OwnedPlan {
             Pick::Template => tool.default_tenant.as_ref().expect("a template tenant"),
         };
         let instance = self.instance.map(|p| LevelRef {
-            name: keys.instance.as_deref().expect("an instance key"),
+            name: keys.instance.as_ref().expect("an instance key"),
             policy: match p {
                 Pick::Listed(i) => &tenant.children[i],
                 Pick::Template => tenant.default_child.as_deref().expect("a template"),
