@@ -8,12 +8,13 @@ use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, S
 const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
 
 fn limiter(toml: &str) -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
+    on_store(toml, MemoryStore::new())
+}
+
+fn on_store(toml: &str, store: MemoryStore) -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
     let clock = ManualClock::new(EPOCH);
     let p = Policy::from_toml_str(toml).expect("valid policy");
-    (
-        Limiter::with_store(p, MemoryStore::new(), clock.clone()),
-        clock,
-    )
+    (Limiter::with_store(p, store, clock.clone()), clock)
 }
 
 fn now<F: std::future::Future>(f: F) -> F::Output {
@@ -113,8 +114,10 @@ proptest::proptest! {
         );
         let callers = [Caller::new("a"), Caller::new("b"), Caller::new("c")];
         let who: Vec<(Caller, u64)> = fast.iter().map(|(i, g)| (callers[*i].clone(), *g)).collect();
-        let (plain, c1) = limiter(&toml);
-        let (leased, c2) = limiter(&with_lease(&toml));
+        // Refusals decided every time: a remembered one carries the figures of the first, and
+        // leases change which calls are remembered (a grant asks for more than one unit).
+        let (plain, c1) = on_store(&toml, MemoryStore::new().refusal_cache(false));
+        let (leased, c2) = on_store(&with_lease(&toml), MemoryStore::new().refusal_cache(false));
         let r = same(&run(&plain, &c1, &who), &run(&leased, &c2, &who));
         proptest::prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }
@@ -376,8 +379,10 @@ proptest::proptest! {
     #[test]
     fn leased_and_unleased_runs_differ_by_at_most_the_stated_bound((toml, cap, floors, offers) in busy_tool()) {
         let minutes = 2;
-        let (plain, c1) = limiter(&toml);
-        let (leased, c2) = limiter(&with_lease(&toml));
+        // Refusals decided every time: a remembered one carries the figures of the first, and
+        // leases change which calls are remembered (a grant asks for more than one unit).
+        let (plain, c1) = on_store(&toml, MemoryStore::new().refusal_cache(false));
+        let (leased, c2) = on_store(&with_lease(&toml), MemoryStore::new().refusal_cache(false));
         let a = drive(&plain, &c1, &offers, minutes);
         let b = drive(&leased, &c2, &offers, minutes);
         let policy = Policy::from_toml_str(&toml).unwrap();

@@ -456,6 +456,49 @@ fn the_refusal_cache_sends_nothing_to_redis_until_the_retry_time() {
     });
 }
 
+/// A reload decides afresh: a refusal cached under the old policy does not refuse a call the
+/// new one admits.
+#[test]
+fn a_reload_forgets_the_cached_refusals() {
+    let server = RedisServer::start();
+    let policy = |ceiling: u32| {
+        Policy::from_toml_str(&format!(
+            "[[tool]]\nname = \"report\"\nunit = \"calls\"\nrate = {{ limit = 600, per = \"1m\" }}\n\
+             [tool.tenants.parasite]\nceiling = {ceiling}\nburst = 3\n"
+        ))
+        .unwrap()
+    };
+    let rt = current_thread();
+    rt.block_on(async {
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .connect()
+            .await
+            .unwrap();
+        let clock = ManualClock::new(EPOCH);
+        let limiter = Limiter::with_store(policy(3), store, clock.clone());
+        let parasite = Caller::new("parasite");
+        for _ in 0..3 {
+            limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
+        }
+        let first = limiter.admit(&parasite, "report", Cost(1.0)).await;
+        assert_eq!(first.unwrap_err().reason, Reason::RateLimited);
+        assert!(limiter.admit(&parasite, "report", Cost(1.0)).await.is_err());
+        assert!(
+            limiter.store().cached_refusals() > 0,
+            "the refusal was cached"
+        );
+        // The refusal stands 20 s under a ceiling of 3 a minute; under 300 a minute the tenant
+        // has a unit again after 200 ms.
+        limiter.set_policy(policy(300));
+        clock.advance(Duration::from_millis(250));
+        limiter
+            .admit(&parasite, "report", Cost(1.0))
+            .await
+            .expect("the new policy has room: decided afresh, not refused from the cache");
+    });
+}
+
 trait NowMicros {
     fn now_micros(&self) -> u64;
 }

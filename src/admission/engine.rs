@@ -20,8 +20,6 @@ pub use super::state::{
 };
 
 pub(crate) use super::bucket::aligned_window;
-#[cfg(feature = "redis")]
-pub(crate) use super::bucket::EPS;
 pub(crate) use super::decide::explain;
 pub(crate) use super::phases::{above, below, commit_below, Below, Report, Top};
 pub(crate) use super::template::counts as template_counts;

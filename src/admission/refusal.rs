@@ -165,6 +165,45 @@ impl Refusal {
         }))
     }
 
+    /// How long a store may answer the same call (same caller, tool, policy and cost) with
+    /// this refusal without deciding it again: its sure wait, for refusals whose wait the
+    /// engine bounds (a rate, a calendar budget) on paths without a concurrency cap (a permit
+    /// can be released at any moment, and a template caller stop counting). `None` for the
+    /// rest, and for waits under a millisecond.
+    pub(crate) fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
+        let bounded = match self.reason {
+            Reason::RateLimited => true,
+            Reason::CapExceeded => self.window.as_deref() != Some("callers"),
+            _ => false,
+        };
+        let capped = plan.tool.max_concurrency.is_some()
+            || plan.tenant.policy.max_concurrency.is_some()
+            || plan
+                .instance
+                .is_some_and(|i| i.policy.max_concurrency.is_some());
+        let wait = self.not_before?;
+        (bounded && !capped && self.retryable && wait >= Duration::from_millis(1)).then_some(wait)
+    }
+
+    /// Whether a refusal remembered for a call of `cost` under `policy` stands for the call
+    /// `plan` makes (its keys being the same): another cost may pass, or never pass, and
+    /// another policy may let it pass.
+    pub(crate) fn stands_for(
+        policy: &std::sync::Arc<crate::policy::ToolPolicy>,
+        cost: f64,
+        plan: &super::decide::Plan<'_>,
+    ) -> bool {
+        (plan.cost - cost).abs() <= super::bucket::EPS && std::sync::Arc::ptr_eq(policy, plan.tool)
+    }
+
+    /// This refusal given again from memory, `left` before its sure wait is over: the time left
+    /// is the wait it names.
+    pub(crate) fn again(&self, left: Duration) -> Refusal {
+        let mut r = self.clone();
+        r.retry_after = Some(left);
+        r
+    }
+
     /// Whole seconds to wait, rounded up, at least 1: the `Retry-After` header.
     pub fn retry_after_secs(&self) -> u64 {
         match self.retry_after {

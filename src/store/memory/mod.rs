@@ -2,7 +2,10 @@
 
 use std::future::{ready, Future};
 use std::hash::{BuildHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{Acquire, Relaxed, Release},
+};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
@@ -14,6 +17,7 @@ use crate::admission::engine::{self, NodeState, Plan};
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
 
+mod memo;
 mod packed;
 use packed::Packed;
 
@@ -38,6 +42,8 @@ pub struct MemoryStore {
     /// Serialises adding a tool (rare: once per tool name).
     adding_tool: Mutex<()>,
     hasher: RandomState,
+    /// Whether refusals with a sure wait are remembered (see [`MemoryStore::refusal_cache`]).
+    remember: bool,
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -68,6 +74,8 @@ impl<T> std::ops::Deref for Line<T> {
 struct Shard {
     tenants: HashTable<Box<TenantEntry>>,
     ops: u64,
+    /// Refusals remembered for the calls of this shard's tenants.
+    memo: memo::Memo,
 }
 
 /// One tool's state.
@@ -80,6 +88,9 @@ struct ToolCell {
     /// The tool's period (µs, as `f64` bits) as of the last decision: a packed state's window
     /// is worked out with it when it is read outside a decision.
     period: AtomicU64,
+    /// How many times units or permits were given back to the tool or below it (refunds,
+    /// corrections, releases): a refusal remembered before one may no longer stand.
+    given_back: AtomicU64,
     inner: Line<Mutex<ToolEntry>>,
 }
 
@@ -175,7 +186,29 @@ impl MemoryStore {
             tools: ArcSwap::from_pointee(Vec::new()),
             adding_tool: Mutex::new(()),
             hasher: RandomState::default(),
+            remember: true,
         }
+    }
+
+    /// Whether to remember refusals (default on). After a refusal whose wait the engine can
+    /// bound — a rate or a calendar budget, on a path without a concurrency cap — the same
+    /// call (same caller, tool, cost and policy) is refused from memory until that sure wait
+    /// is over, without being decided again: a caller that loops on a refused call costs a
+    /// lookup per call. Anything given back to the tool (a refund, a correction downwards, a
+    /// permit or a lease returned) forgets the tool's remembered refusals, and a reload
+    /// decides afresh, so no call is refused that a decision would admit. A remembered
+    /// refusal carries the reason and figures of the first one and the time left of its sure
+    /// wait as `retry_after`; a decision made now might name another limit (a sibling spent
+    /// the tenant's budget meanwhile) and a later estimate.
+    ///
+    /// ```
+    /// use tower_fairshare::MemoryStore;
+    /// let store = MemoryStore::new().refusal_cache(false);
+    /// # let _ = store;
+    /// ```
+    pub fn refusal_cache(mut self, on: bool) -> Self {
+        self.remember = on;
+        self
     }
 
     /// Number of levels (tools, tenants, instances) whose state is held now.
@@ -239,6 +272,7 @@ impl MemoryStore {
             name: tool.clone(),
             published: Line(AtomicU64::new(0)),
             period: AtomicU64::new(1f64.to_bits()),
+            given_back: AtomicU64::new(0),
             inner: Line(Mutex::new(ToolEntry::default())),
         });
         let mut next = Vec::with_capacity(tools.len() + 1);
@@ -257,6 +291,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn sweep_shard(s: &mut Shard, now: u64) {
     s.tenants.retain(|t| !t.sweep(now));
+    s.memo.sweep(now);
 }
 
 /// Publishes the tool's count of template tenants; written only when it moved, so the cache
@@ -310,16 +345,20 @@ impl Keys<'_> {
     }
 }
 
+/// A decision in the store: admitted, or refused with the call's keys handed back (to
+/// remember the refusal by).
+type Decided<'k> = Result<Arc<Admission>, (Refusal, Keys<'k>)>;
+
 /// Decides a call with the tenant's and the instance's states unpacked (fresh when not
 /// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
 /// tenant's and the instance's expiries come back with the admission.
-fn decide_on(
+fn decide_on<'k>(
     cell: &ToolCell,
     tenant_state: &mut NodeState,
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
-    keys: Keys<'_>,
-) -> Result<(Arc<Admission>, [u64; 2]), Refusal> {
+    keys: Keys<'k>,
+) -> Result<(Arc<Admission>, [u64; 2]), (Refusal, Keys<'k>)> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
@@ -370,7 +409,7 @@ fn decide_on(
         if templates {
             publish(cell, below.tenants_counted());
         }
-        return Err(r);
+        return Err((r, keys));
     }
     *tool_expires = micros_ceil(top.expires());
     if templates {
@@ -413,13 +452,13 @@ fn decide_on(
 /// Decides a call of a tenant whose packed state is `tenant` (`None`: not stored) with its
 /// `instances`, and writes the states back if it is admitted. A fresh tenant's packed state
 /// comes back to be stored.
-fn decide_packed(
+fn decide_packed<'k>(
     cell: &ToolCell,
     tenant: Option<&mut Packed>,
     instances: &mut Vec<Packed>,
     plan: &Plan<'_>,
-    keys: Keys<'_>,
-) -> (Decision, Option<Packed>) {
+    keys: Keys<'k>,
+) -> (Decided<'k>, Option<Packed>) {
     let period = period_of(plan);
     let mut states = [NodeState::default(), NodeState::default()];
     let [tenant_state, inst_state] = &mut states;
@@ -441,7 +480,7 @@ fn decide_packed(
         keys,
     ) {
         Ok(a) => a,
-        Err(r) => return (Decision::Refused(r), None),
+        Err(refused) => return (Err(refused), None),
     };
     // The keys are the answer's now.
     let keys = &admission.keys;
@@ -467,7 +506,7 @@ fn decide_packed(
         ),
         _ => {}
     }
-    (Decision::Admitted(admission), fresh)
+    (Ok(admission), fresh)
 }
 
 impl MemoryStore {
@@ -481,8 +520,20 @@ impl MemoryStore {
         let now = plan.now.as_micros();
         let k = keys.get();
         let hash = hash_tenant(&self.hasher, &k.tool, &k.tenant, k.untenanted);
+        // Where the call's refusal is remembered (its instance hashed only when needed).
+        let slot = |k: &CallKeys| {
+            memo::slot(
+                hash,
+                k.instance.as_ref().map_or(0, |i| self.hasher.hash_one(i)),
+            )
+        };
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
+        if self.remember && shard.memo.holds_any() {
+            if let Some(r) = shard.memo.recall(slot(k), plan, k) {
+                return Decision::Refused(r);
+            }
+        }
         shard.ops += 1;
         if shard.ops.is_multiple_of(SWEEP_EVERY) {
             sweep_shard(shard, now);
@@ -497,12 +548,37 @@ impl MemoryStore {
                 instances,
             } = &mut **entry;
             note_period(tool, plan);
-            return decide_packed(tool, Some(state), instances, plan, keys).0;
+            let given_back = tool.given_back.load(Acquire);
+            return match decide_packed(tool, Some(state), instances, plan, keys).0 {
+                Ok(a) => Decision::Admitted(a),
+                Err((r, keys)) => {
+                    if self.remember {
+                        let k = keys.get();
+                        shard
+                            .memo
+                            .remember(|| slot(k), plan, k, tool, given_back, &r);
+                    }
+                    Decision::Refused(r)
+                }
+            };
         }
         let tool = self.tool_cell(&k.tool);
         note_period(&tool, plan);
+        let given_back = tool.given_back.load(Acquire);
         let mut instances = Vec::new();
-        let (decision, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
+        let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
+        let decision = match decided {
+            Ok(a) => Decision::Admitted(a),
+            Err((r, keys)) => {
+                if self.remember {
+                    let k = keys.get();
+                    shard
+                        .memo
+                        .remember(|| slot(k), plan, k, &tool, given_back, &r);
+                }
+                Decision::Refused(r)
+            }
+        };
         if let Some(state) = fresh {
             let hasher = &self.hasher;
             let entry = Box::new(TenantEntry {
@@ -532,30 +608,38 @@ impl MemoryStore {
         let Some(cell) = cell else {
             return;
         };
+        let mut changed = false;
         {
             let mut tool = lock(&cell.inner);
             if tool.state.live {
+                let before = tool.state;
                 f(0, &mut tool.state);
+                changed = tool.state != before;
             }
         }
-        let Some(entry) = entry else {
-            return;
-        };
-        let period = f64::from_bits(cell.period.load(Relaxed));
-        let mut each = |level: usize, p: &mut Packed| {
-            let mut s = NodeState::default();
-            p.read(&mut s, period);
-            let before = s;
-            f(level, &mut s);
-            if s != before {
-                p.store(&s, p.expires(), period);
+        if let Some(entry) = entry {
+            let period = f64::from_bits(cell.period.load(Relaxed));
+            let mut each = |level: usize, p: &mut Packed| {
+                let mut s = NodeState::default();
+                p.read(&mut s, period);
+                let before = s;
+                f(level, &mut s);
+                if s != before {
+                    p.store(&s, p.expires(), period);
+                    changed = true;
+                }
+            };
+            each(1, &mut entry.state);
+            if let Some(name) = keys.instance.as_deref() {
+                if let Ok(at) = find_instance(&entry.instances, name) {
+                    each(2, &mut entry.instances[at]);
+                }
             }
-        };
-        each(1, &mut entry.state);
-        if let Some(name) = keys.instance.as_deref() {
-            if let Ok(at) = find_instance(&entry.instances, name) {
-                each(2, &mut entry.instances[at]);
-            }
+        }
+        // Counted once the change is in place: a decision that reads the count after this
+        // sees the change, and one that read it before remembers nothing past it.
+        if changed {
+            cell.given_back.fetch_add(1, Release);
         }
     }
 }
@@ -645,6 +729,61 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::admission::engine::LevelRef;
+
+    /// A refused call with a sure wait is remembered and the same call answered from memory
+    /// until that wait is over (its time left as `retry_after`); a store told not to
+    /// remembers nothing and decides every call.
+    #[test]
+    fn a_refusal_with_a_sure_wait_is_remembered_for_that_wait() {
+        let policy = crate::Policy::from_toml_str(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n\
+             [tool.default_tenant]\nmax_tenants = 10\nceiling = 1\nburst = 1\n",
+        )
+        .expect("valid");
+        let tool = policy.tool("t").expect("listed");
+        let name = Arc::from("a");
+        let plan_at = |us: u64| Plan {
+            now: Timestamp(1_767_225_600_000_000 + us),
+            cost: 1.0,
+            tool,
+            tenant: LevelRef {
+                name: &name,
+                policy: tool.tenant("a").expect("the template"),
+            },
+            instance: None,
+            untenanted: false,
+        };
+        let keys = CallKeys {
+            tool: Arc::from("t"),
+            tenant: name.clone(),
+            instance: None,
+            untenanted: false,
+        };
+        let remembered = |s: &MemoryStore| s.shards.iter().any(|p| lock(&p.0).memo.holds_any());
+        for on in [true, false] {
+            let store = MemoryStore::new().refusal_cache(on);
+            assert!(matches!(
+                store.decide_sync(&plan_at(0), &keys),
+                Decision::Admitted(_)
+            ));
+            let Decision::Refused(first) = store.decide_sync(&plan_at(0), &keys) else {
+                panic!("a ceiling of 1: refused");
+            };
+            let sure = first.not_before.expect("a rate refusal has a sure wait");
+            assert!(sure >= std::time::Duration::from_millis(1), "{sure:?}");
+            assert_eq!(remembered(&store), on);
+            let Decision::Refused(again) = store.decide_sync(&plan_at(1_000), &keys) else {
+                panic!("within the sure wait: refused");
+            };
+            if on {
+                assert_eq!(
+                    again.retry_after,
+                    Some(sure - std::time::Duration::from_millis(1))
+                );
+                assert_eq!((again.reason, again.scope), (first.reason, first.scope));
+            }
+        }
+    }
 
     /// Keys handed to the store are the ones its answer keeps; a store that cannot answer at
     /// once hands them back untouched, and one that can answers as with lent keys.

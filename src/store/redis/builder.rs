@@ -91,7 +91,8 @@ impl RedisStoreBuilder {
     /// then without a Redis command. A call refused from the cache gets the refusal Redis gave
     /// before (its reason, and the time left): if another caller of the tenant has since spent
     /// what the call would need, Redis would now name that limit instead. The call is refused
-    /// either way; a refund on this replica clears the tool's cached refusals.
+    /// either way; a refund on this replica clears the tool's cached refusals, and a reload
+    /// decides afresh (a refusal is remembered with the policy it was decided under).
     pub fn refusal_cache(mut self, on: bool) -> Self {
         self.refusal_cache = on;
         self

@@ -3,12 +3,13 @@
 //! round trips.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::builder::TimeSource;
 use crate::admission::engine::Plan;
-use crate::admission::{Reason, Refusal};
+use crate::admission::Refusal;
+use crate::policy::ToolPolicy;
 use crate::store::CallKeys;
 
 #[derive(Debug)]
@@ -23,6 +24,8 @@ const SWEEP_EVERY: usize = 256;
 #[derive(Debug)]
 struct Cached {
     refusal: Refusal,
+    /// The policy it was decided under: a reload decides afresh.
+    policy: Arc<ToolPolicy>,
     cost: f64,
     /// Injected clock: valid from `from` until `until` (µs of the plan's clock).
     from: u64,
@@ -43,38 +46,20 @@ impl RefusalCache {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers a refusal for `not_before`: the engine's lower bound of when the same call
-    /// could pass (the refusal's own retry time is an estimate, which may be later).
+    /// Remembers a refusal for as long as the same call surely cannot pass (see
+    /// `Refusal::remember_for`; the refusal's own retry time is an estimate, which may be
+    /// later).
     pub(super) fn remember(
         &self,
         keys: &CallKeys,
         plan: &Plan<'_>,
         r: &Refusal,
-        not_before: Duration,
         sent: Instant,
         time: TimeSource,
     ) {
-        // Only waits the script can bound: a concurrency slot or a template-caller slot can free
-        // up at any moment.
-        let cacheable = match r.reason {
-            Reason::RateLimited => true,
-            Reason::CapExceeded => r.window.as_deref() != Some("callers"),
-            _ => false,
+        let Some(wait) = r.remember_for(plan) else {
+            return;
         };
-        if !(cacheable && r.retryable && not_before >= Duration::from_millis(1)) {
-            return;
-        }
-        // Concurrency is checked before rates: where a cap applies, a slot taken meanwhile
-        // changes the answer, and only Redis knows.
-        let capped = plan.tool.max_concurrency.is_some()
-            || plan.tenant.policy.max_concurrency.is_some()
-            || plan
-                .instance
-                .is_some_and(|i| i.policy.max_concurrency.is_some());
-        if capped {
-            return;
-        }
-        let wait = not_before;
         let now = plan.now.as_micros();
         let until = now.saturating_add(wait.as_micros() as u64);
         // Redis decided after `sent`, so `sent + wait` is never later than the true time.
@@ -97,6 +82,7 @@ impl RefusalCache {
             keys.clone(),
             Cached {
                 refusal: r.clone(),
+                policy: plan.tool.clone(),
                 cost: plan.cost,
                 from: now,
                 until,
@@ -122,13 +108,10 @@ impl RefusalCache {
         };
         match left {
             Some(left) if !left.is_zero() => {
-                // The same call: a different cost may pass, or never pass.
-                if (plan.cost - c.cost).abs() > crate::admission::engine::EPS {
+                if !Refusal::stands_for(&c.policy, c.cost, plan) {
                     return None;
                 }
-                let mut r = c.refusal.clone();
-                r.retry_after = Some(left);
-                Some(r)
+                Some(c.refusal.again(left))
             }
             _ => {
                 map.remove(keys);

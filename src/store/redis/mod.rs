@@ -490,8 +490,8 @@ impl RedisStore {
         };
         match &decision {
             Decision::Refused(r) => {
-                if let (Some(cache), Some(wait)) = (&sh.cache, r.not_before) {
-                    cache.remember(keys, plan, r, wait, sent, sh.config.time);
+                if let Some(cache) = &sh.cache {
+                    cache.remember(keys, plan, r, sent, sh.config.time);
                 }
             }
             Decision::Admitted(a) => {
