@@ -285,7 +285,15 @@ fn redis_script_matches_the_engine_call_for_call() {
                             .connect(),
                     )
                     .unwrap();
-                let mem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
+                // The engine's answers, every call decided: no refusal remembered.
+                let mem = Limiter::with_store(
+                    policy.clone(),
+                    MemoryStore::new().refusal_cache(false),
+                    clock.clone(),
+                );
+                // The in-process store as it comes, remembering refusals: it must never refuse
+                // a call the engine admits, nor admit one it refuses.
+                let rem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
                 let red = Limiter::with_store(policy.clone(), redis, clock.clone());
                 // A third store, refusal cache on, in a namespace of its own: it must never refuse
                 // a call the engine admits.
@@ -315,6 +323,14 @@ fn redis_script_matches_the_engine_call_for_call() {
                                 let c = &callers[who];
                                 let tool = if other { "u" } else { "t" };
                                 let a = mem.admit(c, tool, Cost(cost as f64)).await;
+                                let m = rem.admit(c, tool, Cost(cost as f64)).await;
+                                prop_assert_eq!(
+                                    a.is_ok(),
+                                    m.is_ok(),
+                                    "op {}: remembering refusals changed the answer: {:?}",
+                                    n,
+                                    m
+                                );
                                 let b = red.admit(c, tool, Cost(cost as f64)).await;
                                 let cached_before = cac.store().cached_refusals();
                                 let z = cac.admit(c, tool, Cost(cost as f64)).await;
@@ -377,10 +393,11 @@ fn redis_script_matches_the_engine_call_for_call() {
                                         b
                                     ),
                                 }
-                                if let (Ok(x), Ok(y), Ok(z)) = (a, b, z) {
+                                if let (Ok(x), Ok(y), Ok(z), Ok(w)) = (a, b, z, m) {
                                     if keep {
-                                        held.push((x, y, z));
+                                        held.push((x, y, z, w));
                                     } else {
+                                        rem.release(&w).await;
                                         mem.release(&x).await;
                                         red.release(&y).await;
                                         cac.release(&z).await;
@@ -414,15 +431,18 @@ fn redis_script_matches_the_engine_call_for_call() {
                                 }
                             }
                             Op::Settle(pct) if !held.is_empty() => {
-                                let (x, y, z) = &held[0];
+                                let (x, y, z, w) = &held[0];
                                 let actual =
                                     Cost(x.admission().unwrap().charge.cost * pct as f64 / 100.0);
                                 mem.settle(x, actual).await;
+                                rem.settle(w, actual).await;
                                 red.settle(y, actual).await;
                                 cac.settle(z, actual).await;
                             }
                             Op::Refund if !held.is_empty() => {
-                                let (x, y, z) = held.remove(0);
+                                let (x, y, z, w) = held.remove(0);
+                                rem.refund(&w).await;
+                                rem.release(&w).await;
                                 mem.refund(&x).await;
                                 red.refund(&y).await;
                                 cac.refund(&z).await;
@@ -431,7 +451,8 @@ fn redis_script_matches_the_engine_call_for_call() {
                                 cac.release(&z).await;
                             }
                             Op::Release if !held.is_empty() => {
-                                let (x, y, z) = held.remove(0);
+                                let (x, y, z, w) = held.remove(0);
+                                rem.release(&w).await;
                                 mem.release(&x).await;
                                 red.release(&y).await;
                                 cac.release(&z).await;
