@@ -583,12 +583,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if !lease::eligible(&p.plan) {
             let started = telemetry::Started::now();
             // The keys go to the answer: nothing after this needs them.
-            return match store.decide_now_keeping(&p.plan, p.owned_keys()) {
-                Ok(d) => {
+            return match store.decide_now_planned(&p.plan) {
+                Some(d) => {
                     started.record(store.kind());
                     AtOnce::Done(Decided::Store(d))
                 }
-                Err(_) => AtOnce::Wait(Waiting::default()),
+                None => AtOnce::Wait(Waiting::default()),
             };
         }
         let leases = &self.inner.leases;
@@ -1086,7 +1086,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn call_keys(&self, caller: &Caller, tool: &str) -> Result<CallKeys, Refusal> {
         let policy = self.policy();
         resolve(&policy, caller, tool).map(|(tp, tenant, instance, untenanted)| {
-            keys_of(tp, &tenant, instance.as_ref(), untenanted)
+            CallKeys::of(tp, &tenant, instance.as_ref(), untenanted)
         })
     }
 
@@ -1385,68 +1385,12 @@ impl Prepared<'_> {
 
     /// The store keys of the call.
     pub(crate) fn keys(&self) -> &CallKeys {
-        self.keys.get_or_init(|| self.make_keys())
-    }
-
-    /// The store keys to hand over, made now unless already made.
-    fn owned_keys(&self) -> CallKeys {
-        self.keys.get().cloned().unwrap_or_else(|| self.make_keys())
-    }
-
-    fn make_keys(&self) -> CallKeys {
-        keys_of(
-            self.plan.tool,
-            &self.plan.tenant,
-            self.plan.instance.as_ref(),
-            self.plan.untenanted,
-        )
-    }
-}
-
-/// The store keys of a call of `tp` charged to `tenant` and `instance` as resolved, sharing
-/// the caller's names: a decision allocates no key strings.
-fn keys_of(
-    tp: &Arc<ToolPolicy>,
-    tenant: &LevelRef<'_>,
-    instance: Option<&LevelRef<'_>>,
-    untenanted: bool,
-) -> CallKeys {
-    CallKeys {
-        tool: tool_name(tp.name_arc()),
-        tenant: tenant.name.clone(),
-        instance: instance.map(|i| i.name.clone()),
-        untenanted,
+        self.keys.get_or_init(|| self.plan.keys())
     }
 }
 
 /// The name of an untenanted caller that gave no client id.
 static NO_NAME: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
-
-/// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
-/// decision clones and drops the name it is charged to; on the policy's own `Arc` that would
-/// be two atomic writes to one counter shared by every thread deciding for the tool, the one
-/// cache line all of them would fight over. Keys compare by content, so a per-thread copy is
-/// the same key.
-fn tool_name(shared: &Arc<str>) -> Arc<str> {
-    /// Tool names this thread has seen (a handful; bounded, then the shared one is used).
-    const MAX: usize = 32;
-    thread_local! {
-        static NAMES: std::cell::RefCell<Vec<Arc<str>>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    NAMES
-        .try_with(|names| {
-            let mut names = names.borrow_mut();
-            if let Some(n) = names.iter().find(|n| ***n == **shared) {
-                return n.clone();
-            }
-            if names.len() < MAX {
-                names.push(Arc::from(&**shared));
-                return names[names.len() - 1].clone();
-            }
-            shared.clone()
-        })
-        .unwrap_or_else(|_| shared.clone())
-}
 
 type Resolved<'p> = (
     &'p Arc<ToolPolicy>,

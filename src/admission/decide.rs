@@ -39,6 +39,19 @@ pub struct Plan<'a> {
     pub untenanted: bool,
 }
 
+impl Plan<'_> {
+    /// The store keys of this call: the tool's, the tenant's and the instance's names it
+    /// carries, shared (no string is copied).
+    pub fn keys(&self) -> crate::store::CallKeys {
+        crate::store::CallKeys::of(
+            self.tool,
+            &self.tenant,
+            self.instance.as_ref(),
+            self.untenanted,
+        )
+    }
+}
+
 /// The stored state a decision reads.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {

@@ -15,9 +15,10 @@ use std::sync::Arc;
 pub use self::redis::RedisStore;
 pub use memory::MemoryStore;
 
-use crate::admission::engine::{Charge, LevelView, NodeState, Plan};
+use crate::admission::engine::{Charge, LevelRef, LevelView, NodeState, Plan};
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
+use crate::policy::ToolPolicy;
 
 /// Identifies the levels of one admitted call, so the store can find them again to correct
 /// the charge or release permits.
@@ -34,6 +35,22 @@ pub struct CallKeys {
 }
 
 impl CallKeys {
+    /// The keys of a call of `tool` charged to `tenant` and `instance` as resolved, sharing
+    /// the caller's names: no string is copied.
+    pub(crate) fn of(
+        tool: &Arc<ToolPolicy>,
+        tenant: &LevelRef<'_>,
+        instance: Option<&LevelRef<'_>>,
+        untenanted: bool,
+    ) -> CallKeys {
+        CallKeys {
+            tool: tool_name(tool.name_arc()),
+            tenant: tenant.name.clone(),
+            instance: instance.map(|i| i.name.clone()),
+            untenanted,
+        }
+    }
+
     /// The injective store keys of the tool, tenant and instance levels.
     pub fn encoded(&self) -> [Option<String>; 3] {
         use crate::key;
@@ -135,17 +152,14 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// [`decide_now`](Self::decide_now), handing the store the call's keys for its answer to
-    /// keep ([`Admission::keys`]): a store that can take them saves the copy (three reference
-    /// counts written, and three more when the caller's copy is dropped). `Err` gives the
-    /// keys back when the answer needs I/O, and then nothing has been done. The default lends
-    /// them to `decide_now`.
-    fn decide_now_keeping(
-        &self,
-        plan: &Plan<'_>,
-        keys: CallKeys,
-    ) -> Result<Result<Decision, StoreError>, CallKeys> {
-        self.decide_now(plan, &keys).ok_or(keys)
+    /// [`decide_now`](Self::decide_now) for the call's own keys, the ones the plan names
+    /// ([`Plan::keys`]), which the store makes only where it needs them: a store that finds
+    /// its levels by the plan's names makes them once, for its answer to keep
+    /// ([`Admission::keys`]), and not at all for a refusal (each copy writes three reference
+    /// counts, and three more when it is dropped). `None` as for `decide_now`. The default
+    /// makes the keys and lends them to `decide_now`.
+    fn decide_now_planned(&self, plan: &Plan<'_>) -> Option<Result<Decision, StoreError>> {
+        self.decide_now(plan, &plan.keys())
     }
 
     /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
@@ -212,12 +226,8 @@ impl<S: Store> Store for Arc<S> {
     fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
         (**self).decide_now(plan, keys)
     }
-    fn decide_now_keeping(
-        &self,
-        plan: &Plan<'_>,
-        keys: CallKeys,
-    ) -> Result<Result<Decision, StoreError>, CallKeys> {
-        (**self).decide_now_keeping(plan, keys)
+    fn decide_now_planned(&self, plan: &Plan<'_>) -> Option<Result<Decision, StoreError>> {
+        (**self).decide_now_planned(plan)
     }
     fn adjust<'a>(
         &'a self,
@@ -254,4 +264,30 @@ impl<S: Store> Store for Arc<S> {
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
         (**self).inspect_at(keys, now)
     }
+}
+
+/// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
+/// decision clones and drops the name it is charged to; on the policy's own `Arc` that would
+/// be two atomic writes to one counter shared by every thread deciding for the tool, the one
+/// cache line all of them would fight over. Keys compare by content, so a per-thread copy is
+/// the same key.
+fn tool_name(shared: &Arc<str>) -> Arc<str> {
+    /// Tool names this thread has seen (a handful; bounded, then the shared one is used).
+    const MAX: usize = 32;
+    thread_local! {
+        static NAMES: std::cell::RefCell<Vec<Arc<str>>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    NAMES
+        .try_with(|names| {
+            let mut names = names.borrow_mut();
+            if let Some(n) = names.iter().find(|n| ***n == **shared) {
+                return n.clone();
+            }
+            if names.len() < MAX {
+                names.push(Arc::from(&**shared));
+                return names[names.len() - 1].clone();
+            }
+            shared.clone()
+        })
+        .unwrap_or_else(|_| shared.clone())
 }

@@ -56,16 +56,17 @@ impl Memo {
         !self.slots.is_empty()
     }
 
-    /// The refusal remembered for this call in `slot`, if it still stands at `plan.now`.
+    /// The refusal remembered for this call in `slot`, if it still stands at `plan.now`
+    /// (`same` tells whether remembered keys are the call's).
     pub(super) fn recall(
         &mut self,
         slot: usize,
         plan: &Plan<'_>,
-        keys: &CallKeys,
+        same: impl FnOnce(&CallKeys) -> bool,
     ) -> Option<Refusal> {
         let kept = self.slots.get_mut(slot)?;
         let r = kept.as_deref()?;
-        if r.keys != *keys || !Refusal::stands_for(&r.policy, r.cost, plan) {
+        if !same(&r.keys) || !Refusal::stands_for(&r.policy, r.cost, plan) {
             return None;
         }
         let now = plan.now.as_micros();
@@ -83,7 +84,7 @@ impl Memo {
         &mut self,
         slot: impl FnOnce() -> usize,
         plan: &Plan<'_>,
-        keys: &CallKeys,
+        keys: impl FnOnce() -> CallKeys,
         cell: &Arc<ToolCell>,
         given_back: u64,
         refusal: &Refusal,
@@ -96,7 +97,7 @@ impl Memo {
         }
         let from = plan.now.as_micros();
         self.slots[slot()] = Some(Box::new(Remembered {
-            keys: keys.clone(),
+            keys: keys(),
             policy: plan.tool.clone(),
             cell: cell.clone(),
             given_back,

@@ -259,7 +259,7 @@ impl MemoryStore {
     }
 
     /// The cell of `tool`, created on first use.
-    fn tool_cell(&self, tool: &Arc<str>) -> Arc<ToolCell> {
+    fn tool_cell(&self, tool: &str) -> Arc<ToolCell> {
         if let Some(c) = find_tool(&self.tools.load(), tool) {
             return c.clone();
         }
@@ -269,7 +269,7 @@ impl MemoryStore {
             return c.clone();
         }
         let cell = Arc::new(ToolCell {
-            name: tool.clone(),
+            name: Arc::from(tool),
             published: Line(AtomicU64::new(0)),
             period: AtomicU64::new(1f64.to_bits()),
             given_back: AtomicU64::new(0),
@@ -321,44 +321,70 @@ fn period_of(plan: &Plan<'_>) -> f64 {
     plan.tool.period.as_micros() as f64
 }
 
-/// A call's keys as the store is handed them: lent (the answer keeps a copy) or given (the
-/// answer keeps them).
+/// A call's keys as the store is handed them: lent, or named by the plan (made only for an
+/// answer to keep, or a refusal to remember).
+#[derive(Copy, Clone)]
 enum Keys<'a> {
     Lent(&'a CallKeys),
-    Given(CallKeys),
+    Planned(&'a Plan<'a>),
 }
 
 impl Keys<'_> {
-    fn get(&self) -> &CallKeys {
+    fn tool(&self) -> &str {
         match self {
-            Keys::Lent(k) => k,
-            Keys::Given(k) => k,
+            Keys::Lent(k) => &k.tool,
+            Keys::Planned(p) => p.tool.name(),
         }
     }
 
-    /// The keys for the answer to keep.
+    fn tenant(&self) -> &str {
+        match self {
+            Keys::Lent(k) => &k.tenant,
+            Keys::Planned(p) => p.tenant.name,
+        }
+    }
+
+    fn instance(&self) -> Option<&str> {
+        match self {
+            Keys::Lent(k) => k.instance.as_deref(),
+            Keys::Planned(p) => p.instance.as_ref().map(|i| &**i.name),
+        }
+    }
+
+    fn untenanted(&self) -> bool {
+        match self {
+            Keys::Lent(k) => k.untenanted,
+            Keys::Planned(p) => p.untenanted,
+        }
+    }
+
+    /// Whether `k` are these keys.
+    fn are(&self, k: &CallKeys) -> bool {
+        k.untenanted == self.untenanted()
+            && *k.tenant == *self.tenant()
+            && k.instance.as_deref() == self.instance()
+            && *k.tool == *self.tool()
+    }
+
+    /// The keys, for an answer or a remembered refusal to keep.
     fn keep(self) -> CallKeys {
         match self {
             Keys::Lent(k) => k.clone(),
-            Keys::Given(k) => k,
+            Keys::Planned(p) => p.keys(),
         }
     }
 }
-
-/// A decision in the store: admitted, or refused with the call's keys handed back (to
-/// remember the refusal by).
-type Decided<'k> = Result<Arc<Admission>, (Refusal, Keys<'k>)>;
 
 /// Decides a call with the tenant's and the instance's states unpacked (fresh when not
 /// stored). Locks the tool. Admitted: the states are written (the tool's in its cell) and the
 /// tenant's and the instance's expiries come back with the admission.
-fn decide_on<'k>(
+fn decide_on(
     cell: &ToolCell,
     tenant_state: &mut NodeState,
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
-    keys: Keys<'k>,
-) -> Result<(Arc<Admission>, [u64; 2]), (Refusal, Keys<'k>)> {
+    keys: Keys<'_>,
+) -> Result<(Arc<Admission>, [u64; 2]), Refusal> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
     // the first half redone in the rare case it moved. The tool's lock is held only for the
@@ -409,7 +435,7 @@ fn decide_on<'k>(
         if templates {
             publish(cell, below.tenants_counted());
         }
-        return Err((r, keys));
+        return Err(r);
     }
     *tool_expires = micros_ceil(top.expires());
     if templates {
@@ -452,20 +478,20 @@ fn decide_on<'k>(
 /// Decides a call of a tenant whose packed state is `tenant` (`None`: not stored) with its
 /// `instances`, and writes the states back if it is admitted. A fresh tenant's packed state
 /// comes back to be stored.
-fn decide_packed<'k>(
+fn decide_packed(
     cell: &ToolCell,
     tenant: Option<&mut Packed>,
     instances: &mut Vec<Packed>,
     plan: &Plan<'_>,
-    keys: Keys<'k>,
-) -> (Decided<'k>, Option<Packed>) {
+    keys: Keys<'_>,
+) -> (Result<Arc<Admission>, Refusal>, Option<Packed>) {
     let period = period_of(plan);
     let mut states = [NodeState::default(), NodeState::default()];
     let [tenant_state, inst_state] = &mut states;
     if let Some(p) = tenant.as_deref() {
         p.read(tenant_state, period);
     }
-    let slot = match (plan.instance.is_some(), keys.get().instance.as_deref()) {
+    let slot = match (plan.instance.is_some(), keys.instance()) {
         (true, Some(name)) => Some(find_instance(instances, name)),
         _ => None,
     };
@@ -515,22 +541,17 @@ impl MemoryStore {
         self.decide_keys(plan, Keys::Lent(keys))
     }
 
-    /// Decides at once, with the keys lent or given for the answer to keep.
+    /// Decides at once, with the keys lent or named by the plan.
     fn decide_keys(&self, plan: &Plan<'_>, keys: Keys<'_>) -> Decision {
         let now = plan.now.as_micros();
-        let k = keys.get();
-        let hash = hash_tenant(&self.hasher, &k.tool, &k.tenant, k.untenanted);
+        let (tool_name, tenant, untenanted) = (keys.tool(), keys.tenant(), keys.untenanted());
+        let hash = hash_tenant(&self.hasher, tool_name, tenant, untenanted);
         // Where the call's refusal is remembered (its instance hashed only when needed).
-        let slot = |k: &CallKeys| {
-            memo::slot(
-                hash,
-                k.instance.as_ref().map_or(0, |i| self.hasher.hash_one(i)),
-            )
-        };
+        let slot = || memo::slot(hash, keys.instance().map_or(0, |i| self.hasher.hash_one(i)));
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
         if self.remember && shard.memo.holds_any() {
-            if let Some(r) = shard.memo.recall(slot(k), plan, k) {
+            if let Some(r) = shard.memo.recall(slot(), plan, |k| keys.are(k)) {
                 return Decision::Refused(r);
             }
         }
@@ -540,7 +561,7 @@ impl MemoryStore {
         }
         let found = shard
             .tenants
-            .find_mut(hash, |e| e.is(&k.tool, &k.tenant, k.untenanted));
+            .find_mut(hash, |e| e.is(tool_name, tenant, untenanted));
         if let Some(entry) = found {
             let TenantEntry {
                 tool,
@@ -551,30 +572,28 @@ impl MemoryStore {
             let given_back = tool.given_back.load(Acquire);
             return match decide_packed(tool, Some(state), instances, plan, keys).0 {
                 Ok(a) => Decision::Admitted(a),
-                Err((r, keys)) => {
+                Err(r) => {
                     if self.remember {
-                        let k = keys.get();
                         shard
                             .memo
-                            .remember(|| slot(k), plan, k, tool, given_back, &r);
+                            .remember(slot, plan, || keys.keep(), tool, given_back, &r);
                     }
                     Decision::Refused(r)
                 }
             };
         }
-        let tool = self.tool_cell(&k.tool);
+        let tool = self.tool_cell(tool_name);
         note_period(&tool, plan);
         let given_back = tool.given_back.load(Acquire);
         let mut instances = Vec::new();
         let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
         let decision = match decided {
             Ok(a) => Decision::Admitted(a),
-            Err((r, keys)) => {
+            Err(r) => {
                 if self.remember {
-                    let k = keys.get();
                     shard
                         .memo
-                        .remember(|| slot(k), plan, k, &tool, given_back, &r);
+                        .remember(slot, plan, || keys.keep(), &tool, given_back, &r);
                 }
                 Decision::Refused(r)
             }
@@ -674,12 +693,8 @@ impl Store for MemoryStore {
         Some(Ok(self.decide_sync(plan, keys)))
     }
 
-    fn decide_now_keeping(
-        &self,
-        plan: &Plan<'_>,
-        keys: CallKeys,
-    ) -> Result<Result<Decision, StoreError>, CallKeys> {
-        Ok(Ok(self.decide_keys(plan, Keys::Given(keys))))
+    fn decide_now_planned(&self, plan: &Plan<'_>) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.decide_keys(plan, Keys::Planned(plan))))
     }
 
     fn adjust<'a>(
@@ -785,10 +800,10 @@ mod tests {
         }
     }
 
-    /// Keys handed to the store are the ones its answer keeps; a store that cannot answer at
-    /// once hands them back untouched, and one that can answers as with lent keys.
+    /// The keys a plan names are the ones the answer keeps, and find the same records as keys
+    /// lent; a store that cannot answer at once answers nothing for a plan either.
     #[test]
-    fn keys_handed_over_are_kept_by_the_answer_or_handed_back() {
+    fn the_keys_a_plan_names_are_kept_by_the_answer() {
         let policy = crate::Policy::from_toml_str(
             "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 2, per = \"1s\" }\n\
              [tool.default_tenant]\nmax_tenants = 10\n",
@@ -813,9 +828,9 @@ mod tests {
             untenanted: false,
         };
         let store = MemoryStore::new();
-        let given = store.decide_now_keeping(&plan, keys.clone());
-        match given {
-            Ok(Ok(Decision::Admitted(a))) => assert_eq!(a.keys, keys),
+        assert_eq!(plan.keys(), keys);
+        match store.decide_now_planned(&plan) {
+            Some(Ok(Decision::Admitted(a))) => assert_eq!(a.keys, keys),
             _ => panic!("admitted at once"),
         }
         // The same tenant's record, whichever way the keys came: the second of two calls in a
@@ -825,11 +840,11 @@ mod tests {
             Some(Ok(Decision::Admitted(_)))
         ));
         assert!(matches!(
-            store.decide_now_keeping(&plan, keys.clone()),
-            Ok(Ok(Decision::Refused(_)))
+            store.decide_now_planned(&plan),
+            Some(Ok(Decision::Refused(_)))
         ));
 
-        /// A store that always needs I/O, with the trait's own `decide_now_keeping`.
+        /// A store that always needs I/O, with the trait's own `decide_now_planned`.
         struct Remote;
         impl Store for Remote {
             fn decide<'a>(
@@ -861,9 +876,9 @@ mod tests {
                 ready(Ok([None, None, None]))
             }
         }
-        match Remote.decide_now_keeping(&plan, keys.clone()) {
-            Err(back) => assert_eq!(back, keys),
-            Ok(_) => panic!("a store that needs I/O answers nothing at once"),
-        }
+        assert!(
+            Remote.decide_now_planned(&plan).is_none(),
+            "a store that needs I/O answers nothing at once"
+        );
     }
 }
