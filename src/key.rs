@@ -56,7 +56,12 @@ pub(crate) fn short_name_words(b: &[u8]) -> Option<(u64, u64)> {
 /// call to the C library's comparison costs more than comparing a short name.
 #[inline(always)]
 pub(crate) fn same_name(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
+    same_bytes(a.as_bytes(), b.as_bytes())
+}
+
+/// [`same_name`] on names as bytes.
+#[inline(always)]
+pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len()
         && match short_name_words(a) {
             Some(words) => short_name_words(b) == Some(words),

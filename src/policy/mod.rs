@@ -36,8 +36,8 @@ pub(crate) mod raw;
 mod validate;
 
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::fmt;
+use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -51,7 +51,8 @@ pub use period::{BudgetPeriod, Period};
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NameIndex {
     few: Vec<(Box<str>, usize)>,
-    many: HashMap<String, usize, foldhash::fast::RandomState>,
+    many: hashbrown::HashTable<(Box<str>, usize)>,
+    hasher: foldhash::fast::RandomState,
 }
 
 impl NameIndex {
@@ -68,13 +69,28 @@ impl NameIndex {
                 self.few.push((name.into_boxed_str(), at));
                 return None;
             }
-            self.many = self
-                .few
-                .drain(..)
-                .map(|(n, i)| (n.into_string(), i))
-                .collect();
+            for (n, i) in std::mem::take(&mut self.few) {
+                self.put(n, i);
+            }
         }
-        self.many.insert(name, at)
+        self.put(name.into_boxed_str(), at)
+    }
+
+    fn put(&mut self, name: Box<str>, at: usize) -> Option<usize> {
+        let hasher = &self.hasher;
+        let hash = hasher.hash_one(&*name);
+        match self
+            .many
+            .entry(hash, |(n, _)| **n == *name, |(n, _)| hasher.hash_one(&**n))
+        {
+            hashbrown::hash_table::Entry::Occupied(mut e) => {
+                Some(std::mem::replace(&mut e.get_mut().1, at))
+            }
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                e.insert((name, at));
+                None
+            }
+        }
     }
 
     /// `name`'s position.
@@ -86,7 +102,11 @@ impl NameIndex {
                 .find(|(n, _)| crate::key::same_name(n, name))
                 .map(|(_, i)| i)
         } else {
-            self.many.get(name)
+            self.many
+                .find(self.hasher.hash_one(name), |(n, _)| {
+                    crate::key::same_name(n, name)
+                })
+                .map(|(_, i)| i)
         }
     }
 }

@@ -16,6 +16,7 @@ use super::{Admission, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{self, NodeState, Plan};
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
+use crate::key::{same_bytes, same_name};
 
 mod memo;
 mod packed;
@@ -112,8 +113,8 @@ struct TenantEntry {
 impl TenantEntry {
     fn is(&self, tool: &str, tenant: &str, untenanted: bool) -> bool {
         self.state.untenanted() == untenanted
-            && self.state.name() == tenant.as_bytes()
-            && *self.tool.name == *tool
+            && same_bytes(self.state.name(), tenant.as_bytes())
+            && same_name(&self.tool.name, tool)
     }
 
     /// Drops idle instances; whether the tenant itself can go.
@@ -361,9 +362,12 @@ impl Keys<'_> {
     /// Whether `k` are these keys.
     fn are(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted()
-            && *k.tenant == *self.tenant()
-            && k.instance.as_deref() == self.instance()
-            && *k.tool == *self.tool()
+            && same_name(&k.tenant, self.tenant())
+            && match (k.instance.as_deref(), self.instance()) {
+                (Some(a), Some(b)) => same_name(a, b),
+                (a, b) => a.is_none() && b.is_none(),
+            }
+            && same_name(&k.tool, self.tool())
     }
 
     /// The keys, for an answer or a remembered refusal to keep.
