@@ -17,16 +17,8 @@ fn on_store(toml: &str, store: MemoryStore) -> (Limiter<MemoryStore, ManualClock
     (Limiter::with_store(p, store, clock.clone()), clock)
 }
 
-fn now<F: std::future::Future>(f: F) -> F::Output {
-    let mut f = std::pin::pin!(f);
-    match f
-        .as_mut()
-        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-    {
-        std::task::Poll::Ready(v) => v,
-        std::task::Poll::Pending => panic!("the memory store never waits"),
-    }
-}
+mod ready;
+use ready::now;
 
 const BUSY: &str = r#"
 [[tool]]

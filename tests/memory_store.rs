@@ -1,6 +1,7 @@
 //! The conformance suite against the in-process store.
 
 mod conformance;
+mod ready;
 
 use tower_fairshare::{MemoryStore, Timestamp};
 
@@ -57,6 +58,7 @@ mod leased {
 mod remembered_refusals {
     use std::time::Duration;
 
+    use crate::ready::now;
     use proptest::prelude::*;
     use tower_fairshare::{
         Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Ticket, Timestamp,
@@ -88,17 +90,6 @@ burst = 3
 "#
         ))
         .expect("valid")
-    }
-
-    fn now<F: std::future::Future>(f: F) -> F::Output {
-        let mut f = std::pin::pin!(f);
-        match f
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-        {
-            std::task::Poll::Ready(v) => v,
-            std::task::Poll::Pending => panic!("the memory store never waits"),
-        }
     }
 
     #[derive(Clone, Debug)]

@@ -1,10 +1,6 @@
 //! Every documented metric, with the right values, rendered by the Prometheus exporter.
 #![cfg(feature = "metrics")]
 
-use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
-
 use metrics_exporter_prometheus::PrometheusBuilder;
 /// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
@@ -13,15 +9,8 @@ use tower_fairshare::telemetry::{
 };
 use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy};
 
-fn now<F: Future>(f: F) -> F::Output {
-    match pin!(f)
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-    {
-        Poll::Ready(v) => v,
-        Poll::Pending => panic!("memory store answers at once"),
-    }
-}
+mod ready;
+use ready::now;
 
 fn line<'a>(text: &'a str, name: &str, labels: &[&str]) -> Option<&'a str> {
     text.lines()

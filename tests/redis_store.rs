@@ -385,6 +385,26 @@ fn a_slow_redis_hits_the_timeout() {
     });
 }
 
+/// A limiter on `server` with the injected clock at `EPOCH`, and the caller `parasite`, whose
+/// ceiling of 3 a minute (burst 3) its first three calls have spent.
+async fn parasite_at_its_ceiling(
+    server: &RedisServer,
+    policy: Policy,
+) -> (Limiter<RedisStore, ManualClock>, ManualClock, Caller) {
+    let store = RedisStore::builder(server.url())
+        .injected_clock()
+        .connect()
+        .await
+        .unwrap();
+    let clock = ManualClock::new(EPOCH);
+    let limiter = Limiter::with_store(policy, store, clock.clone());
+    let parasite = Caller::new("parasite");
+    for _ in 0..3 {
+        limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
+    }
+    (limiter, clock, parasite)
+}
+
 /// After a refusal with retry time t, the same caller's calls on this replica cost no Redis
 /// command until t (INFO commandstats), other callers still reach Redis, and at t the caller
 /// is decided by Redis again.
@@ -407,17 +427,7 @@ fn the_refusal_cache_sends_nothing_to_redis_until_the_retry_time() {
     let rt = current_thread();
     let mut info = server.conn();
     rt.block_on(async {
-        let store = RedisStore::builder(server.url())
-            .injected_clock()
-            .connect()
-            .await
-            .unwrap();
-        let clock = ManualClock::new(EPOCH);
-        let limiter = Limiter::with_store(policy, store, clock.clone());
-        let parasite = Caller::new("parasite");
-        for _ in 0..3 {
-            limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
-        }
+        let (limiter, clock, parasite) = parasite_at_its_ceiling(&server, policy).await;
         let first = limiter
             .admit(&parasite, "report", Cost(1.0))
             .await
@@ -470,17 +480,7 @@ fn a_reload_forgets_the_cached_refusals() {
     };
     let rt = current_thread();
     rt.block_on(async {
-        let store = RedisStore::builder(server.url())
-            .injected_clock()
-            .connect()
-            .await
-            .unwrap();
-        let clock = ManualClock::new(EPOCH);
-        let limiter = Limiter::with_store(policy(3), store, clock.clone());
-        let parasite = Caller::new("parasite");
-        for _ in 0..3 {
-            limiter.admit(&parasite, "report", Cost(1.0)).await.unwrap();
-        }
+        let (limiter, clock, parasite) = parasite_at_its_ceiling(&server, policy(3)).await;
         let first = limiter.admit(&parasite, "report", Cost(1.0)).await;
         assert_eq!(first.unwrap_err().reason, Reason::RateLimited);
         assert!(limiter.admit(&parasite, "report", Cost(1.0)).await.is_err());
