@@ -167,9 +167,9 @@ impl Refusal {
 
     /// How long a store may answer the same call (same caller, tool, policy and cost) with
     /// this refusal without deciding it again: its sure wait, for refusals whose wait the
-    /// engine bounds (a rate, a calendar budget) on paths without a concurrency cap (a permit
-    /// can be released at any moment, and a template caller stop counting). `None` for the
-    /// rest, and for waits under a millisecond.
+    /// engine bounds (a rate, a calendar budget; not a count of template callers, one of which
+    /// can stop counting at any moment) on paths without a concurrency cap (a permit can be
+    /// released at any moment). `None` for the rest, and for waits under a millisecond.
     pub(crate) fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
         let bounded = match self.reason {
             Reason::RateLimited => true,
@@ -189,11 +189,11 @@ impl Refusal {
     /// `plan` makes (its keys being the same): another cost may pass, or never pass, and
     /// another policy may let it pass.
     pub(crate) fn stands_for(
-        policy: &std::sync::Arc<crate::policy::ToolPolicy>,
+        policy: &Arc<crate::policy::ToolPolicy>,
         cost: f64,
         plan: &super::decide::Plan<'_>,
     ) -> bool {
-        (plan.cost - cost).abs() <= super::bucket::EPS && std::sync::Arc::ptr_eq(policy, plan.tool)
+        (plan.cost - cost).abs() <= super::bucket::EPS && Arc::ptr_eq(policy, plan.tool)
     }
 
     /// This refusal given again from memory, `left` before its sure wait is over: the time left
