@@ -97,7 +97,7 @@ static ALLOCATOR: Counting = Counting;
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{callers, limiter, now, saturated, POLICY};
+use common::{callers, limiter, now, saturated};
 
 /// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads and returns the
 /// wall time of all of them: criterion divides by `iters`, so the figure is wall time per call,
@@ -681,7 +681,8 @@ return {1, 0}
                 .expect("a connection manager");
             let script = std::sync::Arc::new(redis::Script::new(GCRA));
             let store = RedisStore::connect(url).await.expect("RedisStore connects");
-            let policy = Policy::from_toml_str(super::POLICY).expect("the bench policy is valid");
+            let policy =
+                Policy::from_toml_str(super::common::POLICY).expect("the bench policy is valid");
             let limiter = Limiter::with_store(policy, store, SystemClock);
 
             let mut rows = Vec::new();
@@ -722,7 +723,7 @@ return {1, 0}
                 let mut v = Vec::new();
                 for _ in 0..2 {
                     let store = RedisStore::connect(url).await.expect("RedisStore connects");
-                    let policy = Policy::from_toml_str(super::POLICY).expect("valid");
+                    let policy = Policy::from_toml_str(super::common::POLICY).expect("valid");
                     v.push(Limiter::with_store(policy, store, SystemClock));
                 }
                 v

@@ -450,11 +450,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if let Some(f) = fetch {
             self.fetch_ahead(caller, tool, &f.1, f.0);
         }
+        if let Poll::Ready(Ok(ticket)) = answer {
+            trace_admitted(caller, tool, cost, ticket);
+        }
+        #[cfg(feature = "metrics")]
         if let Poll::Ready(outcome) = answer {
-            if let Ok(ticket) = outcome {
-                trace_admitted(caller, tool, cost, ticket);
-            }
-            #[cfg(feature = "metrics")]
             self.count(&self.inner.policy.load(), caller, tool, outcome);
         }
         true
