@@ -19,9 +19,11 @@ use crate::admission::Refusal;
 use crate::policy::ToolPolicy;
 use crate::store::CallKeys;
 
-/// Slots per shard: a call's slot is picked by its hash, and a newer refusal takes the slot
-/// of an older one.
-const SLOTS: usize = 32;
+/// Sets of slots per shard: a call's set is picked by its hash, and it may sit in either slot
+/// of the set (two callers whose hashes meet do not evict each other); a newer refusal takes
+/// the slot of the same call, an empty one, or the one whose wait ends first.
+const SETS: usize = 64;
+const WAYS: usize = 2;
 
 /// A shard's remembered refusals (no room taken until the first one).
 #[derive(Default)]
@@ -44,10 +46,11 @@ struct Remembered {
     refusal: Refusal,
 }
 
-/// Where a call's refusal is remembered, from its tenant's hash and its instance's.
+/// The set of slots where a call's refusal is remembered, from its tenant's hash and its
+/// instance's.
 pub(super) fn slot(tenant_hash: u64, instance_hash: u64) -> usize {
     // Bits the shard and its table do not index by.
-    ((tenant_hash ^ instance_hash) >> 20) as usize % SLOTS
+    ((tenant_hash ^ instance_hash) >> 20) as usize % SETS
 }
 
 impl Memo {
@@ -56,17 +59,20 @@ impl Memo {
         !self.slots.is_empty()
     }
 
-    /// The refusal remembered for this call in `slot`, if it still stands at `plan.now`
+    /// The refusal remembered for this call in its `set`, if it still stands at `plan.now`
     /// (`same` tells whether remembered keys are the call's).
     pub(super) fn recall(
         &mut self,
-        slot: usize,
+        set: usize,
         plan: &Plan<'_>,
-        same: impl FnOnce(&CallKeys) -> bool,
+        same: impl Fn(&CallKeys) -> bool,
     ) -> Option<Refusal> {
-        let kept = self.slots.get_mut(slot)?;
+        let ways = self.slots.get_mut(set * WAYS..(set + 1) * WAYS)?;
+        let kept = ways
+            .iter_mut()
+            .find(|k| k.as_deref().is_some_and(|r| same(&r.keys)))?;
         let r = kept.as_deref()?;
-        if !same(&r.keys) || !Refusal::stands_for(&r.policy, r.cost, plan) {
+        if !Refusal::stands_for(&r.policy, r.cost, plan) {
             return None;
         }
         let now = plan.now.as_micros();
@@ -78,12 +84,15 @@ impl Memo {
         None
     }
 
-    /// Remembers `refusal` of the call in `slot` for as long as it surely stands, if it
-    /// names such a wait; `given_back` is the tool's count read before the call was decided.
+    /// Remembers `refusal` of the call in its `set` for as long as it surely stands, if it
+    /// names such a wait; `given_back` is the tool's count read before the call was decided
+    /// (`same` tells whether remembered keys are the call's, `keys` makes them).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn remember(
         &mut self,
-        slot: impl FnOnce() -> usize,
+        set: impl FnOnce() -> usize,
         plan: &Plan<'_>,
+        same: impl Fn(&CallKeys) -> bool,
         keys: impl FnOnce() -> CallKeys,
         cell: &Arc<ToolCell>,
         given_back: u64,
@@ -93,10 +102,22 @@ impl Memo {
             return;
         };
         if self.slots.is_empty() {
-            self.slots.resize_with(SLOTS, || None);
+            self.slots.resize_with(SETS * WAYS, || None);
         }
+        let set = set();
+        let ways = &mut self.slots[set * WAYS..(set + 1) * WAYS];
+        // The same call's slot, else an empty one, else the one whose wait ends first.
+        let at = ways
+            .iter()
+            .position(|k| k.as_deref().is_some_and(|r| same(&r.keys)))
+            .or_else(|| ways.iter().position(Option::is_none))
+            .unwrap_or_else(|| {
+                (0..WAYS)
+                    .min_by_key(|&w| ways[w].as_deref().map_or(0, |r| r.until))
+                    .unwrap_or(0)
+            });
         let from = plan.now.as_micros();
-        self.slots[slot()] = Some(Box::new(Remembered {
+        ways[at] = Some(Box::new(Remembered {
             keys: keys(),
             policy: plan.tool.clone(),
             cell: cell.clone(),

@@ -578,9 +578,15 @@ impl MemoryStore {
                 Ok(a) => Decision::Admitted(a),
                 Err(r) => {
                     if self.remember {
-                        shard
-                            .memo
-                            .remember(slot, plan, || keys.keep(), tool, given_back, &r);
+                        shard.memo.remember(
+                            slot,
+                            plan,
+                            |k| keys.are(k),
+                            || keys.keep(),
+                            tool,
+                            given_back,
+                            &r,
+                        );
                     }
                     Decision::Refused(r)
                 }
@@ -595,9 +601,15 @@ impl MemoryStore {
             Ok(a) => Decision::Admitted(a),
             Err(r) => {
                 if self.remember {
-                    shard
-                        .memo
-                        .remember(slot, plan, || keys.keep(), &tool, given_back, &r);
+                    shard.memo.remember(
+                        slot,
+                        plan,
+                        |k| keys.are(k),
+                        || keys.keep(),
+                        &tool,
+                        given_back,
+                        &r,
+                    );
                 }
                 Decision::Refused(r)
             }
@@ -748,6 +760,62 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::admission::engine::LevelRef;
+
+    /// Two calls whose hashes pick the same set are both remembered (one in each of its
+    /// slots); a third takes the slot of the refusal whose wait ends first.
+    #[test]
+    fn calls_that_meet_in_a_set_are_remembered_side_by_side() {
+        let policy = crate::Policy::from_toml_str(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n\
+             [tool.default_tenant]\nmax_tenants = 10\n",
+        )
+        .expect("valid");
+        let tool = policy.tool("t").expect("listed");
+        let store = MemoryStore::new();
+        let cell = store.tool_cell("t");
+        let names: Vec<Arc<str>> = ["a", "b", "c"].into_iter().map(Arc::from).collect();
+        let plans: Vec<Plan<'_>> = names
+            .iter()
+            .map(|n| Plan {
+                now: Timestamp(1_767_225_600_000_000),
+                cost: 1.0,
+                tool,
+                tenant: LevelRef {
+                    name: n,
+                    policy: tool.tenant(n).expect("the template"),
+                },
+                instance: None,
+                untenanted: false,
+            })
+            .collect();
+        let mut memo = memo::Memo::default();
+        // Waits of 3 s, 2 s and 5 s.
+        for (p, secs) in plans.iter().zip([3, 2, 5]) {
+            let mut r = Refusal::new(crate::Reason::RateLimited, "t");
+            r.retryable = true;
+            r.not_before = Some(std::time::Duration::from_secs(secs));
+            let keys = Keys::Planned(p);
+            memo.remember(|| 7, p, |k| keys.are(k), || keys.keep(), &cell, 0, &r);
+            if secs == 2 {
+                let first = Keys::Planned(&plans[0]);
+                assert!(
+                    memo.recall(7, &plans[0], |k| first.are(k)).is_some(),
+                    "a stays"
+                );
+                assert!(memo.recall(7, p, |k| keys.are(k)).is_some(), "b beside it");
+            }
+        }
+        let mut recalled = |p: &Plan<'_>| {
+            let keys = Keys::Planned(p);
+            memo.recall(7, p, |k| keys.are(k)).is_some()
+        };
+        assert!(recalled(&plans[0]), "a's wait ends last of the two: kept");
+        assert!(
+            !recalled(&plans[1]),
+            "b's wait ended first: its slot went to c"
+        );
+        assert!(recalled(&plans[2]));
+    }
 
     /// A refused call with a sure wait is remembered and the same call answered from memory
     /// until that wait is over (its time left as `retry_after`); a store told not to
