@@ -129,7 +129,7 @@ impl Slim {
         Slim {
             reason: r.reason,
             scope: r.scope,
-            window: r.window.clone(),
+            window: r.window_shared(),
             limit: r.limit,
             used: r.used,
             retry_after: r.retry_after,

@@ -150,11 +150,14 @@ mod tests {
     use crate::admission::{Reason, Refusal, Scope};
 
     fn refusal(reason: Reason) -> Refusal {
-        let mut r = Refusal::new(reason, "web_search");
-        r.tenant = Some("team-support".into());
-        r.instance = Some("agent-7".into());
+        let mut r = Refusal::named(
+            reason,
+            "web_search".into(),
+            Some("team-support".into()),
+            Some("agent-7".into()),
+            Some("hour".into()),
+        );
         r.scope = Some(Scope::Tenant);
-        r.window = Some("hour".into());
         r.limit = Some(250.0);
         r.used = Some(250.0);
         r.window_secs = Some(3600);
@@ -217,7 +220,8 @@ mod tests {
             // A tenant name with a quote and non-ASCII text: tonic percent-encodes the message
             // into `grpc-message` and decodes it back unchanged.
             let mut r = refusal(Reason::RateLimited);
-            r.tenant = Some("équipe \"support\"".into());
+            let instance = r.instance().map(Into::into);
+            r.set_caller(Some("équipe \"support\"".into()), instance);
             let status = tonic::Status::from(r.clone());
             let mut headers = http::HeaderMap::new();
             status.add_header(&mut headers).unwrap();

@@ -958,8 +958,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }),
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
-                if r.instance.is_none() && !p.plan.untenanted {
-                    r.instance = caller.instance_arc().cloned();
+                if r.instance().is_none() && !p.plan.untenanted && caller.instance().is_some() {
+                    r.set_instance(caller.instance_arc().cloned());
                 }
                 if tp.enforce() {
                     Err(r)
@@ -1177,7 +1177,7 @@ fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outc
         tool, tenant, instance, cost = cost.0, outcome,
         reason = r.reason.as_str(),
         scope = r.scope.map_or("none", |s| s.as_str()),
-        window = r.window.as_deref().unwrap_or(""),
+        window = r.window().unwrap_or(""),
         limit = r.limit,
         used = r.used,
         retry_after_ms = r.retry_after.map(|d| d.as_millis() as u64),
@@ -1186,8 +1186,7 @@ fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outc
 }
 
 fn fill_caller(r: &mut Refusal, caller: &Caller) {
-    r.tenant = caller.tenant_arc().cloned();
-    r.instance = caller.instance_arc().cloned();
+    r.set_caller(caller.tenant_arc().cloned(), caller.instance_arc().cloned());
 }
 
 fn denial(reason: Reason, tool: &str, caller: &Caller, what: &'static str) -> Refusal {

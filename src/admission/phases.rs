@@ -349,18 +349,21 @@ pub(crate) struct Top {
 
 fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
     let tool = plan.tool;
-    let mut r = Refusal::new(f.reason, tool.name.clone());
-    r.tenant = (!plan.untenanted).then(|| plan.tenant.name.clone());
-    r.instance = if plan.untenanted {
-        Some(plan.tenant.name.clone())
-    } else {
-        plan.instance.map(|i| i.name.clone())
-    };
+    let mut r = Refusal::named(
+        f.reason,
+        tool.name.clone(),
+        (!plan.untenanted).then(|| plan.tenant.name.clone()),
+        if plan.untenanted {
+            Some(plan.tenant.name.clone())
+        } else {
+            plan.instance.map(|i| i.name.clone())
+        },
+        Some(match f.window {
+            Label::Period => tool.period_label.clone(),
+            Label::Word(w) => super::refusal::word(w),
+        }),
+    );
     r.scope = Some(f.scope);
-    r.window = Some(match f.window {
-        Label::Period => tool.period_label.clone(),
-        Label::Word(w) => super::refusal::word(w),
-    });
     r.limit = Some(f.limit);
     r.used = Some(f.used);
     r.window_secs = f.window_secs;

@@ -99,18 +99,11 @@ impl fmt::Debug for Refusal {
 pub struct RefusalDetails {
     /// The kind of refusal.
     pub reason: Reason,
-    /// The tool called. The names are shared with the policy and the caller, not copied:
-    /// a refusal allocates nothing for them.
-    pub tool: Arc<str>,
-    /// The caller's tenant.
-    pub tenant: Option<Arc<str>>,
-    /// The caller's instance.
-    pub instance: Option<Arc<str>>,
+    /// The tool, the caller and the window, read through [`tool`](Self::tool),
+    /// [`tenant`](Self::tenant), [`instance`](Self::instance) and [`window`](Self::window).
+    names: Arc<Names>,
     /// The level that refused.
     pub scope: Option<Scope>,
-    /// The window that is full: a budget period (`hour`), the rate period (`1m`),
-    /// `in_flight`, or `callers` for too many template callers.
-    pub window: Option<Arc<str>>,
     /// The limit of that window.
     pub limit: Option<f64>,
     /// How much of it is used.
@@ -134,6 +127,57 @@ pub struct RefusalDetails {
     pub(crate) not_before: Option<Duration>,
 }
 
+/// The names a refusal carries, behind one pointer: a refusal given again from memory shares
+/// them (one reference count, not four), and each name is shared with the policy or the
+/// caller it came from.
+#[derive(Clone, Debug, PartialEq)]
+struct Names {
+    tool: Arc<str>,
+    tenant: Option<Arc<str>>,
+    instance: Option<Arc<str>>,
+    window: Option<Arc<str>>,
+}
+
+impl RefusalDetails {
+    /// The tool called.
+    pub fn tool(&self) -> &str {
+        &self.names.tool
+    }
+
+    /// The caller's tenant.
+    pub fn tenant(&self) -> Option<&str> {
+        self.names.tenant.as_deref()
+    }
+
+    /// The caller's instance.
+    pub fn instance(&self) -> Option<&str> {
+        self.names.instance.as_deref()
+    }
+
+    /// The window that is full: a budget period (`hour`), the rate period (`1m`),
+    /// `in_flight`, or `callers` for too many template callers.
+    pub fn window(&self) -> Option<&str> {
+        self.names.window.as_deref()
+    }
+
+    /// The window, shared.
+    pub(crate) fn window_shared(&self) -> Option<Arc<str>> {
+        self.names.window.clone()
+    }
+
+    /// Names the caller.
+    pub(crate) fn set_caller(&mut self, tenant: Option<Arc<str>>, instance: Option<Arc<str>>) {
+        let n = Arc::make_mut(&mut self.names);
+        n.tenant = tenant;
+        n.instance = instance;
+    }
+
+    /// Names the caller's instance.
+    pub(crate) fn set_instance(&mut self, instance: Option<Arc<str>>) {
+        Arc::make_mut(&mut self.names).instance = instance;
+    }
+}
+
 /// The fixed words a refusal's window can be, each made once: a refusal shares its word.
 pub(crate) fn word(w: &'static str) -> Arc<str> {
     const WORDS: [&str; 5] = ["in_flight", "callers", "hour", "day", "month"];
@@ -147,13 +191,26 @@ pub(crate) fn word(w: &'static str) -> Arc<str> {
 impl Refusal {
     /// A refusal of a call of `tool` (a name the policy or the caller gave, or a copy).
     pub(crate) fn new(reason: Reason, tool: impl Into<Arc<str>>) -> Self {
+        Self::named(reason, tool.into(), None, None, None)
+    }
+
+    /// A refusal of a call of `tool` by `tenant` and `instance`, `window` full.
+    pub(crate) fn named(
+        reason: Reason,
+        tool: Arc<str>,
+        tenant: Option<Arc<str>>,
+        instance: Option<Arc<str>>,
+        window: Option<Arc<str>>,
+    ) -> Self {
         Refusal(Box::new(RefusalDetails {
             reason,
-            tool: tool.into(),
-            tenant: None,
-            instance: None,
+            names: Arc::new(Names {
+                tool,
+                tenant,
+                instance,
+                window,
+            }),
             scope: None,
-            window: None,
             limit: None,
             used: None,
             window_secs: None,
@@ -173,7 +230,7 @@ impl Refusal {
     pub(crate) fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
         let bounded = match self.reason {
             Reason::RateLimited => true,
-            Reason::CapExceeded => self.window.as_deref() != Some("callers"),
+            Reason::CapExceeded => self.window() != Some("callers"),
             _ => false,
         };
         let capped = plan.tool.max_concurrency.is_some()
@@ -225,15 +282,15 @@ impl Refusal {
         o.write_str("{\"error\":\"")?;
         o.write_str(self.reason.as_str())?;
         o.write_str("\",\"tool\":")?;
-        json_str(o, &self.tool)?;
+        json_str(o, self.tool())?;
         o.write_str(",\"tenant\":")?;
-        json_opt(o, self.tenant.as_deref())?;
+        json_opt(o, self.tenant())?;
         o.write_str(",\"instance\":")?;
-        json_opt(o, self.instance.as_deref())?;
+        json_opt(o, self.instance())?;
         o.write_str(",\"scope\":")?;
         json_opt(o, self.scope.map(Scope::as_str))?;
         o.write_str(",\"window\":")?;
-        json_opt(o, self.window.as_deref())?;
+        json_opt(o, self.window())?;
         o.write_str(",\"limit\":")?;
         json_num(o, self.limit)?;
         o.write_str(",\"used\":")?;
@@ -347,11 +404,11 @@ fn json_str(o: &mut impl fmt::Write, s: &str) -> fmt::Result {
 
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} calling `{}`", self.reason.as_str(), self.tool)?;
+        write!(f, "{} calling `{}`", self.reason.as_str(), self.tool())?;
         if let Some(s) = self.scope {
             write!(f, " at {} scope", s.as_str())?;
         }
-        if let (Some(w), Some(l), Some(u)) = (&self.window, self.limit, self.used) {
+        if let (Some(w), Some(l), Some(u)) = (self.window(), self.limit, self.used) {
             write!(f, " ({w}: {u} of {l} used)")?;
         }
         match self.retry_after {
@@ -369,11 +426,14 @@ mod tests {
 
     #[test]
     fn json_has_every_field_and_parses() {
-        let mut r = Refusal::new(Reason::CapExceeded, "web_search");
-        r.tenant = Some("team-\"support".into());
-        r.instance = Some("agent-7".into());
+        let mut r = Refusal::named(
+            Reason::CapExceeded,
+            "web_search".into(),
+            Some("team-\"support".into()),
+            Some("agent-7".into()),
+            Some("hour".into()),
+        );
         r.scope = Some(Scope::Tenant);
-        r.window = Some("hour".into());
         r.limit = Some(250.0);
         r.used = Some(250.0);
         r.reset_at = Some(Timestamp(1_779_462_000_000_000));

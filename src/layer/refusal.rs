@@ -393,7 +393,7 @@ mod tests {
     fn bodies_too_long_for_the_stack_are_rendered_whole() {
         for len in [1, 400, 600, 5000] {
             let mut r = Refusal::new(Reason::RateLimited, "t\u{1}".repeat(len));
-            r.tenant = Some("x".repeat(len).into());
+            r.set_caller(Some("x".repeat(len).into()), None);
             r.limit = Some(10.5);
             r.window_secs = Some(60);
             let json = json_bytes(&r);

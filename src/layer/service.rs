@@ -142,7 +142,7 @@ where
             shared: shared.clone(),
         },
         Err(refusal) if !shared.enforce => {
-            tracing::info!(reason = refusal.reason.as_str(), tool = %refusal.tool, "shadow mode: would refuse");
+            tracing::info!(reason = refusal.reason.as_str(), tool = %refusal.tool(), "shadow mode: would refuse");
             State::Passthrough {
                 fut: inner.call(req),
             }

@@ -866,7 +866,7 @@ pub fn bounded_state<F: Factory>(f: &F) {
                 Ok(_) => admitted += 1,
                 Err(r) => {
                     assert_eq!(r.reason, Reason::CapExceeded);
-                    assert_eq!(r.window.as_deref(), Some("callers"));
+                    assert_eq!(r.window(), Some("callers"));
                     assert!(r.retryable);
                 }
             }
@@ -969,7 +969,7 @@ pub fn template_counting<F: Factory>(f: &F) {
                             (Some((scope, n, leaves)), Err(r)) => {
                                 prop_assert_eq!(r.reason, Reason::CapExceeded);
                                 prop_assert_eq!(r.scope, Some(scope));
-                                prop_assert_eq!(r.window.as_deref(), Some("callers"));
+                                prop_assert_eq!(r.window(), Some("callers"));
                                 prop_assert_eq!(r.used, Some(n as f64));
                                 prop_assert_eq!(r.limit, Some(2.0));
                                 prop_assert_eq!(
@@ -1088,7 +1088,7 @@ pub fn budgets<F: Factory>(f: &F) {
             .await
             .unwrap_err();
         assert_eq!(r.reason, Reason::CapExceeded);
-        assert_eq!(r.window.as_deref(), Some("hour"));
+        assert_eq!(r.window(), Some("hour"));
         assert_eq!((r.limit, r.used), (Some(250.0), Some(250.0)));
         assert_eq!(r.reset_at.unwrap().to_rfc3339(), "2026-01-01T15:00:00Z");
         assert_eq!(r.retry_after, Some(Duration::from_secs(50 * 60)));
