@@ -64,7 +64,8 @@ impl Scope {
 /// A refused call: what refused it, the numbers behind it, and when a retry can succeed.
 ///
 /// Its fields are [`RefusalDetails`]', read through it (`refusal.reason`,
-/// `refusal.retry_after`). They are boxed: a refusal is one pointer wide, so the
+/// `refusal.retry_after`; the names through `refusal.tool()`, `refusal.tenant()`,
+/// `refusal.instance()`, `refusal.window()`). They are boxed: a refusal is one pointer wide, so the
 /// `Result<Ticket, Refusal>` every decision answers stays as small as its ticket, and an
 /// admitted call never moves the room a refusal needs.
 ///

@@ -563,6 +563,21 @@ impl MemoryStore {
         if shard.ops.is_multiple_of(SWEEP_EVERY) {
             sweep_shard(shard, now);
         }
+        // The store's answer: the admission, or the refusal, remembered when it may be
+        // (`given_back`: the tool's count read before the call was decided).
+        let answer = |decided: Result<Arc<Admission>, Refusal>,
+                      memo: &mut memo::Memo,
+                      cell: &Arc<ToolCell>,
+                      given_back: u64| match decided {
+            Ok(a) => Decision::Admitted(a),
+            Err(r) => {
+                if self.remember {
+                    let same = |k: &CallKeys| keys.are(k);
+                    memo.remember(slot, plan, same, || keys.keep(), cell, given_back, &r);
+                }
+                Decision::Refused(r)
+            }
+        };
         let found = shard
             .tenants
             .find_mut(hash, |e| e.is(tool_name, tenant, untenanted));
@@ -574,46 +589,15 @@ impl MemoryStore {
             } = &mut **entry;
             note_period(tool, plan);
             let given_back = tool.given_back.load(Acquire);
-            return match decide_packed(tool, Some(state), instances, plan, keys).0 {
-                Ok(a) => Decision::Admitted(a),
-                Err(r) => {
-                    if self.remember {
-                        shard.memo.remember(
-                            slot,
-                            plan,
-                            |k| keys.are(k),
-                            || keys.keep(),
-                            tool,
-                            given_back,
-                            &r,
-                        );
-                    }
-                    Decision::Refused(r)
-                }
-            };
+            let decided = decide_packed(tool, Some(state), instances, plan, keys).0;
+            return answer(decided, &mut shard.memo, tool, given_back);
         }
         let tool = self.tool_cell(tool_name);
         note_period(&tool, plan);
         let given_back = tool.given_back.load(Acquire);
         let mut instances = Vec::new();
         let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
-        let decision = match decided {
-            Ok(a) => Decision::Admitted(a),
-            Err(r) => {
-                if self.remember {
-                    shard.memo.remember(
-                        slot,
-                        plan,
-                        |k| keys.are(k),
-                        || keys.keep(),
-                        &tool,
-                        given_back,
-                        &r,
-                    );
-                }
-                Decision::Refused(r)
-            }
-        };
+        let decision = answer(decided, &mut shard.memo, &tool, given_back);
         if let Some(state) = fresh {
             let hasher = &self.hasher;
             let entry = Box::new(TenantEntry {
