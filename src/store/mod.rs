@@ -280,7 +280,7 @@ fn tool_name(shared: &Arc<str>) -> Arc<str> {
     NAMES
         .try_with(|names| {
             let mut names = names.borrow_mut();
-            if let Some(n) = names.iter().find(|n| ***n == **shared) {
+            if let Some(n) = names.iter().find(|n| crate::key::same_name(n, shared)) {
                 return n.clone();
             }
             if names.len() < MAX {
