@@ -582,7 +582,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let store = &self.inner.store;
         if !lease::eligible(&p.plan) {
             let started = telemetry::Started::now();
-            // The keys go to the answer: nothing after this needs them.
+            // The store makes the keys from the plan where it needs them.
             return match store.decide_now_planned(&p.plan) {
                 Some(d) => {
                     started.record(store.kind());
@@ -958,8 +958,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }),
             Ok(Decision::Refused(mut r)) => {
                 // Name the caller's instance even when instances are not limited separately.
-                if r.instance().is_none() && !p.plan.untenanted && caller.instance().is_some() {
-                    r.set_instance(caller.instance_arc().cloned());
+                if let (None, false, Some(i)) =
+                    (r.instance(), p.plan.untenanted, caller.instance_arc())
+                {
+                    r.set_instance(Some(i.clone()));
                 }
                 if tp.enforce() {
                     Err(r)

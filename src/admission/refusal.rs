@@ -228,7 +228,7 @@ impl Refusal {
     /// engine bounds (a rate, a calendar budget; not a count of template callers, one of which
     /// can stop counting at any moment) on paths without a concurrency cap (a permit can be
     /// released at any moment). `None` for the rest, and for waits under a millisecond.
-    pub(crate) fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
+    fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
         let bounded = match self.reason {
             Reason::RateLimited => true,
             Reason::CapExceeded => self.window() != Some("callers"),
@@ -241,25 +241,6 @@ impl Refusal {
                 .is_some_and(|i| i.policy.max_concurrency.is_some());
         let wait = self.not_before?;
         (bounded && !capped && self.retryable && wait >= Duration::from_millis(1)).then_some(wait)
-    }
-
-    /// Whether a refusal remembered for a call of `cost` under `policy` stands for the call
-    /// `plan` makes (its keys being the same): another cost may pass, or never pass, and
-    /// another policy may let it pass.
-    pub(crate) fn stands_for(
-        policy: &Arc<crate::policy::ToolPolicy>,
-        cost: f64,
-        plan: &super::decide::Plan<'_>,
-    ) -> bool {
-        (plan.cost - cost).abs() <= super::bucket::EPS && Arc::ptr_eq(policy, plan.tool)
-    }
-
-    /// This refusal given again from memory, `left` before its sure wait is over: the time left
-    /// is the wait it names.
-    pub(crate) fn again(&self, left: Duration) -> Refusal {
-        let mut r = self.clone();
-        r.retry_after = Some(left);
-        r
     }
 
     /// Whole seconds to wait, rounded up, at least 1: the `Retry-After` header.
@@ -319,6 +300,67 @@ impl Refusal {
             json_str(o, d)?;
         }
         o.write_char('}')
+    }
+}
+
+/// A refusal kept for as long as the same call surely cannot pass (see
+/// `Refusal::remember_for`): what the in-process store's memory and the Redis store's cache
+/// hold, each beside what it finds the call by.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    refusal: Refusal,
+    /// The policy it was decided under: a reload decides afresh.
+    policy: Arc<crate::policy::ToolPolicy>,
+    cost: f64,
+    /// Valid from `from` until `until`, µs of the plan's clock.
+    from: u64,
+    until: u64,
+}
+
+impl Kept {
+    /// `refusal` of the call `plan` made, kept for its sure wait; `None` when it has none to
+    /// keep it for.
+    pub(crate) fn new(refusal: &Refusal, plan: &super::decide::Plan<'_>) -> Option<Kept> {
+        let wait = refusal.remember_for(plan)?;
+        let from = plan.now.as_micros();
+        Some(Kept {
+            refusal: refusal.clone(),
+            policy: plan.tool.clone(),
+            cost: plan.cost,
+            from,
+            until: from.saturating_add(wait.as_micros() as u64),
+        })
+    }
+
+    /// How long it is kept for.
+    #[cfg(feature = "redis")]
+    pub(crate) fn wait(&self) -> Duration {
+        Duration::from_micros(self.until - self.from)
+    }
+
+    /// When it stops standing, µs of the plan's clock.
+    pub(crate) fn until(&self) -> u64 {
+        self.until
+    }
+
+    /// Whether it stands for the call `plan` makes (its keys being the same): another cost
+    /// may pass, or never pass, and another policy may let it pass.
+    pub(crate) fn stands_for(&self, plan: &super::decide::Plan<'_>) -> bool {
+        (plan.cost - self.cost).abs() <= super::bucket::EPS && Arc::ptr_eq(&self.policy, plan.tool)
+    }
+
+    /// The time left at `now` on the plan's clock, if it stands then.
+    pub(crate) fn left_at(&self, now: Timestamp) -> Option<Duration> {
+        let now = now.as_micros();
+        (now >= self.from && now < self.until).then(|| Duration::from_micros(self.until - now))
+    }
+
+    /// The refusal given again, `left` before its sure wait is over: the time left is the
+    /// wait it names.
+    pub(crate) fn again(&self, left: Duration) -> Refusal {
+        let mut r = self.refusal.clone();
+        r.retry_after = Some(left);
+        r
     }
 }
 

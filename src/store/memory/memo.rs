@@ -11,12 +11,10 @@
 
 use std::sync::atomic::Ordering::Acquire;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::ToolCell;
 use crate::admission::engine::Plan;
-use crate::admission::Refusal;
-use crate::policy::ToolPolicy;
+use crate::admission::{Kept, Refusal};
 use crate::store::CallKeys;
 
 /// Sets of slots per shard: a call's set is picked by its hash, and it may sit in either slot
@@ -33,22 +31,16 @@ pub(super) struct Memo {
 
 struct Remembered {
     keys: CallKeys,
-    /// The policy the refusal was decided under.
-    policy: Arc<ToolPolicy>,
     /// The tool's state, with its count of give-backs.
     cell: Arc<ToolCell>,
     /// The count of give-backs read before the call was decided.
     given_back: u64,
-    cost: f64,
-    /// Valid from `from` until `until` (µs of the plan's clock).
-    from: u64,
-    until: u64,
-    refusal: Refusal,
+    kept: Kept,
 }
 
 /// The set of slots where a call's refusal is remembered, from its tenant's hash and its
 /// instance's.
-pub(super) fn slot(tenant_hash: u64, instance_hash: u64) -> usize {
+pub(super) fn set_of(tenant_hash: u64, instance_hash: u64) -> usize {
     // Bits the shard and its table do not index by.
     ((tenant_hash ^ instance_hash) >> 20) as usize % SETS
 }
@@ -72,12 +64,13 @@ impl Memo {
             .iter_mut()
             .find(|k| k.as_deref().is_some_and(|r| same(&r.keys)))?;
         let r = kept.as_deref()?;
-        if !Refusal::stands_for(&r.policy, r.cost, plan) {
+        if !r.kept.stands_for(plan) {
             return None;
         }
-        let now = plan.now.as_micros();
-        if now >= r.from && now < r.until && r.cell.given_back.load(Acquire) == r.given_back {
-            return Some(r.refusal.again(Duration::from_micros(r.until - now)));
+        if let Some(left) = r.kept.left_at(plan.now) {
+            if r.cell.given_back.load(Acquire) == r.given_back {
+                return Some(r.kept.again(left));
+            }
         }
         // Over, or something was given back: decided afresh from now on.
         *kept = None;
@@ -98,7 +91,7 @@ impl Memo {
         given_back: u64,
         refusal: &Refusal,
     ) {
-        let Some(wait) = refusal.remember_for(plan) else {
+        let Some(kept) = Kept::new(refusal, plan) else {
             return;
         };
         if self.slots.is_empty() {
@@ -113,26 +106,21 @@ impl Memo {
             .or_else(|| ways.iter().position(Option::is_none))
             .unwrap_or_else(|| {
                 (0..WAYS)
-                    .min_by_key(|&w| ways[w].as_deref().map_or(0, |r| r.until))
+                    .min_by_key(|&w| ways[w].as_deref().map_or(0, |r| r.kept.until()))
                     .unwrap_or(0)
             });
-        let from = plan.now.as_micros();
         ways[at] = Some(Box::new(Remembered {
             keys: keys(),
-            policy: plan.tool.clone(),
             cell: cell.clone(),
             given_back,
-            cost: plan.cost,
-            from,
-            until: from.saturating_add(wait.as_micros() as u64),
-            refusal: refusal.clone(),
+            kept,
         }));
     }
 
     /// Forgets the refusals whose wait is over at `now`.
     pub(super) fn sweep(&mut self, now: u64) {
         for s in &mut self.slots {
-            if s.as_ref().is_some_and(|r| r.until <= now) {
+            if s.as_ref().is_some_and(|r| r.kept.until() <= now) {
                 *s = None;
             }
         }

@@ -551,11 +551,11 @@ impl MemoryStore {
         let (tool_name, tenant, untenanted) = (keys.tool(), keys.tenant(), keys.untenanted());
         let hash = hash_tenant(&self.hasher, tool_name, tenant, untenanted);
         // Where the call's refusal is remembered (its instance hashed only when needed).
-        let slot = || memo::slot(hash, keys.instance().map_or(0, |i| self.hasher.hash_one(i)));
+        let set = || memo::set_of(hash, keys.instance().map_or(0, |i| self.hasher.hash_one(i)));
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
         if self.remember && shard.memo.holds_any() {
-            if let Some(r) = shard.memo.recall(slot(), plan, |k| keys.are(k)) {
+            if let Some(r) = shard.memo.recall(set(), plan, |k| keys.are(k)) {
                 return Decision::Refused(r);
             }
         }
@@ -573,7 +573,7 @@ impl MemoryStore {
             Err(r) => {
                 if self.remember {
                     let same = |k: &CallKeys| keys.are(k);
-                    memo.remember(slot, plan, same, || keys.keep(), cell, given_back, &r);
+                    memo.remember(set, plan, same, || keys.keep(), cell, given_back, &r);
                 }
                 Decision::Refused(r)
             }

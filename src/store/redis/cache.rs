@@ -3,13 +3,12 @@
 //! round trips.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Instant;
 
 use super::builder::TimeSource;
 use crate::admission::engine::Plan;
-use crate::admission::Refusal;
-use crate::policy::ToolPolicy;
+use crate::admission::{Kept, Refusal};
 use crate::store::CallKeys;
 
 #[derive(Debug)]
@@ -23,13 +22,8 @@ const SWEEP_EVERY: usize = 256;
 
 #[derive(Debug)]
 struct Cached {
-    refusal: Refusal,
-    /// The policy it was decided under: a reload decides afresh.
-    policy: Arc<ToolPolicy>,
-    cost: f64,
-    /// Injected clock: valid from `from` until `until` (µs of the plan's clock).
-    from: u64,
-    until: u64,
+    /// Injected clock: valid for the times it keeps.
+    kept: Kept,
     /// Redis clock: valid until this local instant.
     until_instant: Instant,
 }
@@ -57,13 +51,12 @@ impl RefusalCache {
         sent: Instant,
         time: TimeSource,
     ) {
-        let Some(wait) = r.remember_for(plan) else {
+        let Some(kept) = Kept::new(r, plan) else {
             return;
         };
         let now = plan.now.as_micros();
-        let until = now.saturating_add(wait.as_micros() as u64);
         // Redis decided after `sent`, so `sent + wait` is never later than the true time.
-        let until_instant = sent + wait;
+        let until_instant = sent + kept.wait();
         let mut map = self.lock();
         // Forget what has expired now and then, so the cache holds the callers refused now,
         // not every caller ever refused.
@@ -72,7 +65,7 @@ impl RefusalCache {
         {
             let now_i = Instant::now();
             map.retain(|_, c| {
-                c.until_instant > now_i && (time == TimeSource::Redis || c.until > now)
+                c.until_instant > now_i && (time == TimeSource::Redis || c.kept.until() > now)
             });
             if map.len() >= self.capacity {
                 return;
@@ -81,11 +74,7 @@ impl RefusalCache {
         map.insert(
             keys.clone(),
             Cached {
-                refusal: r.clone(),
-                policy: plan.tool.clone(),
-                cost: plan.cost,
-                from: now,
-                until,
+                kept,
                 until_instant,
             },
         );
@@ -100,18 +89,15 @@ impl RefusalCache {
         let mut map = self.lock();
         let c = map.get(keys)?;
         let left = match time {
-            TimeSource::Injected => {
-                let now = plan.now.as_micros();
-                (now >= c.from && now < c.until).then(|| Duration::from_micros(c.until - now))
-            }
+            TimeSource::Injected => c.kept.left_at(plan.now),
             TimeSource::Redis => c.until_instant.checked_duration_since(Instant::now()),
         };
         match left {
             Some(left) if !left.is_zero() => {
-                if !Refusal::stands_for(&c.policy, c.cost, plan) {
+                if !c.kept.stands_for(plan) {
                     return None;
                 }
-                Some(c.refusal.again(left))
+                Some(c.kept.again(left))
             }
             _ => {
                 map.remove(keys);
