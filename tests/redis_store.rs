@@ -1353,7 +1353,9 @@ floor = 50
             h.await.unwrap();
         }
     });
-    let mut per_second = [0u64; 4];
+    // A grant is decided at its records' latest time, which another replica's call may have
+    // moved past the end: such admissions count in a fifth, partial second.
+    let mut per_second = [0u64; 5];
     for at in busy_at.lock().unwrap().iter() {
         per_second[((at - EPOCH.as_micros()) / second) as usize] += 1;
     }
@@ -1364,7 +1366,7 @@ floor = 50
             "second {s}: {got} admitted, above ceiling + burst"
         );
         assert!(
-            *got as f64 >= 0.95 * 3_000.0,
+            s == 4 || *got as f64 >= 0.95 * 3_000.0,
             "second {s}: only {got} admitted of 3,000"
         );
     }
