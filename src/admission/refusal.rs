@@ -103,6 +103,10 @@ pub struct RefusalDetails {
     /// The tool, the caller and the window, read through [`tool`](Self::tool),
     /// [`tenant`](Self::tenant), [`instance`](Self::instance) and [`window`](Self::window).
     names: Arc<Names>,
+    /// The caller's instance when the names have none (the tool does not limit instances
+    /// separately): named for each call, so a refusal given again from memory to another
+    /// instance of the same tenant still shares all its other names.
+    caller_instance: Option<Arc<str>>,
     /// The level that refused.
     pub scope: Option<Scope>,
     /// The limit of that window.
@@ -152,7 +156,10 @@ impl RefusalDetails {
 
     /// The caller's instance.
     pub fn instance(&self) -> Option<&str> {
-        self.names.instance.as_deref()
+        self.names
+            .instance
+            .as_deref()
+            .or(self.caller_instance.as_deref())
     }
 
     /// The window that is full: a budget period (`hour`), the rate period (`1m`),
@@ -171,11 +178,13 @@ impl RefusalDetails {
         let n = Arc::make_mut(&mut self.names);
         n.tenant = tenant;
         n.instance = instance;
+        self.caller_instance = None;
     }
 
-    /// Names the caller's instance.
+    /// Names the caller's instance, where the refusal's own names have none (the names it
+    /// shares are left as they are).
     pub(crate) fn set_instance(&mut self, instance: Option<Arc<str>>) {
-        Arc::make_mut(&mut self.names).instance = instance;
+        self.caller_instance = instance;
     }
 }
 
@@ -211,6 +220,7 @@ impl Refusal {
                 instance,
                 window,
             }),
+            caller_instance: None,
             scope: None,
             limit: None,
             used: None,
@@ -249,6 +259,25 @@ impl Refusal {
             Some(d) => d.as_micros().div_ceil(1_000_000).max(1) as u64,
             None => 1,
         }
+    }
+
+    /// Whether `other` shows the same as this refusal in a response: every field its JSON
+    /// and its headers are made of (the retry wait to the millisecond the JSON states it in,
+    /// which fixes the whole seconds of `Retry-After` too). Names shared with the same record
+    /// are equal without being read.
+    pub(crate) fn shows_as(&self, other: &RefusalDetails) -> bool {
+        let ms = |r: &RefusalDetails| r.retry_after.map(|d| d.as_micros().div_ceil(1000));
+        self.reason == other.reason
+            && self.retryable == other.retryable
+            && ms(self) == ms(other)
+            && self.scope == other.scope
+            && self.window_secs == other.window_secs
+            && self.reset_at == other.reset_at
+            && same_number(self.limit, other.limit)
+            && same_number(self.used, other.used)
+            && self.detail == other.detail
+            && (Arc::ptr_eq(&self.names, &other.names) || self.names == other.names)
+            && self.caller_instance == other.caller_instance
     }
 
     /// The JSON body of an HTTP or gRPC refusal (its fields are listed in the README).
@@ -387,6 +416,12 @@ fn write_rfc3339(o: &mut impl fmt::Write, t: Timestamp) -> fmt::Result {
         text[at + 1] = b'0' + (n % 10) as u8;
     }
     o.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
+}
+
+/// Equal numbers, bit for bit (`-0.0` and `0.0`, or two NaNs, would render apart or alike
+/// in ways `==` does not tell).
+fn same_number(a: Option<f64>, b: Option<f64>) -> bool {
+    a.map(f64::to_bits) == b.map(f64::to_bits)
 }
 
 fn json_opt(o: &mut impl fmt::Write, s: Option<&str>) -> fmt::Result {

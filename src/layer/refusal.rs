@@ -214,6 +214,32 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
         }
         return res;
     }
+    // A flood is the same refusal over and over (given again from a store's memory, its
+    // wait shorter by a few microseconds): within a millisecond it renders the same, so the
+    // last one this thread rendered is shared rather than written again.
+    let hit = LAST_RENDERED.with_borrow(|last| {
+        let last = last.as_ref().filter(|l| l.refusal.shows_as(r))?;
+        let mut res = Response::new(Some(last.body.clone()));
+        *res.status_mut() = last.status;
+        *res.headers_mut() = last.headers.clone();
+        Some(res)
+    });
+    if let Some(res) = hit {
+        return res;
+    }
+    let res = render_http(r, retryable);
+    let last = Rendered {
+        refusal: r.clone(),
+        status: res.status(),
+        headers: res.headers().clone(),
+        body: res.body().clone().unwrap_or_default(),
+    };
+    LAST_RENDERED.set(Some(last));
+    res
+}
+
+/// An HTTP refusal rendered afresh.
+fn render_http(r: &Refusal, retryable: bool) -> Response<Option<Bytes>> {
     let mut res = Response::new(Some(json_bytes(r)));
     *res.status_mut() = http_status(r.reason);
     let h = res.headers_mut();
@@ -226,6 +252,18 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     }
     refusal_rate_headers(r, h);
     res
+}
+
+/// The last HTTP refusal rendered on a thread, and what it rendered to.
+struct Rendered {
+    refusal: Refusal,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+thread_local! {
+    static LAST_RENDERED: std::cell::RefCell<Option<Rendered>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The JSON body, rendered on the stack and copied once into an exactly sized buffer.
@@ -404,6 +442,43 @@ mod tests {
             assert_eq!(message, expected.as_str());
             // And through the whole gRPC response, whose JSON may not fit on the stack.
             assert_eq!(render(&r, true).headers()[GRPC_MESSAGE], expected.as_str());
+        }
+    }
+
+    proptest::proptest! {
+        /// A refusal rendered on a thread that rendered others before (the last one shared
+        /// when it shows the same) is the response rendered afresh: every field a response
+        /// shows tells refusals apart. Fields are drawn from few values, so that refusals
+        /// repeat, and differ in one field only, often.
+        #[test]
+        fn a_refusal_renders_alike_whatever_was_rendered_before(
+            calls in proptest::collection::vec(
+                (0usize..3, 0usize..2, 0usize..3, 0usize..3, 0u64..3, 0u64..2, 0usize..2, 0usize..3),
+                1..40,
+            ),
+        ) {
+            let names: [std::sync::Arc<str>; 2] = ["acme".into(), "globex".into()];
+            for (reason, tenant, scope, limit, wait, reset, retryable, instance) in calls {
+                let reason = [Reason::RateLimited, Reason::CapExceeded, Reason::PermissionDenied][reason];
+                let mut r = Refusal::new(reason, "search");
+                r.set_caller(Some(names[tenant].clone()), None);
+                if instance > 0 {
+                    r.set_instance(Some(names[instance - 1].clone()));
+                }
+                r.scope = [None, Some(Scope::Tenant), Some(Scope::Instance)][scope];
+                r.limit = [None, Some(10.0), Some(10.5)][limit];
+                r.used = r.limit;
+                r.window_secs = Some(60);
+                // Waits a microsecond apart render alike, a millisecond apart do not.
+                r.retry_after = Some(std::time::Duration::from_micros(999_000 + [1, 2, 1_500][wait as usize]));
+                r.reset_at = Some(crate::clock::Timestamp(1_779_462_000_000_000 + reset));
+                r.retryable = retryable == 1;
+                let fresh = render_http(&r, r.retryable);
+                let rendered = render(&r, false);
+                proptest::prop_assert_eq!(rendered.status(), fresh.status());
+                proptest::prop_assert_eq!(rendered.headers(), fresh.headers());
+                proptest::prop_assert_eq!(rendered.body(), fresh.body());
+            }
         }
     }
 
