@@ -15,11 +15,11 @@ pub(super) struct Bucket {
 
 /// The aligned window `floor(t / period)` of an instant `t ≥ 0` (µs), by a cast: `f64::floor`
 /// is a library call on baseline x86-64, and every decision and every stored state's read
-/// works one out.
+/// works one out. (Through `i64`, one instruction there; `as u64` takes a dozen.)
 #[inline]
 pub(crate) fn aligned_window(t: f64, period: f64) -> f64 {
     let x = t / period;
-    let w = x as u64 as f64;
+    let w = x as i64 as f64;
     if w > x {
         w - 1.0
     } else {

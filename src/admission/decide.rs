@@ -132,10 +132,14 @@ pub enum Verdict {
 /// back — clearing their counters, and uncounting its template callers. A call decided a little
 /// later than it was made is like a call made a little later.
 pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
-    states
-        .iter()
-        .filter(|s| s.live)
-        .fold(now, |t, s| t.max(Timestamp(s.t as u64)))
+    let mut at = now;
+    for s in states {
+        // Compared as they are stored; cast only when later (the cast is the costly part).
+        if s.live && s.t > at.0 as f64 {
+            at = at.max(Timestamp(s.t as u64));
+        }
+    }
+    at
 }
 
 /// Decides one call. Pure: the same plan and snapshot always give the same verdict.

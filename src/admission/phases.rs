@@ -105,6 +105,7 @@ impl Below<'_> {
 }
 
 /// The first half of a decision (see [`Below`]), into `b` (filled in place: it is large).
+#[inline(always)]
 pub(crate) fn below<'a>(
     b: &mut Below<'a>,
     plan: &Plan<'a>,
@@ -294,6 +295,7 @@ fn budget_list<'a>(plan: &Plan<'a>, idx: usize) -> &'a [crate::policy::Budget] {
     }
 }
 
+#[inline(always)]
 fn budget_fails(
     plan: &Plan<'_>,
     list: &[crate::policy::Budget],
@@ -381,6 +383,7 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
 
 /// The tool's level at `b`'s instant: its numbers, and its state brought up to date (refilled,
 /// its window rolled), nothing drawn.
+#[inline(always)]
 fn tool_level(plan: &Plan<'_>, b: &Below<'_>, tool_state: &NodeState) -> Level<'static> {
     let tool = plan.tool;
     let spare = tool.spare();
@@ -450,6 +453,7 @@ pub(crate) fn figures(
 /// A decision's second half: the tool's checks and draw, with the tool's state (locked by the
 /// store for just this). Admitted: the tool's state is written and the rest is for
 /// [`commit_below`]. Refused: nothing is written anywhere.
+#[inline(always)]
 pub(crate) fn above(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
@@ -598,6 +602,7 @@ fn takes_permit(plan: &Plan<'_>, idx: usize) -> bool {
 /// Takes `take` (floor, share, ceiling) from level `idx`, counts the call in its windows and
 /// budgets, and writes the budgets to `target` (the bucket numbers stay in `b` until written).
 /// What it took is described by [`charge_of`].
+#[inline(always)]
 fn commit_level(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
@@ -649,6 +654,7 @@ fn commit_level(
 /// Writes what [`commit_level`] took at level `idx` into `out`, field by field where the
 /// answer holds it (a record built aside and copied in would be read back by wide loads
 /// before its narrow stores land: a stall per level).
+#[inline(always)]
 fn charge_of(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
@@ -689,6 +695,7 @@ pub(crate) struct Report<'x> {
 /// instance's states, and what the call charged and what its answer says into `out`; answers
 /// when each level's state (tool, tenant, instance) may be forgotten (µs). Needs no tool
 /// state.
+#[inline(always)]
 pub(crate) fn commit_below(
     plan: &Plan<'_>,
     b: &mut Below<'_>,
