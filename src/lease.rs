@@ -976,12 +976,12 @@ mod tests {
 
     fn grant(at: u64, reset_in: f64) -> Admission {
         Admission {
-            keys: Arc::new(CallKeys {
+            keys: CallKeys {
                 tool: Arc::from("t"),
                 tenant: Arc::from("a"),
                 instance: None,
                 untenanted: false,
-            }),
+            },
             charge: Default::default(),
             remaining: 0.0,
             quota: 0.0,

@@ -99,11 +99,11 @@ impl Admitted {
     /// the store's `call` id (0 when it keeps no per-call entries).
     pub fn into_admission(
         self,
-        keys: impl Into<std::sync::Arc<crate::store::CallKeys>>,
+        keys: crate::store::CallKeys,
         call: u128,
     ) -> crate::store::Admission {
         crate::store::Admission {
-            keys: keys.into(),
+            keys,
             charge: self.charge,
             remaining: self.remaining,
             quota: self.quota,

@@ -72,8 +72,8 @@ impl CallKeys {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Admission {
-    /// Which levels were charged (shared: a store may hand the same keys to many answers).
-    pub keys: Arc<CallKeys>,
+    /// Which levels were charged.
+    pub keys: CallKeys,
     /// What was charged where.
     pub charge: Charge,
     /// Units of the caller's quota (its ceiling per period, [`quota`](Self::quota)) left in

@@ -77,32 +77,6 @@ struct Shard {
     ops: u64,
     /// Refusals remembered for the calls of this shard's tenants.
     memo: memo::Memo,
-    /// The keys of calls admitted lately, which their answers share.
-    keys: SharedKeys,
-}
-
-/// The keys of calls admitted lately in a shard, in slots picked by the call's tenant and
-/// instance: a caller's next admission shares its keys (one reference count) instead of
-/// taking three names for its own (three). No room is taken until the first admission, none
-/// per caller: callers whose slots meet take turns.
-#[derive(Default)]
-struct SharedKeys(Vec<Option<Arc<CallKeys>>>);
-
-const KEY_SLOTS: usize = 64;
-
-impl SharedKeys {
-    /// The keys of the call in `slot` (`keys`, made when the slot holds others).
-    #[inline]
-    fn share(&mut self, slot: usize, keys: Keys<'_>) -> Arc<CallKeys> {
-        if self.0.is_empty() {
-            self.0.resize_with(KEY_SLOTS, || None);
-        }
-        let at = &mut self.0[slot % KEY_SLOTS];
-        match at {
-            Some(k) if keys.are(k) => k.clone(),
-            _ => at.insert(Arc::new(keys.keep())).clone(),
-        }
-    }
 }
 
 /// One tool's state.
@@ -411,7 +385,7 @@ fn decide_on(
     tenant_state: &mut NodeState,
     inst_state: Option<&mut NodeState>,
     plan: &Plan<'_>,
-    keys: impl FnOnce() -> Arc<CallKeys>,
+    keys: Keys<'_>,
 ) -> Result<(Arc<Admission>, [u64; 2]), Refusal> {
     // Everything below the tool is worked out before the tool is locked, with the tool's
     // count of template tenants as last published; under the lock, the count is checked and
@@ -473,7 +447,7 @@ fn decide_on(
     // The answer is made whole, its charge written into it, before it is shared: making a
     // fresh `Arc` mutable again would cost an atomic compare-and-swap.
     let mut admission = Admission {
-        keys: keys(),
+        keys: keys.keep(),
         charge: engine::Charge::default(),
         remaining: 0.0,
         quota: 0.0,
@@ -512,7 +486,6 @@ fn decide_packed(
     instances: &mut Vec<Packed>,
     plan: &Plan<'_>,
     keys: Keys<'_>,
-    shared: (&mut SharedKeys, u64),
 ) -> (Result<Arc<Admission>, Refusal>, Option<Packed>) {
     let period = period_of(plan);
     let mut states = [NodeState::default(), NodeState::default()];
@@ -527,14 +500,12 @@ fn decide_packed(
     if let Some(Ok(at)) = slot {
         instances[at].read(inst_state, period);
     }
-    // The slot of the call's shared keys: its tenant's hash, and its instance's place.
-    let at = (shared.1 >> 20) as usize ^ slot.map_or(0, |s| 1 + s.unwrap_or_else(|e| e));
     let (admission, expires) = match decide_on(
         cell,
         tenant_state,
         slot.is_some().then_some(&mut *inst_state),
         plan,
-        || shared.0.share(at, keys),
+        keys,
     ) {
         Ok(a) => a,
         Err(refused) => return (Err(refused), None),
@@ -616,16 +587,14 @@ impl MemoryStore {
             } = &mut **entry;
             note_period(tool, plan);
             let given_back = tool.given_back.load(Acquire);
-            let shared = (&mut shard.keys, hash);
-            let decided = decide_packed(tool, Some(state), instances, plan, keys, shared).0;
+            let decided = decide_packed(tool, Some(state), instances, plan, keys).0;
             return answer(decided, &mut shard.memo, tool, given_back);
         }
         let tool = self.tool_cell(tool_name);
         note_period(&tool, plan);
         let given_back = tool.given_back.load(Acquire);
         let mut instances = Vec::new();
-        let shared = (&mut shard.keys, hash);
-        let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys, shared);
+        let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
         let decision = answer(decided, &mut shard.memo, &tool, given_back);
         if let Some(state) = fresh {
             let hasher = &self.hasher;
@@ -915,7 +884,7 @@ mod tests {
         let store = MemoryStore::new();
         assert_eq!(plan.keys(), keys);
         match store.decide_now_planned(&plan) {
-            Some(Ok(Decision::Admitted(a))) => assert_eq!(*a.keys, keys),
+            Some(Ok(Decision::Admitted(a))) => assert_eq!(a.keys, keys),
             _ => panic!("admitted at once"),
         }
         // The same tenant's record, whichever way the keys came: the second of two calls in a

@@ -805,7 +805,7 @@ impl Batch {
         for job in jobs {
             let (call_keys, plan) = match job {
                 Job::Decide { keys, plan, .. } => (keys, Some(plan)),
-                Job::Adjust { admission, .. } => (&*admission.keys, None),
+                Job::Adjust { admission, .. } => (&admission.keys, None),
             };
             let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
             let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
