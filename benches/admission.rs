@@ -6,7 +6,7 @@
 //! `valgrind --tool=callgrind` at N and 2N, the difference divided by N is one decision's
 //! marginal cost (`scripts/callgrind-decision` does this). `FS_TOOL=leased` decides on the
 //! leasing tool instead; `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
-//! most calls refused.
+//! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,11 +93,16 @@ fn main() {
             assert!(refused * 2 > n, "most calls refused: {refused} of {n}");
             return;
         }
+        // `FS_CALLERS=N`: N callers in turn (each a tenant of its own), as the 10k-callers case.
+        let count = std::env::var("FS_CALLERS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(1);
         let l = limiter();
-        let one = callers("tenant", 1);
+        let who = callers("tenant", count);
         let mut admitted = 0u64;
-        for _ in 0..n {
-            admitted += u64::from(now(l.admit(&one[0], &tool, Cost(1.0))).is_ok());
+        for k in 0..n as usize {
+            admitted += u64::from(now(l.admit(&who[k % count], &tool, Cost(1.0))).is_ok());
         }
         assert_eq!(admitted, n);
         return;
