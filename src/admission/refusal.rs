@@ -418,8 +418,8 @@ fn write_rfc3339(o: &mut impl fmt::Write, t: Timestamp) -> fmt::Result {
     o.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
 }
 
-/// Equal numbers, bit for bit (`-0.0` and `0.0`, or two NaNs, would render apart or alike
-/// in ways `==` does not tell).
+/// Equal numbers, bit for bit: `==` calls a NaN unequal to itself (a refusal that shows it
+/// would never be shared), and `0.0` and `-0.0` merely miss each other.
 fn same_number(a: Option<f64>, b: Option<f64>) -> bool {
     a.map(f64::to_bits) == b.map(f64::to_bits)
 }
