@@ -217,24 +217,29 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
     // A flood is the same refusal over and over (given again from a store's memory, its
     // wait shorter by a few microseconds): within a millisecond it renders the same, so the
     // last one this thread rendered is shared rather than written again.
-    let hit = LAST_RENDERED.with_borrow(|last| {
+    // (A thread whose locals are being torn down renders afresh.)
+    let hit = LAST_RENDERED.try_with(|last| {
+        let last = last.try_borrow().ok()?;
         let last = last.as_ref().filter(|l| l.refusal.shows_as(r))?;
         let mut res = Response::new(Some(last.body.clone()));
         *res.status_mut() = last.status;
         *res.headers_mut() = last.headers.clone();
         Some(res)
     });
-    if let Some(res) = hit {
+    if let Ok(Some(res)) = hit {
         return res;
     }
     let res = render_http(r, retryable);
-    let last = Rendered {
-        refusal: r.clone(),
-        status: res.status(),
-        headers: res.headers().clone(),
-        body: res.body().clone().unwrap_or_default(),
-    };
-    LAST_RENDERED.set(Some(last));
+    let _ = LAST_RENDERED.try_with(|last| {
+        if let Ok(mut last) = last.try_borrow_mut() {
+            *last = Some(Rendered {
+                refusal: r.clone(),
+                status: res.status(),
+                headers: res.headers().clone(),
+                body: res.body().clone().unwrap_or_default(),
+            });
+        }
+    });
     res
 }
 
