@@ -743,15 +743,21 @@ mod tests {
     use super::*;
     use crate::admission::engine::LevelRef;
 
+    /// A policy with one tool `t` at `rate` whose tenants a template governs (at most ten),
+    /// with `tenant` added to the template.
+    fn tool_t(rate: &str, tenant: &str) -> crate::Policy {
+        crate::Policy::from_toml_str(&format!(
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ {rate} }}\n\
+             [tool.default_tenant]\nmax_tenants = 10\n{tenant}"
+        ))
+        .expect("valid")
+    }
+
     /// Two calls whose hashes pick the same set are both remembered (one in each of its
     /// slots); a third takes the slot of the refusal whose wait ends first.
     #[test]
     fn calls_that_meet_in_a_set_are_remembered_side_by_side() {
-        let policy = crate::Policy::from_toml_str(
-            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n\
-             [tool.default_tenant]\nmax_tenants = 10\n",
-        )
-        .expect("valid");
+        let policy = tool_t("limit = 60, per = \"1m\"", "");
         let tool = policy.tool("t").expect("listed");
         let store = MemoryStore::new();
         let cell = store.tool_cell("t");
@@ -804,11 +810,7 @@ mod tests {
     /// remembers nothing and decides every call.
     #[test]
     fn a_refusal_with_a_sure_wait_is_remembered_for_that_wait() {
-        let policy = crate::Policy::from_toml_str(
-            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n\
-             [tool.default_tenant]\nmax_tenants = 10\nceiling = 1\nburst = 1\n",
-        )
-        .expect("valid");
+        let policy = tool_t("limit = 60, per = \"1m\"", "ceiling = 1\nburst = 1\n");
         let tool = policy.tool("t").expect("listed");
         let name = Arc::from("a");
         let plan_at = |us: u64| Plan {
@@ -858,11 +860,7 @@ mod tests {
     /// lent; a store that cannot answer at once answers nothing for a plan either.
     #[test]
     fn the_keys_a_plan_names_are_kept_by_the_answer() {
-        let policy = crate::Policy::from_toml_str(
-            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 2, per = \"1s\" }\n\
-             [tool.default_tenant]\nmax_tenants = 10\n",
-        )
-        .expect("valid");
+        let policy = tool_t("limit = 2, per = \"1s\"", "");
         let tool = policy.tool("t").expect("listed");
         let plan = Plan {
             now: Timestamp(1_767_225_600_000_000),
