@@ -18,8 +18,10 @@ use crate::admission::Refusal;
 use crate::clock::Timestamp;
 use crate::key::{same_bytes, same_name};
 
+mod instances;
 mod memo;
 mod packed;
+use instances::Instances;
 use packed::Packed;
 
 /// Keeps admission state in this process.
@@ -106,8 +108,8 @@ struct ToolEntry {
 struct TenantEntry {
     tool: Arc<ToolCell>,
     state: Packed,
-    /// Sorted by name.
-    instances: Vec<Packed>,
+    /// Sorted by name; one is held inline.
+    instances: Instances,
 }
 
 impl TenantEntry {
@@ -124,22 +126,9 @@ impl TenantEntry {
     }
 }
 
-/// Where the instance `name` is in a tenant's sorted list, or where it would go.
-fn find_instance(instances: &[Packed], name: &str) -> Result<usize, usize> {
-    instances.binary_search_by(|i| i.name().cmp(name.as_bytes()))
-}
-
 /// The cell of the tool `name`, if it has one.
 fn find_tool<'t>(tools: &'t [Arc<ToolCell>], name: &str) -> Option<&'t Arc<ToolCell>> {
     tools.iter().find(|c| *c.name == *name)
-}
-
-fn insert_instance(instances: &mut Vec<Packed>, at: usize, entry: Packed) {
-    if instances.len() == instances.capacity() {
-        // Grow by a quarter, not double: memory per instance matters more than the rare copy.
-        instances.reserve_exact((instances.len() / 4).max(1));
-    }
-    instances.insert(at, entry);
 }
 
 /// Whether a stored state still differs from a fresh one: its expiry (from the engine) covers
@@ -483,7 +472,7 @@ fn decide_on(
 fn decide_packed(
     cell: &ToolCell,
     tenant: Option<&mut Packed>,
-    instances: &mut Vec<Packed>,
+    instances: &mut Instances,
     plan: &Plan<'_>,
     keys: Keys<'_>,
 ) -> (Result<Arc<Admission>, Refusal>, Option<Packed>) {
@@ -494,11 +483,11 @@ fn decide_packed(
         p.read(tenant_state, period);
     }
     let slot = match (plan.instance.is_some(), keys.instance()) {
-        (true, Some(name)) => Some(find_instance(instances, name)),
+        (true, Some(name)) => Some(instances.find(name)),
         _ => None,
     };
     if let Some(Ok(at)) = slot {
-        instances[at].read(inst_state, period);
+        instances.as_slice()[at].read(inst_state, period);
     }
     let (admission, expires) = match decide_on(
         cell,
@@ -526,12 +515,10 @@ fn decide_packed(
         )),
     };
     match (slot, keys.instance.as_deref()) {
-        (Some(Ok(at)), _) => instances[at].store(inst_state, expires[1], period),
-        (Some(Err(at)), Some(name)) => insert_instance(
-            instances,
-            at,
-            Packed::new(name, false, inst_state, expires[1], period),
-        ),
+        (Some(Ok(at)), _) => instances.as_mut_slice()[at].store(inst_state, expires[1], period),
+        (Some(Err(at)), Some(name)) => {
+            instances.insert(at, Packed::new(name, false, inst_state, expires[1], period))
+        }
         _ => {}
     }
     (Ok(admission), fresh)
@@ -593,7 +580,7 @@ impl MemoryStore {
         let tool = self.tool_cell(tool_name);
         note_period(&tool, plan);
         let given_back = tool.given_back.load(Acquire);
-        let mut instances = Vec::new();
+        let mut instances = Instances::None;
         let (decided, fresh) = decide_packed(&tool, None, &mut instances, plan, keys);
         let decision = answer(decided, &mut shard.memo, &tool, given_back);
         if let Some(state) = fresh {
@@ -648,8 +635,8 @@ impl MemoryStore {
             };
             each(1, &mut entry.state);
             if let Some(name) = keys.instance.as_deref() {
-                if let Ok(at) = find_instance(&entry.instances, name) {
-                    each(2, &mut entry.instances[at]);
+                if let Ok(at) = entry.instances.find(name) {
+                    each(2, &mut entry.instances.as_mut_slice()[at]);
                 }
             }
         }
