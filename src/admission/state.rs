@@ -160,8 +160,8 @@ pub struct LevelCharge {
 
 /// The budget windows a call was charged at one level, as (period, window start µs): at most
 /// one per period, held inline (a decision allocates nothing for them). Two are equal when
-/// they hold the same windows in the same order.
-#[derive(Copy, Clone, Debug, Default)]
+/// they hold the same windows in the same order, and show as the list of windows held.
+#[derive(Copy, Clone, Default)]
 pub struct ChargedBudgets {
     len: u8,
     items: [Option<(BudgetPeriod, f64)>; 3],
@@ -170,6 +170,12 @@ pub struct ChargedBudgets {
 impl PartialEq for ChargedBudgets {
     fn eq(&self, other: &Self) -> bool {
         self.items[..usize::from(self.len)] == other.items[..usize::from(other.len)]
+    }
+}
+
+impl std::fmt::Debug for ChargedBudgets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 

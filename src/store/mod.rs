@@ -94,6 +94,44 @@ pub struct Admission {
     pub call: u128,
 }
 
+impl Admission {
+    /// An answer for `keys` decided at `at`, every figure zero, for a store to fill in.
+    pub(crate) fn blank(keys: CallKeys, at: Timestamp) -> Admission {
+        Admission {
+            keys,
+            charge: Charge::default(),
+            remaining: 0.0,
+            quota: 0.0,
+            reset_in: 0.0,
+            slack: 0.0,
+            views: Default::default(),
+            at,
+            call: 0,
+        }
+    }
+}
+
+thread_local! {
+    /// An answer record the last ticket dropped on this thread left unshared, for the next
+    /// decision made here to write over: no allocation, no copy into a fresh one.
+    static SPARE: std::cell::Cell<Option<Arc<Admission>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Keeps `a` for [`spare_admission`] when nothing else holds it (the last ticket of a call
+/// was dropped); otherwise, or on a thread whose locals are gone, just drops it.
+pub(crate) fn recycle(a: Arc<Admission>) {
+    if Arc::strong_count(&a) == 1 {
+        // A spare already kept is dropped in its place: one per thread.
+        let _ = SPARE.try_with(move |s| s.set(Some(a)));
+    }
+}
+
+/// An answer record nothing else holds, kept by [`recycle`] on this thread, to be written
+/// over whole.
+pub(crate) fn spare_admission() -> Option<Arc<Admission>> {
+    SPARE.try_with(|s| s.take()).ok().flatten()
+}
+
 /// The store's answer.
 #[derive(Clone, Debug)]
 pub enum Decision {

@@ -433,20 +433,19 @@ fn decide_on(
         publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
-    // The answer is made whole, its charge written into it, before it is shared: making a
-    // fresh `Arc` mutable again would cost an atomic compare-and-swap.
-    let mut admission = Admission {
-        keys: keys.keep(),
-        charge: engine::Charge::default(),
-        remaining: 0.0,
-        quota: 0.0,
-        reset_in: 0.0,
-        slack: 0.0,
-        views: Default::default(),
-        at: plan.now,
-        call: 0,
+    // The answer: a record the last ticket dropped on this thread left unshared, written over
+    // in place (its keys kept when they name the same levels); else a fresh one.
+    let mut shared = match super::spare_admission() {
+        Some(a) => a,
+        None => Arc::new(Admission::blank(keys.keep(), plan.now)),
     };
-    let a = &mut admission;
+    // Unshared (the spare was kept only so, a fresh one is): no copy is made.
+    let a = Arc::make_mut(&mut shared);
+    if !keys.are(&a.keys) {
+        a.keys = keys.keep();
+    }
+    a.at = plan.now;
+    a.call = 0;
     let expires = engine::commit_below(
         plan,
         &mut below,
@@ -462,7 +461,6 @@ fn decide_on(
             views: &mut a.views,
         },
     );
-    let shared = Arc::new(admission);
     Ok((shared, [micros_ceil(expires[1]), micros_ceil(expires[2])]))
 }
 
