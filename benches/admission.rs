@@ -5,7 +5,8 @@
 //! With `FS_DECISIONS=N` it makes N decisions of one caller and exits, for instruction counts:
 //! `valgrind --tool=callgrind` at N and 2N, the difference divided by N is one decision's
 //! marginal cost (`scripts/callgrind-decision` does this). `FS_TOOL=leased` decides on the
-//! leasing tool instead; `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
+//! leasing tool instead, `FS_TOOL=flat` on a tool of two levels (no budget, no instance level);
+//! `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
 //! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own.
 
 use std::sync::Arc;

@@ -46,6 +46,15 @@ budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
 max_instances = 100
 
+# As "search" without the budget and the instance level: a decision of two levels (the tool
+# and a template tenant), for instruction counts by policy shape (`FS_TOOL=flat`).
+[[tool]]
+name = "flat"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 2000000
+
 [[tool]]
 name = "exhausted"
 unit = "calls"
