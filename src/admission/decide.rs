@@ -64,7 +64,7 @@ pub struct Snapshot {
 }
 
 /// The outcome of an admitted call.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Admitted {
     /// New tool state.
     pub tool: NodeState,
@@ -175,14 +175,8 @@ pub fn decide(plan: &Plan<'_>, snap: &Snapshot) -> Verdict {
         tool,
         tenant,
         instance,
-        expires: [0.0; 3],
-        charge: Charge::default(),
-        remaining: 0.0,
-        quota: 0.0,
-        reset_in: 0.0,
-        slack: 0.0,
-        views: Default::default(),
         at: plan.now,
+        ..Admitted::default()
     });
     let out = &mut *a;
     out.expires = commit_below(
