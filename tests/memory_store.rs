@@ -66,7 +66,9 @@ mod remembered_refusals {
 
     const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
 
-    fn policy(ceiling: u32) -> Policy {
+    /// Tenant `a` with a floor and template instances, `b` with an hourly budget, template
+    /// tenants with a ceiling: the policy both modules decide on.
+    pub(super) fn policy(ceiling: u32) -> Policy {
         Policy::from_toml_str(&format!(
             r#"
 [[tool]]
@@ -198,36 +200,9 @@ mod reused_answers {
 
     use crate::ready::now;
     use proptest::prelude::*;
-    use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Timestamp};
+    use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Timestamp};
 
     const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
-
-    const POLICY: &str = r#"
-[[tool]]
-name = "t"
-unit = "calls"
-rate = { limit = 400, per = "1m" }
-burst = 40
-[tool.tenants.a]
-floor = 20
-weight = 3
-[tool.tenants.a.default_instance]
-max_instances = 4
-ceiling = 60
-[tool.tenants.b]
-weight = 1
-budgets = [{ period = "hour", max = 50 }]
-[tool.default_tenant]
-max_tenants = 10
-ceiling = 30
-burst = 5
-budgets = [{ period = "day", max = 80 }]
-
-[[tool]]
-name = "u"
-unit = "calls"
-rate = { limit = 100, per = "1s" }
-"#;
 
     fn callers() -> Vec<Caller> {
         vec![
@@ -235,27 +210,26 @@ rate = { limit = 100, per = "1s" }
             Caller::new("a").with_instance("i2"),
             Caller::new("b"),
             Caller::new("c").with_instance("x"),
-            Caller::new("d"),
+            Caller::new("d").with_instance("x"),
             Caller::untenanted().with_instance("client-7"),
         ]
     }
 
-    /// Each call's answer as text (`None`: refused), deciding `calls` (caller, tool, cost, µs
-    /// later) in order; `keep`: every ticket is held to the end, so no record is reused.
-    fn answers(calls: &[(usize, bool, u8, u64)], keep: bool) -> Vec<Option<String>> {
+    /// Each call's answer as text (`None`: refused), deciding `calls` (caller, cost, µs later)
+    /// in order; `keep`: every ticket is held to the end, so no record is reused.
+    fn answers(calls: &[(usize, u8, u64)], keep: bool) -> Vec<Option<String>> {
         let clock = ManualClock::new(EPOCH);
         let limiter = Limiter::with_store(
-            Policy::from_toml_str(POLICY).expect("valid"),
+            super::remembered_refusals::policy(6),
             MemoryStore::new(),
             clock.clone(),
         );
         let callers = callers();
         let mut kept = Vec::new();
         let mut out = Vec::new();
-        for &(c, on_u, cost, gap) in calls {
+        for &(c, cost, gap) in calls {
             clock.advance(Duration::from_micros(gap));
-            let tool = if on_u { "u" } else { "t" };
-            let answer = now(limiter.admit(&callers[c], tool, Cost(cost.into())));
+            let answer = now(limiter.admit(&callers[c], "t", Cost(cost.into())));
             out.push(answer.as_ref().ok().map(|t| format!("{:?}", t.admission())));
             if keep {
                 kept.push(answer);
@@ -269,7 +243,7 @@ rate = { limit = 100, per = "1s" }
 
         #[test]
         fn a_reused_answer_reads_as_a_fresh_one(
-            calls in proptest::collection::vec((0usize..6, any::<bool>(), 1u8..4, 0u64..2_000_000), 1..120),
+            calls in proptest::collection::vec((0usize..6, 1u8..4, 0u64..2_000_000), 1..120),
         ) {
             let fresh = {
                 let calls = calls.clone();
