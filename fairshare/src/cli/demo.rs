@@ -120,11 +120,12 @@ struct Progress {
     refused: AtomicU64,
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, PartialEq)]
 enum Outcome {
     Admitted,
     Refused,
-    Failed,
+    /// Neither: what went wrong (the client's error, or the status answered).
+    Failed(String),
 }
 
 /// One answered (or failed) call: the window it was sent in, what came back, how long it took.
@@ -140,6 +141,8 @@ struct Tally {
     admitted: u64,
     refused: u64,
     failed: u64,
+    /// What went wrong with the first call that failed.
+    first_failure: Option<String>,
     per_window: Vec<u64>,
     latencies: Vec<Duration>,
 }
@@ -251,6 +254,7 @@ pub(crate) async fn run(
 
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(64)
+        .pool_idle_timeout(client_idle(&limits))
         .build_http();
     let progress: Arc<[Progress; 4]> = Arc::default();
     let mut drivers = JoinSet::new();
@@ -284,10 +288,11 @@ pub(crate) async fn run(
                                 Ok(_) if status == StatusCode::TOO_MANY_REQUESTS => {
                                     Outcome::Refused
                                 }
-                                _ => Outcome::Failed,
+                                Ok(_) => Outcome::Failed(format!("answered {status}")),
+                                Err(e) => Outcome::Failed(format!("its body failed: {e}")),
                             }
                         }
-                        Err(_) => Outcome::Failed,
+                        Err(e) => Outcome::Failed(error_chain(&e)),
                     };
                     let latency = sent.elapsed();
                     match outcome {
@@ -355,7 +360,10 @@ pub(crate) async fn run(
                     }
                 }
                 Outcome::Refused => t.refused += 1,
-                Outcome::Failed => t.failed += 1,
+                Outcome::Failed(why) => {
+                    t.failed += 1;
+                    t.first_failure.get_or_insert(why);
+                }
             }
         }
     }
@@ -443,6 +451,25 @@ fn chart_report(t: &[Tally], owed: &[Owed], alloc: &ToolAllocation) -> fairshare
     Report { periods, totals }
 }
 
+/// How long the demo's client keeps an idle connection for another call: well within the
+/// gateway's header timeout, after which the gateway closes an idle keep-alive connection. A
+/// client that kept one longer could send a call on it just as the gateway closes it, and that
+/// call would fail in transport (the connection closed before the answer came).
+fn client_idle(limits: &serve::Limits) -> Duration {
+    limits.header_timeout / 2
+}
+
+/// A client error with the errors under it, outermost first.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let _ = write!(text, ": {s}");
+        source = s.source();
+    }
+    text
+}
+
 /// One property of the acceptance test and whether the run kept it.
 struct Verdict {
     held: bool,
@@ -459,12 +486,16 @@ fn verdicts(t: &[Tally], owed: &[Owed], capacity: f64, tool_burst: f64) -> Vec<V
         .unwrap_or(0);
     let failed: u64 = t.iter().map(|c| c.failed).sum();
     let answered: u64 = t.iter().map(|c| c.offered - c.failed).sum();
+    let first_failure = t
+        .iter()
+        .find_map(|c| c.first_failure.as_deref())
+        .map_or(String::new(), |why| format!(" (one of them: {why})"));
     let (h, b) = (&owed[HEAVY], &owed[BATCH]);
     vec![
         Verdict {
             held: failed == 0,
             text: format!(
-                "transport: {answered} calls answered 200 or 429, {failed} failed or answered otherwise"
+                "transport: {answered} calls answered 200 or 429, {failed} failed or answered otherwise{first_failure}"
             ),
         },
         Verdict {
@@ -583,5 +614,45 @@ fn num(x: f64) -> String {
         format!("{}", x.round() as i64)
     } else {
         format!("{x:.1}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The demo's client lets an idle connection go before the gateway would close it, so it
+    /// never sends a call on a connection the gateway is closing (hyper's client keeps idle
+    /// connections 90 s unless told otherwise; the gateway closes them after its header
+    /// timeout, 10 s).
+    #[test]
+    fn the_client_lets_idle_connections_go_before_the_gateway_closes_them() {
+        let limits = serve::Limits::default();
+        assert!(client_idle(&limits) > Duration::ZERO);
+        assert!(client_idle(&limits) < limits.header_timeout);
+    }
+
+    /// A failed call is reported with every error under the client's.
+    #[test]
+    fn a_failure_names_the_errors_under_it() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("client error (SendRequest)")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Outer(std::io::Error::other(
+            "connection closed before message completed",
+        ));
+        assert_eq!(
+            error_chain(&e),
+            "client error (SendRequest): connection closed before message completed"
+        );
     }
 }
