@@ -7,7 +7,9 @@
 //! marginal cost (`scripts/callgrind-decision` does this). `FS_TOOL=leased` decides on the
 //! leasing tool instead, `FS_TOOL=flat` on a tool of two levels (no budget, no instance level);
 //! `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
-//! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own.
+//! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own;
+//! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
+//! (`benches/sketch/mod.rs`) instead of the crate.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +19,8 @@ use tower_fairshare::Cost;
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "sketch/mod.rs"]
+mod sketch;
 use common::{callers, limiter, now, saturated};
 
 fn bench(c: &mut Criterion) {
@@ -83,6 +87,29 @@ fn main() {
         .and_then(|v| v.parse::<u64>().ok())
     {
         let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());
+        if let Some(work) = match tool.as_str() {
+            "sketch" => Some(true),
+            "sketch-bare" => Some(false),
+            _ => None,
+        } {
+            // The sketch of an exact decision (`benches/sketch/mod.rs`), on one caller.
+            let s = sketch::Sketch::default();
+            let who = sketch::Who {
+                tenant: "tenant0".into(),
+                instance: "agent".into(),
+            };
+            let mut admitted = 0u64;
+            for _ in 0..n {
+                let t = if work {
+                    s.with_work(&who, std::hint::black_box("search"), 1.0)
+                } else {
+                    s.bare(&who, std::hint::black_box("search"), 1.0)
+                };
+                admitted += u64::from(t.is_some());
+            }
+            assert_eq!(admitted, n);
+            return;
+        }
         if tool == "saturated" {
             // The saturated policy's 120 tenants in turn, most calls refused (as in
             // `benches/compare.rs`).

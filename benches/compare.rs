@@ -97,6 +97,8 @@ static ALLOCATOR: Counting = Counting;
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "sketch/mod.rs"]
+mod sketch;
 use common::{callers, limiter, now, saturated};
 
 /// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads and returns the
@@ -271,6 +273,25 @@ fn floor(c: &mut Criterion) {
     });
     let s = arc_swap::ArcSwap::from_pointee(0u64);
     g.bench_function("arc-swap load", |b| b.iter(|| **black_box(&s).load()));
+    // What an exact decision costs at the least (see `benches/sketch/mod.rs`), as
+    // `decision/fairshare 1 caller` decides it.
+    let s = sketch::Sketch::default();
+    let who = sketch::Who {
+        tenant: "tenant0".into(),
+        instance: "agent".into(),
+    };
+    g.bench_function("sketch bare", |b| {
+        b.iter(|| {
+            s.bare(&who, black_box("search"), 1.0)
+                .map(|t| t.answer().remaining())
+        })
+    });
+    g.bench_function("sketch with work", |b| {
+        b.iter(|| {
+            s.with_work(&who, black_box("search"), 1.0)
+                .map(|t| t.answer().remaining())
+        })
+    });
     g.finish();
 }
 

@@ -1,6 +1,7 @@
 //! The store conformance suite against `RedisStore` on a redis-server this test starts, and a
 //! differential test: the same random calls through `MemoryStore` and `RedisStore` must give
-//! identical verdicts and identical stored states (the Lua script mirrors the engine).
+//! identical verdicts and identical stored states (both run the one engine: the Redis store decides
+//! in Rust, and its script only checks what it read is unchanged and writes).
 
 // Needs the `redis` feature: `cargo test --features redis` (or --all-features).
 #![cfg(feature = "redis")]
