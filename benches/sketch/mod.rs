@@ -432,10 +432,10 @@ impl Sketch {
         let mut shard = self.shards[(hash >> 58) as usize % SHARDS]
             .lock()
             .expect("not poisoned");
-        let same = |e: &Box<Entry>| {
+        let same = |e: &Entry| {
             e.tool == ti && *e.tenant == *who.tenant && *e.instance == *who.instance
         };
-        if shard.find(hash, same).is_none() {
+        if shard.find(hash, |e| same(e)).is_none() {
             shard.insert_unique(
                 hash,
                 Box::new(Entry {
@@ -448,7 +448,7 @@ impl Sketch {
                 |_| 0,
             );
         }
-        let entry = shard.find_mut(hash, same)?;
+        let entry = shard.find_mut(hash, |e| same(e))?;
         let period = p.period;
         let window = (now / period) as i64 as f64;
         let next_window = (window + 1.0) * period;
