@@ -432,9 +432,8 @@ impl Sketch {
         let mut shard = self.shards[(hash >> 58) as usize % SHARDS]
             .lock()
             .expect("not poisoned");
-        let same = |e: &Entry| {
-            e.tool == ti && *e.tenant == *who.tenant && *e.instance == *who.instance
-        };
+        let same =
+            |e: &Entry| e.tool == ti && *e.tenant == *who.tenant && *e.instance == *who.instance;
         if shard.find(hash, |e| same(e)).is_none() {
             shard.insert_unique(
                 hash,
