@@ -433,6 +433,18 @@ fn layers(c: &mut Criterion) {
         EXHAUSTED,
         StatusCode::TOO_MANY_REQUESTS,
     );
+    // What an admitted call through a layer costs at the least: the sketch of an exact
+    // decision with the crate's per-call work, behind as little as a layer can be.
+    case(
+        &mut g,
+        "sketch admitted",
+        sketch::SketchService {
+            sketch: std::sync::Arc::new(sketch::Sketch::default()),
+            inner: bare(),
+        },
+        SEARCH,
+        StatusCode::OK,
+    );
     g.finish();
 }
 

@@ -1,6 +1,7 @@
 //! What an exact in-memory decision costs at the least, for the targets to be read against:
 //! a sketch of one, written for speed and nothing else, timed beside governor and the crate in
-//! `benches/compare.rs` (`floor/sketch *`).
+//! `benches/compare.rs` (`floor/sketch *`, and `layer/sketch admitted` behind a minimal layer,
+//! [`SketchService`]).
 //!
 //! The sketch decides a call of one caller (a tenant and an instance) on a tool with three
 //! levels and a daily budget, as `decision/fairshare 1 caller` does: one hash of the call's
@@ -333,6 +334,12 @@ pub struct Who {
     pub instance: Arc<str>,
 }
 
+/// A call's names, borrowed.
+struct Names<'a> {
+    tenant: &'a str,
+    instance: &'a str,
+}
+
 /// The sketch's limiter: one tool (`search`), generous enough that every call is admitted.
 pub struct Sketch {
     tools: hashbrown::HashMap<Box<str>, usize, foldhash::fast::FixedState>,
@@ -395,16 +402,23 @@ impl Default for Sketch {
 impl Sketch {
     /// The bare decision (see the module's notes).
     pub fn bare(&self, who: &Who, tool: &str, cost: f64) -> Option<Ticket> {
-        self.decide::<false>(who, tool, cost)
+        self.decide::<false>(&who.tenant, &who.instance, tool, cost)
     }
 
     /// The decision with the crate's other work on an admitted call (see the module's notes).
     pub fn with_work(&self, who: &Who, tool: &str, cost: f64) -> Option<Ticket> {
-        self.decide::<true>(who, tool, cost)
+        self.decide::<true>(&who.tenant, &who.instance, tool, cost)
     }
 
     #[inline(always)]
-    fn decide<const WORK: bool>(&self, who: &Who, tool: &str, cost: f64) -> Option<Ticket> {
+    fn decide<const WORK: bool>(
+        &self,
+        tenant: &str,
+        instance: &str,
+        tool: &str,
+        cost: f64,
+    ) -> Option<Ticket> {
+        let who = Names { tenant, instance };
         let ti = if WORK {
             *self.tools.get(tool)?
         } else {
@@ -416,7 +430,7 @@ impl Sketch {
                 return None;
             }
             (
-                p.listed.get(&*who.tenant).unwrap_or(&p.default_tenant),
+                p.listed.get(who.tenant).unwrap_or(&p.default_tenant),
                 &p.default_instance,
             )
         } else {
@@ -439,8 +453,8 @@ impl Sketch {
                 hash,
                 Box::new(Entry {
                     tool: ti,
-                    tenant: who.tenant.as_ref().into(),
-                    instance: who.instance.as_ref().into(),
+                    tenant: who.tenant.into(),
+                    instance: who.instance.into(),
                     levels: [State::default(); 2],
                     expires: [0; 2],
                 }),
@@ -532,11 +546,11 @@ impl Sketch {
         if WORK && w.tool.as_deref() != Some(&*p.name) {
             w.tool = Some(p.name.clone());
         }
-        if w.tenant.as_deref() != Some(&*who.tenant) {
-            w.tenant = Some(who.tenant.clone());
+        if w.tenant.as_deref() != Some(who.tenant) {
+            w.tenant = Some(who.tenant.into());
         }
-        if w.instance.as_deref() != Some(&*who.instance) {
-            w.instance = Some(who.instance.clone());
+        if w.instance.as_deref() != Some(who.instance) {
+            w.instance = Some(who.instance.into());
         }
         w.at = now;
         w.remaining = (tn.ceiling - t.total).min(inn.ceiling - i.total).max(0.0);
@@ -564,5 +578,87 @@ impl Sketch {
             w.charge[2].take = i_take;
         }
         Some(Ticket(Some(a)))
+    }
+}
+
+/// The sketch with its per-call work as a tower layer's service, as little as a layer can be:
+/// the caller from the request's extensions, the tool from the path's last segment, decided
+/// before the inner service runs; the ticket held until the inner service answers; a refusal
+/// is an empty 429.
+pub struct SketchService<S> {
+    pub sketch: Arc<Sketch>,
+    pub inner: S,
+}
+
+pin_project_lite::pin_project! {
+    /// The inner service's future and the call's ticket.
+    pub struct SketchFuture<F> {
+        #[pin]
+        inner: Option<F>,
+        ticket: Option<Ticket>,
+    }
+}
+
+impl<F, B, E> std::future::Future for SketchFuture<F>
+where
+    F: std::future::Future<Output = Result<http::Response<B>, E>>,
+    B: Default,
+{
+    type Output = Result<http::Response<B>, E>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        match this.inner.as_pin_mut() {
+            Some(f) => {
+                let out = std::task::ready!(f.poll(cx));
+                this.ticket.take();
+                std::task::Poll::Ready(out)
+            }
+            None => {
+                let mut refused = http::Response::new(B::default());
+                *refused.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+                std::task::Poll::Ready(Ok(refused))
+            }
+        }
+    }
+}
+
+impl<S, ReqB, B> tower::Service<http::Request<ReqB>> for SketchService<S>
+where
+    S: tower::Service<http::Request<ReqB>, Response = http::Response<B>>,
+    B: Default,
+{
+    type Response = http::Response<B>;
+    type Error = S::Error;
+    type Future = SketchFuture<S::Future>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+        let path = req.uri().path();
+        let tool = path.rsplit('/').next().unwrap_or(path);
+        let caller = req.extensions().get::<tower_fairshare::Caller>();
+        let ticket = caller.and_then(|c| match (c.tenant(), c.instance()) {
+            (Some(t), Some(i)) => self.sketch.decide::<true>(t, i, tool, 1.0),
+            _ => None,
+        });
+        match ticket {
+            Some(t) => SketchFuture {
+                inner: Some(self.inner.call(req)),
+                ticket: Some(t),
+            },
+            None => SketchFuture {
+                inner: None,
+                ticket: None,
+            },
+        }
     }
 }
