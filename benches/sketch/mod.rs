@@ -438,30 +438,33 @@ impl Sketch {
         };
         let now_us = SystemClock.now().as_micros();
         let now = now_us as f64;
-        let mut h = self.hasher.build_hasher();
-        ti.hash(&mut h);
-        who.tenant.hash(&mut h);
-        who.instance.hash(&mut h);
-        let hash = h.finish();
+        let hash_of = |tool: usize, tenant: &str, instance: &str| {
+            let mut h = self.hasher.build_hasher();
+            tool.hash(&mut h);
+            tenant.hash(&mut h);
+            instance.hash(&mut h);
+            h.finish()
+        };
+        let hash = hash_of(ti, who.tenant, who.instance);
         let mut shard = self.shards[(hash >> 58) as usize % SHARDS]
             .lock()
             .expect("not poisoned");
-        let same =
-            |e: &Entry| e.tool == ti && *e.tenant == *who.tenant && *e.instance == *who.instance;
-        if shard.find(hash, |e| same(e)).is_none() {
-            shard.insert_unique(
+        let entry = shard
+            .entry(
                 hash,
+                |e| e.tool == ti && *e.tenant == *who.tenant && *e.instance == *who.instance,
+                |e| hash_of(e.tool, &e.tenant, &e.instance),
+            )
+            .or_insert_with(|| {
                 Box::new(Entry {
                     tool: ti,
                     tenant: who.tenant.into(),
                     instance: who.instance.into(),
                     levels: [State::default(); 2],
                     expires: [0; 2],
-                }),
-                |_| 0,
-            );
-        }
-        let entry = shard.find_mut(hash, |e| same(e))?;
+                })
+            })
+            .into_mut();
         let period = p.period;
         let window = (now / period) as i64 as f64;
         let next_window = (window + 1.0) * period;
