@@ -9,7 +9,9 @@
 //! `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
 //! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own;
 //! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
-//! (`benches/sketch/mod.rs`) instead of the crate.
+//! (`benches/sketch/mod.rs`) instead of the crate. `FS_LAYER=bare|admitted|headers` makes N
+//! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
+//! headers) instead, each request built and its response dropped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,11 +83,54 @@ fn bench(c: &mut Criterion) {
 
 criterion_group!(benches, bench);
 
+/// `FS_LAYER=bare|admitted|headers`: `n` calls through a bare service, or through
+/// `FairShareLayer` over it without or with RateLimit headers, each request built and its
+/// response dropped (the bare case's count is what the layer's are measured from).
+fn layered(mode: &str, n: u64) {
+    use tower::{Layer, Service};
+    use tower_fairshare::{Caller, FairShareLayer};
+
+    let bare = || {
+        tower::service_fn(|_req: http::Request<tonic::body::Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(tonic::body::Body::empty()))
+        })
+    };
+    let request = || {
+        let mut req = http::Request::builder()
+            .uri("/tools/search")
+            .body(tonic::body::Body::empty())
+            .expect("a valid request");
+        req.extensions_mut()
+            .insert(Caller::new("tenant0").with_instance("agent"));
+        req
+    };
+    let mut ok = 0u64;
+    if mode == "bare" {
+        let mut s = bare();
+        for _ in 0..n {
+            ok += u64::from(now(s.call(request())).is_ok_and(|r| r.status().is_success()));
+        }
+    } else {
+        let mut s = FairShareLayer::new(limiter())
+            .headers(mode == "headers")
+            .layer(bare());
+        for _ in 0..n {
+            now(std::future::poll_fn(|cx| s.poll_ready(cx))).expect("ready");
+            ok += u64::from(now(s.call(request())).is_ok_and(|r| r.status().is_success()));
+        }
+    }
+    assert_eq!(ok, n);
+}
+
 fn main() {
     if let Some(n) = std::env::var("FS_DECISIONS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
     {
+        if let Ok(layer) = std::env::var("FS_LAYER") {
+            layered(&layer, n);
+            return;
+        }
         let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());
         if let Some(work) = match tool.as_str() {
             "sketch" => Some(true),

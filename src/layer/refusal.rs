@@ -122,6 +122,29 @@ fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
     })
 }
 
+thread_local! {
+    /// The last `RateLimit-Policy` value made on this thread, with what it says (scope, quota's
+    /// bits, window): an admitted caller's next response says the same, and shares it.
+    static LAST_POLICY: std::cell::Cell<Option<(Scope, u64, u64, HeaderValue)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// [`policy_value`], shared with the last response on this thread that said the same (a
+/// reference count instead of rendering, checking and copying the value again).
+fn policy_header(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
+    let key = (scope, quota.to_bits(), window_secs);
+    LAST_POLICY
+        .try_with(|last| {
+            let value = match last.take() {
+                Some((s, q, w, v)) if (s, q, w) == key => v,
+                _ => policy_value(scope, quota, window_secs),
+            };
+            last.set(Some((key.0, key.1, key.2, value.clone())));
+            value
+        })
+        .unwrap_or_else(|_| policy_value(scope, quota, window_secs))
+}
+
 /// A quota per window as a whole number of units per (possibly longer) window.
 fn whole_quota(quota: f64, window_secs: u64) -> (f64, u64) {
     if !(quota.is_finite() && quota > 0.0) || quota.fract() == 0.0 {
@@ -319,7 +342,7 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let reset = reset_in.as_micros().div_ceil(1_000_000) as u64;
     headers.insert(
         RATELIMIT_POLICY,
-        policy_value(scope, quota, t.window_secs()),
+        policy_header(scope, quota, t.window_secs()),
     );
     headers.insert(
         RATELIMIT,
@@ -451,6 +474,28 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// A `RateLimit-Policy` value shared with the last response on the thread says what a
+        /// fresh one would, whatever came before it: same quotas in a row (shared), and any
+        /// scope, quota (whole, fractional, another number with the same digits) or window
+        /// between.
+        #[test]
+        fn a_shared_policy_value_is_the_fresh_one(
+            calls in proptest::collection::vec(
+                (0..3usize, proptest::sample::select(vec![0.0, 1.0, 2.5, 60.0, 1e12, 0.25, 59.9]),
+                 proptest::sample::select(vec![1u64, 60, 3600])),
+                1..40,
+            ),
+        ) {
+            for (scope, quota, window) in calls {
+                let scope = [Scope::Tool, Scope::Tenant, Scope::Instance][scope];
+                proptest::prop_assert_eq!(
+                    policy_header(scope, quota, window),
+                    policy_value(scope, quota, window),
+                    "{:?} {} {}", scope, quota, window
+                );
+            }
+        }
+
         /// A refusal rendered on a thread that rendered others before (the last one shared
         /// when it shows the same) is the response rendered afresh: every field a response
         /// shows tells refusals apart. Fields are drawn from few values, so that refusals
