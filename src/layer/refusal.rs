@@ -475,9 +475,8 @@ mod tests {
 
     proptest::proptest! {
         /// A `RateLimit-Policy` value shared with the last response on the thread says what a
-        /// fresh one would, whatever came before it: same quotas in a row (shared), and any
-        /// scope, quota (whole, fractional, another number with the same digits) or window
-        /// between.
+        /// fresh one would, whatever came before it: the same quota in a row (shared), and any
+        /// change of scope, quota (whole, fractional, close to another) or window between.
         #[test]
         fn a_shared_policy_value_is_the_fresh_one(
             calls in proptest::collection::vec(
