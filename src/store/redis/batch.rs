@@ -900,6 +900,50 @@ fn clone_error(e: &StoreError) -> StoreError {
     }
 }
 
+/// The answer to a decision, as its caller waits for it. Dropped before it was taken (the
+/// caller went away, or its timeout fired as the answer came in), an admission in it is given
+/// back: whichever way the caller leaves, an admitted call is either handed over or undone.
+pub(super) struct Answer {
+    shared: Arc<Shared>,
+    rx: oneshot::Receiver<Result<Decision, StoreError>>,
+}
+
+impl Answer {
+    /// A job's reply channel and the answer its caller waits on.
+    pub(super) fn channel(
+        shared: &Arc<Shared>,
+    ) -> (oneshot::Sender<Result<Decision, StoreError>>, Answer) {
+        let (tx, rx) = oneshot::channel();
+        let answer = Answer {
+            shared: shared.clone(),
+            rx,
+        };
+        (tx, answer)
+    }
+}
+
+impl std::future::Future for Answer {
+    type Output = Result<Result<Decision, StoreError>, oneshot::error::RecvError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.rx).poll(cx)
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        // Closed first, so the worker either fails to send (and gives the admission back
+        // itself) or has sent it, and it is here.
+        self.rx.close();
+        if let Ok(Ok(Decision::Admitted(a))) = self.rx.try_recv() {
+            give_back(&self.shared, a);
+        }
+    }
+}
+
 /// An admission whose caller went away: its units refunded at every level (through the
 /// queue, like any write) and its permits released.
 fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {

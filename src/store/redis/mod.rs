@@ -454,7 +454,7 @@ impl RedisStore {
             ));
         }
         sh.health.saw_tool(sh, &keys.tool);
-        let (reply, answer) = tokio::sync::oneshot::channel();
+        let (reply, answer) = batch::Answer::channel(sh);
         let sent = Instant::now();
         batch::submit(
             sh,
@@ -467,8 +467,8 @@ impl RedisStore {
             },
         );
         let timeout = sh.config.timeout;
-        // Timed out or dropped here, the call is still decided; if it is admitted nobody
-        // takes the answer, and the worker gives it back.
+        // Timed out or dropped here, the call is still decided; if it is admitted and nobody
+        // takes the answer, it is given back (see `batch::Answer`).
         let decided = match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(d)) => d,
             Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
