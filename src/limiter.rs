@@ -985,7 +985,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             Err(e) => match tp.on_store_error() {
                 OnStoreError::Allow => {
-                    tracing::warn!(tool, store = store.kind(), error = %e, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
+                    if let Some(held_back) = telemetry::let_through("store_fallback", tool) {
+                        tracing::warn!(tool, store = store.kind(), error = %e, held_back, "rate-limit store failed; letting the call through unmetered (on_store_error = allow)");
+                    }
                     telemetry::store_error(tp.name_arc(), store.kind(), "allow");
                     Ok(Ticket {
                         admission: None,
@@ -994,7 +996,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     })
                 }
                 OnStoreError::Deny => {
-                    tracing::error!(tool, store = store.kind(), error = %e, "rate-limit store failed; refusing the call (on_store_error = deny)");
+                    if let Some(held_back) = telemetry::let_through("store_fallback", tool) {
+                        tracing::error!(tool, store = store.kind(), error = %e, held_back, "rate-limit store failed; refusing the call (on_store_error = deny)");
+                    }
                     telemetry::store_error(tp.name_arc(), store.kind(), "deny");
                     let mut r = denial(Reason::StoreUnavailable, tool, caller, "store");
                     r.retryable = true;
@@ -1121,7 +1125,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .adjust(a, factor * part, self.inner.clock.now())
                 .await
             {
-                tracing::warn!(tool = %a.keys.tool, error = %e, "could not correct a charge");
+                if let Some(held_back) = telemetry::let_through("correct", &a.keys.tool) {
+                    tracing::warn!(tool = %a.keys.tool, error = %e, held_back, "could not correct a charge");
+                }
             }
         }
     }
@@ -1136,7 +1142,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .adjust(a, -ticket.part(), self.inner.clock.now())
                 .await
             {
-                tracing::warn!(tool = %a.keys.tool, error = %e, "could not refund a charge");
+                if let Some(held_back) = telemetry::let_through("refund", &a.keys.tool) {
+                    tracing::warn!(tool = %a.keys.tool, error = %e, held_back, "could not refund a charge");
+                }
             }
         }
     }
@@ -1145,7 +1153,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub async fn release(&self, ticket: &Ticket) {
         if let (true, Some(a)) = (ticket.holds_permits(), ticket.admission()) {
             if let Err(e) = self.inner.store.release(a).await {
-                tracing::warn!(tool = %a.keys.tool, error = %e, "could not release a permit");
+                if let Some(held_back) = telemetry::let_through("release", &a.keys.tool) {
+                    tracing::warn!(tool = %a.keys.tool, error = %e, held_back, "could not release a permit");
+                }
             }
         }
     }

@@ -153,7 +153,7 @@ async fn reset_at(addr: std::net::SocketAddr, tenant: String, stage: Stage, seed
             let _ = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
         }
     }
-    let _ = s.set_linger(Some(Duration::ZERO));
+    let _ = s.set_zero_linger();
     drop(s);
 }
 

@@ -553,12 +553,12 @@ fn idle_callers_keys_expire_from_redis() {
         assert_eq!(keys.len(), 7, "{keys:?}");
         // Every key Redis holds for them expires on its own within two periods of idleness (a
         // template caller counts to the end of the next window; Redis's own TTLs, so nothing
-        // is left behind; no waiting for it here); the tool's epoch marker a day after the
-        // last store that checked it.
+        // is left behind; no waiting for it here); the tool's epoch marker 32 days after the
+        // last store that read it (longer than any record lives: a month's budget).
         for k in &keys {
             let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).unwrap();
             if k.ends_with('@') {
-                assert!(ttl > 0 && ttl <= 86_400_000, "{k}: PTTL {ttl}");
+                assert!(ttl > 0 && ttl <= 32 * 86_400_000, "{k}: PTTL {ttl}");
             } else {
                 assert!(ttl > 0 && ttl <= 2000, "{k}: PTTL {ttl}");
             }
@@ -941,8 +941,10 @@ fn lost_state_and_a_risky_configuration_are_reported() {
                 assert!(Instant::now() < deadline, "no reconnection");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            // The decision that read the emptied state noticed the loss itself, in its own
+            // round trip: the check after it finds nothing new.
             let h = limiter.store().check_health().await.unwrap();
-            assert_eq!(h.lost_tools, ["strict"]);
+            assert!(h.lost_tools.is_empty(), "{:?}", h.lost_tools);
             assert_eq!(h.states_lost, 2);
             assert_eq!(h.eviction_policy.as_deref(), Some("noeviction"));
             assert_eq!(h.persistence, Some(true));

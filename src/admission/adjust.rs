@@ -25,15 +25,7 @@ pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now
     s.share = give(s.share, lc.share, lc.share_depth);
     s.ceiling = give(s.ceiling, lc.ceiling, lc.ceiling_depth);
     if s.window == charge.window {
-        let delta = charge.cost * factor;
-        s.total = (s.total + delta).max(0.0);
-        s.non_floor = (s.non_floor + lc.ceiling * factor).max(0.0);
-        let floor_delta = if level == 0 {
-            (charge.cost - lc.ceiling) * factor
-        } else {
-            lc.floor * factor
-        };
-        s.floor_used = (s.floor_used + floor_delta).max(0.0);
+        count_in_window(s, charge, level, factor);
     }
     for (period, start) in lc.budgets.iter() {
         if period.window(now).0.as_micros() as f64 != start {
@@ -47,6 +39,21 @@ pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now
             b.used = (b.used + charge.cost * factor).max(0.0);
         }
     }
+}
+
+/// Adds `factor` × what a call counted at one level to the window counters of `s` (which
+/// count the call's window): the units through the level, those above floors and those
+/// within them (at the tool: every caller's floor units).
+pub fn count_in_window(s: &mut NodeState, charge: &Charge, level: usize, factor: f64) {
+    let lc = &charge.levels[level];
+    s.total = (s.total + charge.cost * factor).max(0.0);
+    s.non_floor = (s.non_floor + lc.ceiling * factor).max(0.0);
+    let floor_delta = if level == 0 {
+        (charge.cost - lc.ceiling) * factor
+    } else {
+        lc.floor * factor
+    };
+    s.floor_used = (s.floor_used + floor_delta).max(0.0);
 }
 
 /// Releases one level's concurrency permit.

@@ -13,7 +13,7 @@
 //! for the tool's part only; the Redis store reads the states of a batch of calls, decides them
 //! one after the other with [`decide`] and writes them back only if no record changed since.
 
-pub use super::adjust::{adjust, release};
+pub use super::adjust::{adjust, count_in_window, release};
 pub use super::decide::{decide, decided_at, Admitted, LevelRef, Plan, Snapshot, Verdict};
 pub use super::state::{
     BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,

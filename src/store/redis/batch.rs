@@ -37,6 +37,7 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot};
 
 use super::builder::TimeSource;
+use super::ledger::Ledger;
 use super::record::Record;
 use super::wire::permits_key;
 use super::{lock, Shared};
@@ -136,6 +137,10 @@ pub(super) enum Job {
         now: Timestamp,
         reply: Option<oneshot::Sender<Result<(), StoreError>>>,
     },
+    /// Read the tool's state from Redis (nothing decided): a health check found its epoch
+    /// marker changed, and the worker heals what the loss took (see `Worker::read_from_redis`).
+    /// Answered once that is done.
+    Heal { reply: oneshot::Sender<()> },
 }
 
 impl Job {
@@ -143,6 +148,7 @@ impl Job {
         match self {
             Job::Decide { plan, .. } => plan.now,
             Job::Adjust { now, .. } => *now,
+            Job::Heal { .. } => Timestamp(0),
         }
     }
 
@@ -183,6 +189,7 @@ fn drop_job(job: Job, why: &str) {
                 let _ = r.send(Err(e()));
             }
         }
+        Job::Heal { .. } => {}
     }
 }
 
@@ -190,19 +197,13 @@ fn drop_job(job: Job, why: &str) {
 /// writes the tool's records — the script that writes a batch also reads for the next, or the
 /// next is decided on the records remembered.
 async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<str>) {
-    let Some((namespace, me)) = shared
-        .upgrade()
-        .map(|s| (s.config.namespace.clone(), format!("{:016x}", s.ids.prefix)))
-    else {
+    let Some(mut worker) = Worker::new(shared, &tool) else {
         return;
     };
-    let turn_key = super::wire::turn_key(&format!("{namespace}{}", crate::key::tool_key(&tool)));
-    // Whether this worker's next read claims the tool's turn: after its write lost a race.
-    let mut claim = false;
     let mut queue = Queue {
         rx,
         backlog: std::collections::VecDeque::new(),
-        namespace,
+        namespace: worker.namespace.clone(),
     };
     // A batch whose read came back with the last write (or comes from the cache).
     let mut carried: Option<(Batch, Read)> = None;
@@ -210,48 +211,15 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
     loop {
         let (mut batch, read) = match carried.take() {
             Some(c) => c,
-            None => {
-                let Some(time) = shared.upgrade().map(|s| s.config.time) else {
-                    return;
-                };
-                let Some(mut batch) = queue.next_batch(time == TimeSource::Injected, true).await
-                else {
-                    return;
-                };
-                if let Some(read) = cache.read(&batch, time) {
-                    (batch, read)
-                } else {
-                    let Some(sh) = shared.upgrade() else { return };
-                    let turn = Turn {
-                        key: &turn_key,
-                        me: &me,
-                        claim,
-                    };
-                    match cycle(&sh, None, Some(&batch), turn).await {
-                        Ok(c) if c.others_turn && batch.attempts + 1 < MAX_ATTEMPTS => {
-                            // Another replica's turn: read again once it has written.
-                            batch.attempts += 1;
-                            queue.put_front(batch);
-                            tokio::time::sleep(TURN_WAIT).await;
-                            continue;
-                        }
-                        Ok(c) => {
-                            claim = false;
-                            let read = c.read.expect("a read was asked for");
-                            cache.clock(c.now);
-                            cache.read_from_redis(&batch, &read);
-                            (batch, read)
-                        }
-                        Err(e) => {
-                            cache.conflict();
-                            batch.fail(&e);
-                            continue;
-                        }
-                    }
-                }
-            }
+            None => match worker.next_read(&mut queue, &mut cache).await {
+                Some(Some(c)) => c,
+                Some(None) => continue,
+                None => return,
+            },
         };
-        let Some(sh) = shared.upgrade() else { return };
+        let Some(sh) = worker.shared.upgrade() else {
+            return;
+        };
         // Callers that left while their batch was read: not decided.
         batch.retain_waited_for();
         let decided = decide(&sh, &batch, &read);
@@ -272,11 +240,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
         if behind {
-            let turn = Turn {
-                key: &turn_key,
-                me: &me,
-                claim: false,
-            };
+            let turn = worker.turn(false);
             let first = send_write(&sh, (&batch, &decided), turn).await;
             cache.wrote(&batch, &decided);
             let ahead = Ahead {
@@ -285,22 +249,132 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                 reply: first,
                 then: Vec::new(),
             };
-            claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
+            worker.claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
             continue;
         }
-        let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
-        let turn = Turn {
-            key: &turn_key,
-            me: &me,
+        carried = worker
+            .write(&sh, &mut queue, &mut cache, (batch, decided), next)
+            .await;
+    }
+}
+
+/// A tool's worker: its keys, its turn and what it knows of the tool's epoch.
+struct Worker {
+    shared: Weak<Shared>,
+    tool: Arc<str>,
+    namespace: String,
+    /// The tool's turn key and epoch marker key, and this replica's name.
+    turn_key: String,
+    marker_key: String,
+    me: String,
+    /// Whether this worker's next read claims the tool's turn: after its write lost a race.
+    claim: bool,
+    /// The tool's epoch marker as this worker last read it (`None` before its first read).
+    epoch: Option<Vec<u8>>,
+    /// The latest time a batch was decided at (µs), for a restore to count open windows at.
+    last_now: u64,
+}
+
+impl Worker {
+    fn new(shared: Weak<Shared>, tool: &Arc<str>) -> Option<Worker> {
+        let (namespace, me) = shared
+            .upgrade()
+            .map(|s| (s.config.namespace.clone(), format!("{:016x}", s.ids.prefix)))?;
+        let tool_key = format!("{namespace}{}", crate::key::tool_key(tool));
+        Some(Worker {
+            shared,
+            tool: tool.clone(),
+            namespace,
+            turn_key: super::wire::turn_key(&tool_key),
+            marker_key: super::wire::epoch_key(&tool_key),
+            me,
             claim: false,
-        };
-        match cycle(&sh, Some((&batch, &decided)), read_next, turn).await {
+            epoch: None,
+            last_now: 0,
+        })
+    }
+
+    fn turn(&self, claim: bool) -> Turn<'_> {
+        Turn {
+            key: &self.turn_key,
+            marker: &self.marker_key,
+            me: &self.me,
+            claim,
+        }
+    }
+
+    /// The next batch and its read, from the cache or from Redis; `Some(None)` when it is to
+    /// be tried again (another replica's turn, a failed read, a loss healed), `None` when the
+    /// store is gone.
+    async fn next_read(
+        &mut self,
+        queue: &mut Queue,
+        cache: &mut Cache,
+    ) -> Option<Option<(Batch, Read)>> {
+        let time = self.shared.upgrade().map(|s| s.config.time)?;
+        let mut batch = queue.next_batch(time == TimeSource::Injected, true).await?;
+        if let Some(read) = cache.read(&batch, time) {
+            return Some(Some((batch, read)));
+        }
+        let sh = self.shared.upgrade()?;
+        match cycle(&sh, None, Some(&batch), self.turn(self.claim)).await {
+            Ok(c) if c.others_turn && batch.attempts + 1 < MAX_ATTEMPTS => {
+                // Another replica's turn: read again once it has written.
+                batch.attempts += 1;
+                queue.put_front(batch);
+                tokio::time::sleep(TURN_WAIT).await;
+                Some(None)
+            }
+            Ok(c) => {
+                self.claim = false;
+                let read = c.read.expect("a read was asked for");
+                cache.clock(c.now);
+                if self.read_from_redis(&sh, cache, &batch, &read).await {
+                    queue.put_front(batch);
+                    return Some(None);
+                }
+                cache.read_from_redis(&batch, &read);
+                Some(Some((batch, read)))
+            }
+            // A read that failed on a dropped connection wrote nothing: once more.
+            Err(StoreError::Unavailable(_)) if !batch.reconnected => {
+                cache.conflict();
+                batch.reconnected = true;
+                queue.put_front(batch);
+                Some(None)
+            }
+            Err(e) => {
+                cache.conflict();
+                batch.fail(&e);
+                Some(None)
+            }
+        }
+    }
+
+    /// Writes a decided batch, with the read of `next` when the cache cannot decide it: the
+    /// batch to decide next with its read, if there is one.
+    async fn write(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        (batch, decided): (Batch, Decided),
+        next: Option<Batch>,
+    ) -> Option<(Batch, Read)> {
+        let injected = sh.config.time == TimeSource::Injected;
+        let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
+        match cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await {
             Ok(c) if c.written => {
                 cache.clock(c.now);
                 cache.wrote(&batch, &decided);
-                batch.answer(&sh, decided.outcomes);
-                carried = match (next, c.read) {
+                cache.landed(&batch, &decided.outcomes);
+                batch.answer(sh, decided.outcomes);
+                match (next, c.read) {
                     (Some(n), Some(r)) => {
+                        if self.read_from_redis(sh, cache, &n, &r).await {
+                            queue.put_front(n);
+                            return None;
+                        }
                         cache.read_from_redis(&n, &r);
                         Some((n, r))
                     }
@@ -318,7 +392,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                         }
                     }
                     (None, _) => None,
-                };
+                }
             }
             Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
                 cache.conflict();
@@ -326,25 +400,161 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                     "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
                 )));
                 queue.put_back(next);
+                None
             }
             // Another replica wrote first: decide again, with the next batch, on a fresh read
             // that claims the tool's turn, so the other replica waits for this write.
             Ok(_) => {
                 cache.conflict();
-                claim = true;
-                batch.attempts += 1;
-                let mut jobs = std::mem::take(&mut batch.jobs);
+                self.claim = true;
+                let attempts = batch.attempts + 1;
+                let mut jobs = batch.jobs;
                 if let Some(n) = next {
                     jobs.extend(n.jobs);
                 }
-                queue.put_front(Batch::new(&queue.namespace, jobs, batch.attempts));
+                queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
+                None
             }
             Err(e) => {
                 cache.conflict();
-                batch.fail(&e);
                 queue.put_back(next);
+                // Whether the write landed is not known: the permits it would have taken are
+                // given back (a permit given back twice, or never taken, removes nothing).
+                let released = release_decided(sh, &decided).await;
+                match e {
+                    // Once more, on the connection made again: decided afresh on a new read
+                    // (if the write did land, its units are counted twice: under-use, never
+                    // over-admission).
+                    StoreError::Unavailable(_) if released && !batch.reconnected => {
+                        let mut again = Batch::new(&queue.namespace, batch.jobs, batch.attempts);
+                        again.reconnected = true;
+                        queue.put_front(again);
+                    }
+                    e => batch.fail(&e),
+                }
+                None
             }
         }
+    }
+
+    /// After a read from Redis: whether it found the tool's state lost since this worker's
+    /// last read (its epoch marker changed). Then, before anything is decided on it, what
+    /// the loss took is healed: the refusals remembered on it forgotten, the permits of this
+    /// replica's calls still running put back, and what this replica counted in the windows
+    /// still open restored (see `Ledger`). The batch is then to be read again.
+    async fn read_from_redis(
+        &mut self,
+        sh: &Arc<Shared>,
+        cache: &mut Cache,
+        batch: &Batch,
+        read: &Read,
+    ) -> bool {
+        self.last_now = self.last_now.max(read.now).max(batch.now().as_micros());
+        let before = self.epoch.replace(read.epoch.clone());
+        sh.health.saw_epoch(&self.tool, &read.epoch);
+        if before.is_none_or(|b| b == read.epoch) {
+            return false;
+        }
+        cache.conflict();
+        if let Some(refusals) = &sh.cache {
+            refusals.forget_tool(&self.tool);
+        }
+        if let Err(e) = sh.revive_permits(&self.tool).await {
+            tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not put back the permits of calls still running after Redis lost the tool's state");
+        }
+        let now = Timestamp(self.last_now);
+        cache.ledger.forget_closed(now);
+        match restore(sh, &cache.ledger, self.turn(false), now, &read.epoch).await {
+            Ok(levels) => {
+                tracing::info!(store = "redis", tool = %self.tool, levels, "restored what this replica admitted in the windows still open")
+            }
+            Err(e) => {
+                tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not restore what this replica admitted after Redis lost the tool's state")
+            }
+        }
+        true
+    }
+}
+
+/// Gives back the permits of the calls `d` admitted, whose write may or may not have landed;
+/// whether every one was (those not are tried again in the background).
+async fn release_decided(sh: &Arc<Shared>, d: &Decided) -> bool {
+    let mut all = true;
+    for o in &d.outcomes {
+        if let Outcome::Decided(Decision::Admitted(a)) = o {
+            if a.charge.holds_permits() {
+                all &= sh.release_call(a).await.is_ok();
+            }
+        }
+    }
+    all
+}
+
+/// After Redis lost a tool's state: adds what this replica counted in the windows open at
+/// `now` (its `ledger`) to the records as Redis holds them now, written like any batch (only
+/// if no record changed since it was read; read and added again if one did). Returns how many
+/// levels it restored.
+async fn restore(
+    sh: &Arc<Shared>,
+    ledger: &Ledger,
+    turn: Turn<'_>,
+    now: Timestamp,
+    epoch: &[u8],
+) -> Result<usize, StoreError> {
+    let keys = ledger.keys(now);
+    for chunk in keys.chunks(MAX_BATCH) {
+        let batch = Batch::of_records(chunk);
+        let mut attempts = 0;
+        loop {
+            let c = cycle(sh, None, Some(&batch), turn).await?;
+            let read = c.read.expect("a read was asked for");
+            if read.epoch != epoch {
+                return Err(StoreError::Unavailable(
+                    "Redis lost the tool's state again while it was being restored".into(),
+                ));
+            }
+            let d = restored(sh, ledger, &batch, &read, now);
+            if cycle(sh, Some((&batch, &d)), None, turn).await?.written {
+                break;
+            }
+            attempts += 1;
+            if attempts >= MAX_ATTEMPTS {
+                return Err(StoreError::Unavailable(format!(
+                    "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
+                )));
+            }
+            tokio::time::sleep(TURN_WAIT).await;
+        }
+    }
+    Ok(keys.len())
+}
+
+/// The records of `batch` (read as `read`) with what `ledger` counted at them added.
+fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Timestamp) -> Decided {
+    let n = batch.keys.records.len();
+    let mut records = read.records.clone();
+    let mut written = vec![false; n];
+    for (i, key) in batch.keys.records.iter().enumerate() {
+        let held = records[i].as_ref().map(|r| (r.state, r.expires));
+        let Some((state, until)) = ledger.restored(key, held.map(|h| h.0), now) else {
+            continue;
+        };
+        records[i] = Some(Record {
+            version: sh.ids.version(),
+            expires: held.map_or(until, |h| h.1.max(until)),
+            state,
+        });
+        written[i] = true;
+    }
+    Decided {
+        outcomes: Vec::new(),
+        versions: read.versions.clone(),
+        records,
+        decided: written.clone(),
+        written,
+        holds: vec![false; n],
+        zsets: Vec::new(),
+        now: read.now as f64,
     }
 }
 
@@ -372,6 +582,7 @@ fn settle(
     match reply {
         Ok(c) if c.written => {
             cache.clock(c.now);
+            cache.landed(&a.batch, &a.decided.outcomes);
             a.batch.answer(sh, a.decided.outcomes);
             for (b, d) in waiting {
                 b.answer(sh, d.outcomes);
@@ -537,6 +748,9 @@ struct Cache {
     clock: Option<(u64, std::time::Instant)>,
     /// Batches still to read from Redis after a conflict (another replica writes this tool).
     cool: u32,
+    /// What this replica's landed writes counted in the windows still open: what it restores
+    /// if Redis loses the tool's state (kept through conflicts, which forget the records).
+    ledger: Ledger,
 }
 
 /// The most records a worker remembers (it forgets them all past this).
@@ -582,7 +796,7 @@ impl Cache {
             self.cool -= 1;
             return None;
         }
-        if !b.keys.zsets.is_empty() {
+        if !b.keys.zsets.is_empty() || b.heals {
             return None;
         }
         let now = match time {
@@ -611,6 +825,7 @@ impl Cache {
             records,
             versions,
             counts: Vec::new(),
+            epoch: Vec::new(),
         })
     }
 
@@ -637,6 +852,37 @@ impl Cache {
             self.records
                 .insert(k.clone(), (d.records[i].clone(), version));
         }
+    }
+
+    /// Counts in the ledger what the landed write of `b` admitted and corrected.
+    fn landed(&mut self, b: &Batch, outcomes: &[Outcome]) {
+        let mut now = Timestamp(0);
+        for ((job, jk), outcome) in b.jobs.iter().zip(&b.job_keys).zip(outcomes) {
+            now = now.max(job.now());
+            let levels = jk.records.iter().enumerate();
+            match (job, outcome) {
+                (Job::Decide { plan, .. }, Outcome::Decided(Decision::Admitted(a))) => {
+                    let period = plan.tool.period().as_micros() as f64;
+                    for (l, i) in levels.filter_map(|(l, i)| Some((l, (*i)?))) {
+                        self.ledger
+                            .admitted(&b.keys.records[i], &a.charge, l, period);
+                    }
+                }
+                (
+                    Job::Adjust {
+                        admission, factor, ..
+                    },
+                    _,
+                ) => {
+                    for (l, i) in levels.filter_map(|(l, i)| Some((l, (*i)?))) {
+                        self.ledger
+                            .corrected(&b.keys.records[i], &admission.charge, l, *factor);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.ledger.forget_closed(now);
     }
 
     fn make_room(&mut self, more: usize) {
@@ -768,16 +1014,39 @@ struct Batch {
     job_keys: Vec<JobKeys>,
     /// How many times the batch's write found a record changed.
     attempts: usize,
+    /// Whether it is to be read from Redis whatever the cache holds (a `Job::Heal`).
+    heals: bool,
+    /// Whether a round trip of it already failed on a dropped connection (it is tried once
+    /// more, on the connection made again, so that callers do not see a reconnect).
+    reconnected: bool,
 }
 
 impl Batch {
     fn new(namespace: &str, jobs: Vec<Job>, attempts: usize) -> Batch {
         let (keys, job_keys) = Batch::keys_of(namespace, &jobs);
         Batch {
+            heals: jobs.iter().any(|j| matches!(j, Job::Heal { .. })),
             jobs,
             keys,
             job_keys,
             attempts,
+            reconnected: false,
+        }
+    }
+
+    /// A batch of no jobs that reads and writes these records (a restore).
+    fn of_records(records: &[String]) -> Batch {
+        let mut keys = Keys::default();
+        for k in records {
+            keys.record(k);
+        }
+        Batch {
+            jobs: Vec::new(),
+            keys,
+            job_keys: Vec::new(),
+            attempts: 0,
+            heals: true,
+            reconnected: false,
         }
     }
 
@@ -806,6 +1075,13 @@ impl Batch {
             let (call_keys, plan) = match job {
                 Job::Decide { keys, plan, .. } => (keys, Some(plan)),
                 Job::Adjust { admission, .. } => (&admission.keys, None),
+                Job::Heal { .. } => {
+                    job_keys.push(JobKeys {
+                        records: [None; 3],
+                        permits: [None; 3],
+                    });
+                    continue;
+                }
             };
             let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
             let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
@@ -849,6 +1125,7 @@ impl Batch {
                         let _ = r.send(Err(clone_error(e)));
                     }
                 }
+                Job::Heal { .. } => {}
             }
         }
     }
@@ -866,6 +1143,9 @@ impl Batch {
                     if let Some(r) = reply {
                         let _ = r.send(Ok(()));
                     }
+                }
+                (Job::Heal { reply }, Outcome::Read) => {
+                    let _ = reply.send(());
                 }
                 _ => unreachable!("an outcome per job, of its kind"),
             }
@@ -886,6 +1166,8 @@ fn namespaced(ns: &str, mut keys: [Option<String>; 3]) -> [Option<String>; 3] {
 enum Outcome {
     Decided(Decision),
     Adjusted,
+    /// A `Job::Heal`'s read is done.
+    Read,
 }
 
 fn ttl_ms(until: f64, now: f64) -> u64 {
@@ -954,9 +1236,8 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     if admission.charge.holds_permits() {
         let (sh2, a) = (sh.clone(), admission.clone());
         tokio::spawn(async move {
-            if let Err(e) = sh2.release_call(&a).await {
-                tracing::warn!(store = "redis", tool = %a.keys.tool, error = %e, "could not release the permits of a decision whose caller went away; they lapse after the permit TTL");
-            }
+            // Tried again until given back (see `release_call`).
+            let _ = sh2.release_call(&a).await;
         });
     }
     let now = admission.at;
@@ -978,6 +1259,8 @@ struct Read {
     records: Vec<Option<Record>>,
     versions: Vec<Vec<u8>>,
     counts: Vec<f64>,
+    /// The tool's epoch marker (empty for a read from the cache).
+    epoch: Vec<u8>,
 }
 
 /// A zset's changes from one batch.
@@ -1106,6 +1389,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                 }
                 outcomes.push(Outcome::Adjusted);
             }
+            Job::Heal { .. } => outcomes.push(Outcome::Read),
         }
     }
     // A record lives at least the permit TTL while calls hold permits at its level.
@@ -1145,6 +1429,8 @@ struct Cycle {
 #[derive(Copy, Clone)]
 struct Turn<'a> {
     key: &'a str,
+    /// The tool's epoch marker, read (and set when missing) with every read.
+    marker: &'a str,
     me: &'a str,
     claim: bool,
 }
@@ -1269,7 +1555,10 @@ fn cycle_args(
     args.push(read_now.into_bytes());
     args.push(read_records.to_string().into_bytes());
     args.extend(write_args);
+    keys.push(turn.marker.to_owned());
     keys.push(turn.key.to_owned());
+    args.push(sh.ids.next().to_le_bytes().to_vec());
+    args.push(super::upkeep::MARKER_TTL.as_secs().to_string().into_bytes());
     args.push(turn.me.as_bytes().to_vec());
     args.push(if turn.claim {
         b"1".to_vec()
@@ -1314,6 +1603,10 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
     ) else {
         return Err(bad("the wrong number of parts"));
     };
+    let epoch: Vec<u8> = match it.next() {
+        Some(v) => redis::from_redis_value(v).map_err(|_| bad("an epoch that is not a string"))?,
+        None => return Err(bad("no epoch")),
+    };
     let written = matches!(written, Value::Int(1));
     let others_turn = matches!(others, Value::Int(1));
     let now: u64 = redis::from_redis_value::<String>(now)
@@ -1356,6 +1649,7 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
             records,
             versions,
             counts: counts.into_iter().map(|c| c as f64).collect(),
+            epoch,
         }),
     })
 }

@@ -11,8 +11,12 @@
 -- gives the turn back. Without it, a replica whose reads ride on its writes would win every
 -- race and starve the others.
 --
+-- Every read also reads the tool's epoch marker, and sets it (to the value given) when it is
+-- missing: a marker that changed since a replica last read it means Redis lost the tool's
+-- state (a restart without persistence, a flush), and the replica restores what it admitted.
+--
 -- KEYS: the write's keys (the records it checks, in order, then the zsets it changes), then the
--- read's record keys, then the read's zset keys, then the tool's turn key.
+-- read's record keys, then the read's zset keys, then the tool's epoch marker, then its turn key.
 -- ARGV: 1 how many KEYS the write uses, 2 how many of those are checked records, 3 now for the
 --   read in µs ("-1": Redis TIME; "": no read), 4 how many read record keys; then the write:
 --   the checked records' versions when read ("": absent; a version then '*': that record or,
@@ -20,10 +24,12 @@
 --   each, the index of its key, the record, its TTL in ms ("": keep the key's); the number of
 --   zsets changed and, for each, the index of its key, the score up to which members are
 --   dropped ("": none), its TTL in ms ("": keep), the number of members added and, for each,
---   its score and name; last, this replica's name and "1" to claim the turn with the read.
+--   its score and name; last, the epoch marker to set if it is missing and its TTL in seconds,
+--   this replica's name and "1" to claim the turn with the read.
 -- Returns { 1 written or 0, the index of the record that had changed (0: none; -1: another
 --   replica's turn), now (the read's; without a read, Redis TIME), the records read (nil where
---   absent), the counts, 1 if another replica holds the turn when the script ends or 0 }.
+--   absent), the counts, 1 if another replica holds the turn when the script ends or 0, the
+--   epoch marker (with a read; "" without) }.
 local a, n = tonumber(ARGV[1]), tonumber(ARGV[2])
 local turn, me, claim = KEYS[#KEYS], ARGV[#ARGV - 1], ARGV[#ARGV]
 local holder = redis.call('GET', turn)
@@ -84,7 +90,7 @@ if claim == '1' and not holder then
 end
 local others = (holder and holder ~= me) and 1 or 0
 if ARGV[3] == '' then
-  return { written, changed, string.format('%.17g', clock), {}, {}, others }
+  return { written, changed, string.format('%.17g', clock), {}, {}, others, '' }
 end
 local now = tonumber(ARGV[3])
 if now < 0 then
@@ -97,7 +103,14 @@ if r > 0 then
 end
 local after = '(' .. string.format('%.17g', now)
 local counts = {}
-for i = a + r + 1, #KEYS - 1 do
+for i = a + r + 1, #KEYS - 2 do
   counts[#counts + 1] = redis.call('ZCOUNT', KEYS[i], after, '+inf')
 end
-return { written, changed, string.format('%.17g', now), records, counts, others }
+local marker, epoch = KEYS[#KEYS - 1], redis.call('GET', KEYS[#KEYS - 1])
+if epoch then
+  redis.call('EXPIRE', marker, ARGV[#ARGV - 2])
+else
+  epoch = ARGV[#ARGV - 3]
+  redis.call('SET', marker, epoch, 'EX', ARGV[#ARGV - 2])
+end
+return { written, changed, string.format('%.17g', now), records, counts, others, epoch }

@@ -153,6 +153,7 @@
 mod batch;
 mod builder;
 mod cache;
+mod ledger;
 mod record;
 mod upkeep;
 mod wire;
@@ -654,7 +655,9 @@ impl Shared {
     /// Logs and counts a failed store call.
     fn failed(&self, what: &'static str, tool: &str, err: StoreError) -> StoreError {
         self.errors.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(store = "redis", op = what, tool, error = %err, "rate-limit store call failed");
+        if let Some(held_back) = crate::telemetry::let_through(what, tool) {
+            tracing::warn!(store = "redis", op = what, tool, error = %err, held_back, "rate-limit store call failed");
+        }
         err
     }
 
@@ -673,8 +676,30 @@ impl Shared {
         }
     }
 
-    /// Gives back the permits an admitted call took (and stops renewing them).
-    async fn release_call(&self, admission: &Admission) -> Result<(), StoreError> {
+    /// Gives back the permits an admitted call took (and stops renewing them). When Redis
+    /// cannot be reached, it is tried again in the background until it is given back or the
+    /// permits would have lapsed anyway: a live replica never leaves them to the permit TTL.
+    async fn release_call(self: &Arc<Self>, admission: &Admission) -> Result<(), StoreError> {
+        let first = self.release_once(admission).await;
+        if first.is_err() && admission.charge.holds_permits() {
+            let (sh, a) = (self.clone(), admission.clone());
+            tokio::spawn(async move {
+                let until = Instant::now() + sh.config.permit_ttl;
+                let mut wait = std::time::Duration::from_millis(100);
+                while Instant::now() < until {
+                    tokio::time::sleep(wait).await;
+                    if sh.release_once(&a).await.is_ok() {
+                        return;
+                    }
+                    wait = (wait * 2).min(std::time::Duration::from_secs(2));
+                }
+            });
+        }
+        first
+    }
+
+    /// One attempt of [`release_call`](Self::release_call).
+    async fn release_once(&self, admission: &Admission) -> Result<(), StoreError> {
         lock(&self.held).remove(&admission.call);
         let levels = LevelKeys::new(self.state_keys(&admission.keys));
         let keys = levels.for_release(&admission.charge);
@@ -697,9 +722,24 @@ impl Shared {
     }
 
     async fn renew_permits(&self, now: Timestamp) -> Result<u64, StoreError> {
+        self.renew(now, None).await
+    }
+
+    /// Puts back the permits of this store's calls of `tool` still running, after Redis lost
+    /// the tool's state: they count again at once, until the permit TTL (renewed as usual).
+    async fn revive_permits(&self, tool: &str) -> Result<u64, StoreError> {
+        self.renew(Timestamp(0), Some(tool)).await
+    }
+
+    /// Renews the permits of this store's calls still running (of `revive`'s tool only, when
+    /// given: and those its permits zsets lost are added again).
+    async fn renew(&self, now: Timestamp, revive: Option<&str>) -> Result<u64, StoreError> {
         // Per tool (one slot), per permits key: the ids to renew.
         let mut by_tool: HashMap<Arc<str>, HashMap<String, Vec<u8>>> = HashMap::new();
         for (call, held) in lock(&self.held).iter() {
+            if revive.is_some_and(|t| *t != *held.tool) {
+                continue;
+            }
             let keys = by_tool.entry(held.tool.clone()).or_default();
             for k in &held.keys {
                 keys.entry(k.clone())
@@ -713,6 +753,11 @@ impl Shared {
             let mut args = Vec::with_capacity(ids.len() + 2);
             args.push(format!("{}", self.now_arg(now)).into_bytes());
             args.push(self.config.permit_ttl.as_millis().to_string().into_bytes());
+            args.push(if revive.is_some() {
+                b"".to_vec()
+            } else {
+                b"XX".to_vec()
+            });
             args.extend(ids);
             let n: u64 = self
                 .guarded(

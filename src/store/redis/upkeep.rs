@@ -13,8 +13,14 @@ use super::{lock, wire, Shared};
 use crate::clock::Timestamp;
 use crate::store::StoreError;
 
-/// How long a tool's epoch marker outlives the last check that saw it.
-const MARKER_TTL: Duration = Duration::from_secs(86_400);
+/// How long a tool's epoch marker outlives the last read or check that saw it: longer than any
+/// record of the tool can live (a month's budget), so a marker that is missing means its
+/// records are gone too — lost, or never written.
+pub(super) const MARKER_TTL: Duration = Duration::from_secs(32 * 86_400);
+
+/// How often a store reads the epoch markers of the tools it decides for, so that a loss is
+/// noticed (and healed) on a tool this replica is not calling.
+const EPOCH_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// What [`RedisStore::check_health`](super::RedisStore::check_health) found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,6 +51,27 @@ pub(super) struct HealthState {
 }
 
 impl HealthState {
+    /// Notes the epoch marker of `tool` as read now; when it differs from the one last seen,
+    /// Redis lost the tool's state: logged (once per change, whoever reads it first) and
+    /// counted. Whether it differed.
+    pub(super) fn saw_epoch(&self, tool: &Arc<str>, now: &[u8]) -> bool {
+        let mut epochs = lock(&self.epochs);
+        let seen = epochs.insert(tool.clone(), Some(now.to_vec()));
+        drop(epochs);
+        let lost = matches!(seen, Some(Some(before)) if before != now);
+        if lost {
+            let n = self.lost.fetch_add(1, Ordering::Relaxed) + 1;
+            tracing::error!(
+                store = "redis",
+                tool = %tool,
+                times = n,
+                "Redis lost this tool's state (a restart without persistence, a flush or an eviction); this replica puts back what it admitted in the windows still open, but what replicas that went down with Redis admitted is lost: keep persistence on and maxmemory-policy noeviction"
+            );
+            crate::telemetry::state_lost("redis", tool);
+        }
+        lost
+    }
+
     /// Notes that the store decides for `tool`; a new tool's epoch marker is checked (and set)
     /// at once, so a loss soon after is noticed.
     pub(super) fn saw_tool(&self, shared: &Arc<Shared>, tool: &Arc<str>) {
@@ -90,13 +117,20 @@ impl Shared {
                 return;
             }
             let mut last_check: Option<Instant> = None;
+            let mut last_epochs = Instant::now();
             loop {
                 let Some(sh) = weak.upgrade() else { return };
                 let every = sh.config.upkeep_every;
                 if !every.is_zero() && last_check.is_none_or(|t| t.elapsed() >= every) {
                     last_check = Some(Instant::now());
+                    last_epochs = Instant::now();
                     if let Err(e) = sh.check_health().await {
                         tracing::debug!(store = "redis", error = %e, "health check failed");
+                    }
+                } else if !every.is_zero() && last_epochs.elapsed() >= EPOCH_CHECK_EVERY {
+                    last_epochs = Instant::now();
+                    if let Err(e) = sh.check_epochs().await {
+                        tracing::debug!(store = "redis", error = %e, "epoch check failed");
                     }
                 }
                 if let Some(cache) = &sh.cache {
@@ -110,7 +144,7 @@ impl Shared {
                 }
                 let mut tick = sh.config.permit_ttl / 3;
                 if !every.is_zero() {
-                    tick = tick.min(every);
+                    tick = tick.min(every).min(EPOCH_CHECK_EVERY);
                 }
                 drop(sh);
                 tokio::time::sleep(tick.max(Duration::from_millis(100))).await;
@@ -168,24 +202,33 @@ impl Shared {
             let _: i64 = self.query(redis::cmd("EXPIRE").arg(&key).arg(ttl)).await?;
         }
         let now = found.unwrap_or(mine);
-        let mut epochs = lock(&self.health.epochs);
-        let seen = epochs.insert(tool.clone(), Some(now.clone()));
-        let lost = matches!(seen, Some(Some(before)) if before != now);
-        drop(epochs);
-        if lost {
-            let n = self.health.lost.fetch_add(1, Ordering::Relaxed) + 1;
-            tracing::error!(
-                store = "redis",
-                tool = %tool,
-                times = n,
-                "Redis lost this tool's state (a restart without persistence, a flush or an eviction): counters and budgets started over, so up to one more period's capacity may be admitted; keep persistence on and maxmemory-policy noeviction"
-            );
-            crate::telemetry::state_lost("redis", tool);
+        let lost = self.health.saw_epoch(tool, &now);
+        Ok(lost)
+    }
+
+    /// Checks the epoch marker of every tool this store decides for; a tool whose state was
+    /// lost is healed by its worker (see `batch::Job::Heal`), which this waits for (within
+    /// the timeout of a worker's round trips). The tools found lost.
+    async fn check_epochs(self: &Arc<Self>) -> Result<Vec<String>, StoreError> {
+        let tools: Vec<Arc<str>> = lock(&self.health.epochs).keys().cloned().collect();
+        let mut lost = Vec::new();
+        let mut healed = Vec::new();
+        for tool in tools {
+            if self.check_epoch(&tool).await? {
+                let (reply, done) = tokio::sync::oneshot::channel();
+                super::batch::submit(self, &tool, super::batch::Job::Heal { reply });
+                healed.push(done);
+                lost.push(tool.to_string());
+            }
+        }
+        let bound = (self.config.timeout * 20).max(Duration::from_secs(5));
+        for done in healed {
+            let _ = tokio::time::timeout(bound, done).await;
         }
         Ok(lost)
     }
 
-    pub(super) async fn check_health(&self) -> Result<StoreHealth, StoreError> {
+    pub(super) async fn check_health(self: &Arc<Self>) -> Result<StoreHealth, StoreError> {
         self.backend()?;
         let mut health = StoreHealth {
             eviction_policy: self.config_value("maxmemory-policy").await,
@@ -199,12 +242,7 @@ impl Shared {
             (Some(_), Some(_)) => Some(false),
             _ => None,
         };
-        let tools: Vec<Arc<str>> = lock(&self.health.epochs).keys().cloned().collect();
-        for tool in tools {
-            if self.check_epoch(&tool).await? {
-                health.lost_tools.push(tool.to_string());
-            }
-        }
+        health.lost_tools = self.check_epochs().await?;
         health.states_lost = self.health.lost.load(Ordering::Relaxed);
         let evicts = health
             .eviction_policy

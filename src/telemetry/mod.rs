@@ -26,6 +26,10 @@
 //! weight, floor, share and ceiling the caller was owed, what it has left, and the tool's
 //! slack.
 
+mod gate;
+
+pub(crate) use gate::let_through;
+
 /// Counter of decisions.
 pub const DECISIONS: &str = "fairshare_decisions_total";
 /// Gauge of the tool's pool tokens left to lend.
