@@ -908,6 +908,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .await;
     }
 
+    /// For a graceful shutdown, once the server takes no more calls and those in flight have
+    /// ended: gives back every unit held in leases and waits for the store's background work
+    /// (permits of the calls that ended given back, refunds of callers that left), so that a
+    /// replica that stops leaves nothing for the permit TTL to clean up.
+    pub async fn shutdown(&self) {
+        self.return_leases().await;
+        self.inner.store.flush().await;
+    }
+
     /// Everything before the store: who is charged for what, at what time.
     pub(crate) fn prepare<'p>(
         &self,

@@ -1,8 +1,9 @@
-//! Clients that reset their connections, through real HTTP, on a Redis store (a server and a
-//! local 3-master Cluster the test starts): thousands of resets while the decision is on its
-//! way, while the inner service runs and while the body streams, across several tenants. Once
-//! the resets are over, no permit is left in Redis but those of calls still running, and every
-//! tenant's calls go through: a live replica never leaves its permits to the permit TTL.
+//! Calls that end early, through real HTTP, on a Redis store (a server and a local 3-master
+//! Cluster the test starts): thousands of connection resets while the decision is on its
+//! way, while the inner service runs and while the body streams, calls cut off by a timeout,
+//! across several tenants, and a replica that shuts down with calls in flight. Once they are
+//! over, no permit is left in Redis but those of calls still running, and every tenant's calls
+//! go through: a live replica never leaves its permits to the permit TTL.
 
 #![cfg(feature = "redis")]
 
@@ -46,6 +47,8 @@ enum Stage {
     Running,
     /// After the first chunk of a body that streams for 100 ms.
     Streaming,
+    /// Never: the app's timeout (100 ms) cuts the call off while the handler runs (300 ms).
+    TimedOut,
 }
 
 impl Stage {
@@ -54,6 +57,7 @@ impl Stage {
             Stage::Deciding => "deciding",
             Stage::Running => "running",
             Stage::Streaming => "streaming",
+            Stage::TimedOut => "timed-out",
         }
     }
 }
@@ -67,6 +71,14 @@ async fn handler(req: Request) -> Result<Response, Infallible> {
         }
         Some("streaming") => Ok(Response::new(Body::new(Chunks {
             left: 5,
+            next: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        }))),
+        Some("timed-out") => {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(Response::new(Body::from("too late")))
+        }
+        Some("long") => Ok(Response::new(Body::new(Chunks {
+            left: 1_000,
             next: Box::pin(tokio::time::sleep(Duration::ZERO)),
         }))),
         _ => Ok(Response::new(Body::from("ok"))),
@@ -109,13 +121,23 @@ async fn identify(mut req: Request, next: axum::middleware::Next) -> Response {
     next.run(req).await
 }
 
-async fn serve(store: RedisStore) -> std::net::SocketAddr {
-    let policy = Policy::from_toml_str(POLICY).unwrap();
-    let limiter = Limiter::with_store(policy, store, SystemClock);
-    let app = Router::new()
+fn app(limiter: Limiter<RedisStore>) -> Router {
+    Router::new()
         .route("/tools/{name}", any(handler))
         .layer(FairShareLayer::new(limiter).tool_from_path("/tools/"))
-        .layer(axum::middleware::from_fn(identify));
+        .layer(axum::middleware::from_fn(identify))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            http::StatusCode::REQUEST_TIMEOUT,
+            Duration::from_millis(100),
+        ))
+}
+
+fn limiter(store: RedisStore) -> Limiter<RedisStore> {
+    Limiter::with_store(Policy::from_toml_str(POLICY).unwrap(), store, SystemClock)
+}
+
+async fn serve(store: RedisStore) -> std::net::SocketAddr {
+    let app = app(limiter(store));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -152,6 +174,12 @@ async fn reset_at(addr: std::net::SocketAddr, tenant: String, stage: Stage, seed
             let mut buf = [0u8; 256];
             let _ = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
         }
+        Stage::TimedOut => {
+            // The whole answer (408, or a refusal), then a normal close.
+            let mut buf = [0u8; 1024];
+            let _ = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
+            return;
+        }
     }
     let _ = s.set_zero_linger();
     drop(s);
@@ -185,16 +213,33 @@ fn permits_in_redis(conns: &mut [redis::Connection]) -> u64 {
     held
 }
 
-fn flood_then_check(store: impl FnOnce() -> RedisStore, conns: &mut [redis::Connection]) {
+/// A store from `store`, once it has connected.
+async fn connected(store: &impl Fn() -> RedisStore) -> RedisStore {
+    let store = store();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.check_health().await.is_err() {
+        assert!(Instant::now() < deadline, "the store never connected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store
+}
+
+fn flood_then_check(store: impl Fn() -> RedisStore, conns: &mut [redis::Connection]) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let store = rt.block_on(async { store() });
+    let replica = &store;
+    let store = rt.block_on(connected(&store));
     let addr = rt.block_on(serve(store.clone()));
     let tenants: Vec<String> = (0..4).map(|i| format!("flooder-{i}")).collect();
-    for stage in [Stage::Deciding, Stage::Running, Stage::Streaming] {
+    for stage in [
+        Stage::Deciding,
+        Stage::Running,
+        Stage::Streaming,
+        Stage::TimedOut,
+    ] {
         rt.block_on(async {
             // 4 tenants × 1,000 connections each, 50 at a time.
             let mut seed = 0u64;
@@ -236,6 +281,86 @@ fn flood_then_check(store: impl FnOnce() -> RedisStore, conns: &mut [redis::Conn
             }
         });
     }
+    a_replica_shuts_down_with_calls_in_flight(&rt, replica, addr, conns);
+}
+
+/// A second replica takes long streaming calls that hold permits, then shuts down the way
+/// `fairshare serve` does: it stops, ends the connections still open, and waits for
+/// `Limiter::shutdown` before its runtime goes. Its permits are back in Redis at once: the
+/// first replica admits every tenant.
+fn a_replica_shuts_down_with_calls_in_flight(
+    rt: &tokio::runtime::Runtime,
+    store: impl Fn() -> RedisStore,
+    first: std::net::SocketAddr,
+    conns: &mut [redis::Connection],
+) {
+    // One thread: nothing runs on it but inside `block_on`, as in a process about to exit.
+    let replica = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let limiter = limiter(replica.block_on(connected(&store)));
+    let (mut connections, clients) = replica.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = app(limiter.clone());
+        let mut connections = tokio::task::JoinSet::new();
+        // Long calls by three tenants: nine permits held at the tool.
+        let mut clients = Vec::new();
+        for i in 0..9 {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            let req = format!(
+                "GET /tools/t HTTP/1.1\r\nhost: x\r\nx-tenant: long-{}\r\nx-stage: long\r\n\r\n",
+                i % 3
+            );
+            c.write_all(req.as_bytes()).await.unwrap();
+            clients.push(c);
+        }
+        for _ in 0..9 {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            connections.spawn(async move {
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+        for c in &mut clients {
+            let mut buf = [0u8; 64];
+            let n = c.read(&mut buf).await.unwrap();
+            assert!(
+                buf[..n].starts_with(b"HTTP/1.1 200"),
+                "a long call admitted"
+            );
+        }
+        (connections, clients)
+    });
+    assert!(
+        permits_in_redis(conns) >= 9,
+        "the long calls hold their permits"
+    );
+    replica.block_on(async {
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
+        limiter.shutdown().await;
+    });
+    drop(replica);
+    assert_eq!(
+        permits_in_redis(conns),
+        0,
+        "a replica that shut down left permits behind"
+    );
+    drop(clients);
+    rt.block_on(async {
+        for t in ["long-0", "long-1", "long-2", "innocent"] {
+            assert_eq!(
+                call(first, t).await,
+                200,
+                "{t} refused after the replica shut down"
+            );
+        }
+    });
 }
 
 #[test]
@@ -243,7 +368,7 @@ fn resets_at_every_stage_leave_no_permit_behind() {
     let server = RedisServer::start();
     let url = server.url();
     flood_then_check(
-        || RedisStore::builder(url).connect_lazy().unwrap(),
+        || RedisStore::builder(url.as_str()).connect_lazy().unwrap(),
         &mut [server.conn()],
     );
 }
@@ -254,7 +379,11 @@ fn resets_at_every_stage_leave_no_permit_behind_on_a_cluster() {
     let urls = cluster.urls();
     let mut conns: Vec<redis::Connection> = cluster.nodes.iter().map(|n| n.conn()).collect();
     flood_then_check(
-        || RedisStore::cluster_builder(urls).connect_lazy().unwrap(),
+        || {
+            RedisStore::cluster_builder(urls.clone())
+                .connect_lazy()
+                .unwrap()
+        },
         &mut conns,
     );
 }

@@ -240,11 +240,15 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             Some(key) => cli::serve::ConsoleAccess::WithKey(key.as_str().into()),
             None => cli::serve::ConsoleAccess::Off,
         };
-        let app = match &o.redis {
+        // What the gateway runs once it has stopped: the limiter's shutdown (leases and
+        // permits given back).
+        type Finish = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+        let (app, finish): (_, Finish) = match &o.redis {
             None => {
                 let limiter = tower_fairshare::Limiter::new(policy);
                 watch_policy(limiter.clone(), policy_file);
-                cli::serve::router_with(limiter, keys, on_gateway, console, o.limits)
+                let finish = finish_with(limiter.clone());
+                (cli::serve::router_with(limiter, keys, on_gateway, console, o.limits), finish)
             }
             Some(url) => {
                 // Lazily: a replica starts while Redis is down, and connects when it is back.
@@ -261,7 +265,8 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
                 let limiter =
                     tower_fairshare::Limiter::with_store(policy, store, tower_fairshare::SystemClock);
                 watch_policy(limiter.clone(), policy_file);
-                cli::serve::router_with(limiter, keys, on_gateway, console, o.limits)
+                let finish = finish_with(limiter.clone());
+                (cli::serve::router_with(limiter, keys, on_gateway, console, o.limits), finish)
             }
         };
         let listener = match bind(o.listen).await {
@@ -302,7 +307,9 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             tokio::spawn(cli::serve::run(l, app, o.limits, std::future::pending()));
         }
         let shutdown = shutdown_signal();
-        match cli::serve::run(listener, app, o.limits, shutdown).await {
+        let served = cli::serve::run(listener, app, o.limits, shutdown).await;
+        finish.await;
+        match served {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: the server stopped: {e}");
@@ -310,6 +317,13 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             }
         }
     })
+}
+
+/// The limiter's shutdown, to run once the gateway has stopped.
+fn finish_with<S: tower_fairshare::Store, C: tower_fairshare::Clock>(
+    limiter: tower_fairshare::Limiter<S, C>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move { limiter.shutdown().await })
 }
 
 /// Reloads the policy file on SIGHUP and whenever it changes (checked every second). An

@@ -244,6 +244,13 @@ pub trait Store: Send + Sync + 'static {
         let _ = now;
         self.inspect(keys)
     }
+
+    /// Waits until the work this store finishes in the background is done — permits of calls
+    /// that ended given back, charges of callers that left refunded — for a graceful shutdown
+    /// ([`Limiter::shutdown`](crate::Limiter::shutdown)). The default has none to wait for.
+    fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
+        std::future::ready(())
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -297,6 +304,9 @@ impl<S: Store> Store for Arc<S> {
         now: Timestamp,
     ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
         (**self).inspect_at(keys, now)
+    }
+    fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
+        (**self).flush()
     }
 }
 

@@ -301,7 +301,8 @@ pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets calls in flight finish
-/// (for up to 10 s). HTTP/1.1, with `limits` on every connection.
+/// (for up to 10 s) and ends the connections still open, so that what they hold (concurrency
+/// permits) is given back before this returns. HTTP/1.1, with `limits` on every connection.
 pub(crate) async fn run(
     listener: TcpListener,
     app: Router,
@@ -310,6 +311,7 @@ pub(crate) async fn run(
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
+    let mut connections = tokio::task::JoinSet::new();
     let mut shutdown = pin!(shutdown);
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -336,11 +338,13 @@ pub(crate) async fn run(
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(app.clone());
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        tokio::spawn(async move {
+        connections.spawn(async move {
             // A closed or timed-out connection is the client's business, not the server's.
             let _ = conn.await;
             drop(slot);
         });
+        // Connections that ended are let go of as the server runs.
+        while connections.try_join_next().is_some() {}
     }
     drop(listener);
     tokio::select! {
@@ -349,6 +353,8 @@ pub(crate) async fn run(
             eprintln!("warning: connections still open 10 s after shutdown began; closing them");
         }
     }
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
     Ok(())
 }
 

@@ -1241,6 +1241,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
         });
     }
     let now = admission.at;
+    let (reply, refunded) = oneshot::channel();
     submit(
         sh,
         &tool,
@@ -1248,9 +1249,15 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
             admission,
             factor: -1.0,
             now,
-            reply: None,
+            reply: Some(reply),
         },
     );
+    // Counted as background work until the refund is written (see `Store::flush`).
+    let working = sh.working();
+    tokio::spawn(async move {
+        let _working = working;
+        let _ = refunded.await;
+    });
 }
 
 /// What one batch's read found.

@@ -327,6 +327,9 @@ pub(super) async fn connect_in_background(shared: &std::sync::Weak<Shared>) -> b
         match connect_now(&s.config).await {
             Ok(b) => {
                 let _ = s.backend.set(b);
+                // The calls failed while it connected say nothing of the connection made:
+                // the next call goes to Redis, not to the fail-fast answer.
+                s.breaker.answered();
                 tracing::info!(store = "redis", "connected to Redis");
                 return true;
             }

@@ -161,7 +161,7 @@ mod wire;
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -316,6 +316,24 @@ impl Breaker {
     }
 }
 
+/// How much background work is under way, and a wake-up for when none is.
+#[derive(Debug, Default)]
+struct Pending {
+    count: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// A piece of background work under way, counted in [`Pending`] until it is dropped.
+struct Working(Arc<Shared>);
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        if self.0.pending.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.pending.idle.notify_waiters();
+        }
+    }
+}
+
 /// The permits a call of this store holds, so they can be renewed while it runs.
 #[derive(Debug)]
 struct HeldPermits {
@@ -337,6 +355,9 @@ struct Shared {
     breaker: Breaker,
     ids: CallIds,
     held: Mutex<HashMap<u128, HeldPermits>>,
+    /// Background work under way (permits given back, charges of callers that left
+    /// refunded): what [`Store::flush`] waits for.
+    pending: Pending,
     /// Each tool's queue of decisions and corrections (see `batch`).
     queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
@@ -394,6 +415,7 @@ impl RedisStore {
                 breaker: Breaker::new(),
                 ids: CallIds::new(),
                 held: Mutex::new(HashMap::new()),
+                pending: Pending::default(),
                 queues: Mutex::new(HashMap::new()),
                 health: upkeep::HealthState::default(),
             }),
@@ -680,10 +702,13 @@ impl Shared {
     /// cannot be reached, it is tried again in the background until it is given back or the
     /// permits would have lapsed anyway: a live replica never leaves them to the permit TTL.
     async fn release_call(self: &Arc<Self>, admission: &Admission) -> Result<(), StoreError> {
+        let _working = self.working();
         let first = self.release_once(admission).await;
         if first.is_err() && admission.charge.holds_permits() {
             let (sh, a) = (self.clone(), admission.clone());
+            let working = self.working();
             tokio::spawn(async move {
+                let _working = working;
                 let until = Instant::now() + sh.config.permit_ttl;
                 let mut wait = std::time::Duration::from_millis(100);
                 while Instant::now() < until {
@@ -696,6 +721,28 @@ impl Shared {
             });
         }
         first
+    }
+
+    /// Counts a piece of background work until the guard is dropped.
+    fn working(self: &Arc<Self>) -> Working {
+        self.pending.count.fetch_add(1, Ordering::AcqRel);
+        Working(self.clone())
+    }
+
+    /// Waits until no background work is under way (within the bound of a worker's round
+    /// trips).
+    async fn flush(&self) {
+        let bound = (self.config.timeout * 20).max(std::time::Duration::from_secs(5));
+        let idle = async {
+            loop {
+                let woken = self.pending.idle.notified();
+                if self.pending.count.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                woken.await;
+            }
+        };
+        let _ = tokio::time::timeout(bound, idle).await;
     }
 
     /// One attempt of [`release_call`](Self::release_call).
@@ -826,6 +873,10 @@ impl Store for RedisStore {
 
     async fn release<'a>(&'a self, admission: &'a Admission) -> Result<(), StoreError> {
         self.shared.release_call(admission).await
+    }
+
+    async fn flush(&self) {
+        self.shared.flush().await
     }
 
     async fn inspect<'a>(
