@@ -85,7 +85,9 @@ enum Command {
         /// The most a request may take (answered 503 past it).
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
         request_timeout: Duration,
-        /// The most connections open at once; more wait in the listen queue.
+        /// The most connections open at once. Past it, a new connection closes the oldest one
+        /// that has not sent a whole request head; when every one has, new ones wait in the
+        /// listen queue.
         #[arg(long, default_value_t = 1024)]
         max_connections: usize,
         /// Also log every decision (tracing target `tower_fairshare::decision`) on stderr.
@@ -197,8 +199,21 @@ struct ServeOptions {
     limits: cli::serve::Limits,
 }
 
+/// The listen queue asked of the kernel (which caps it at `net.core.somaxconn`): deep enough
+/// that the connections a flood brings back at once do not push a normal client's out.
+const LISTEN_QUEUE: u32 = 4096;
+
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ExitCode> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+    let listen = || {
+        let socket = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_QUEUE)
+    };
+    listen().map_err(|e| {
         eprintln!("error: cannot listen on {addr}: {e}");
         ExitCode::from(1)
     })

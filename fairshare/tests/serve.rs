@@ -8,6 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
@@ -630,5 +631,100 @@ fn simulate_on_redis_matches_memory_and_leaves_no_keys() {
     assert!(
         keys.iter().all(|k| k.ends_with('@')),
         "keys left behind: {keys:?}"
+    );
+}
+
+/// A client that opens a connection, sends a request line and then one more header line every
+/// 5 s, never a whole head, and opens another connection once the server closes it.
+async fn trickler(addr: SocketAddr, connected: std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = [0u8; 256];
+    loop {
+        let Ok(mut c) = tokio::net::TcpStream::connect(addr).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        connected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut line: &[u8] = b"POST /tools/generate_report HTTP/1.1\r\n";
+        loop {
+            if c.write_all(line).await.is_err() {
+                break;
+            }
+            line = b"x-trickle: 1\r\n";
+            tokio::select! {
+                read = c.read(&mut buf) => if !matches!(read, Ok(n) if n > 0) { break },
+                () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            }
+        }
+    }
+}
+
+/// One call on a connection of its own, as a plain HTTP/1.1 client: how long until the whole
+/// answer came (`None` past 25 s).
+async fn timed_call(addr: SocketAddr) -> Option<Duration> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = std::time::Instant::now();
+    let call = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(
+            b"POST /tools/generate_report HTTP/1.1\r\nhost: x\r\nx-api-key: sk-acme\r\n\
+              connection: close\r\ncontent-length: 0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).await.unwrap();
+        answer
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(25), call)
+        .await
+        .ok()?;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 "), "{answer}");
+    Some(started.elapsed())
+}
+
+/// 1,500 connections that trickle a header line every 5 s, at every flag's default, while a
+/// normal client calls for 12 s, past the moment the first flood connections reach their
+/// header timeout and come back. (Real time: the kernel's listen queue is part of what is
+/// tried, and it does not run on a test's clock.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_flood_leaves_a_normal_client_served_at_default_flags() {
+    let server = serve("flood");
+    let connected = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flood: Vec<_> = (0..1_500)
+        .map(|_| tokio::spawn(trickler(server.addr, connected.clone())))
+        .collect();
+    let began = std::time::Instant::now();
+    while connected.load(std::sync::atomic::Ordering::Relaxed) < 1_500
+        && began.elapsed() < Duration::from_secs(3)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut took = Vec::new();
+    let mut timed_out = 0;
+    let calling = std::time::Instant::now();
+    while calling.elapsed() < Duration::from_secs(12) {
+        match timed_call(server.addr).await {
+            Some(t) => took.push(t),
+            None => timed_out += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for attacker in flood {
+        attacker.abort();
+    }
+    took.sort();
+    let p99 = took[(took.len() * 99).div_ceil(100).saturating_sub(1)];
+    eprintln!(
+        "flood: {} calls answered, median {:?}, p99 {p99:?}, {timed_out} timed out",
+        took.len(),
+        took[took.len() / 2]
+    );
+    assert!(
+        timed_out == 0 && p99 < Duration::from_secs(1),
+        "{timed_out} calls timed out at 25 s; of {} answered, median {:?}, p99 {p99:?}",
+        took.len(),
+        took[took.len() / 2],
     );
 }

@@ -4,8 +4,9 @@
 //!
 //! It is meant to be exposable: every connection must send its request head within a time
 //! limit (a client trickling bytes, or an idle keep-alive connection, is closed), the number
-//! of open connections is capped (past it, new ones wait in the listen queue), each request
-//! has a time limit, and the metrics — which name tenants — are served only behind a key or
+//! of open connections is capped (past it, a new connection closes the oldest one that has
+//! not sent a whole request head; when every one has, new ones wait in the listen queue), each
+//! request has a time limit, and the metrics — which name tenants — are served only behind a key or
 //! on a listener of their own.
 
 use std::future::Future;
@@ -25,10 +26,12 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tower_fairshare::{Caller, Clock, FairShareLayer, Limiter, Policy, Store};
 
 use super::keys::Keys;
+use connections::{Connections, Heard};
+
+mod connections;
 
 /// The header the demo auth layer reads.
 pub(crate) const API_KEY: &str = "x-api-key";
@@ -42,7 +45,9 @@ pub(crate) struct Limits {
     /// The most a client may take to send a request head (and the longest an idle keep-alive
     /// connection stays open).
     pub(crate) header_timeout: Duration,
-    /// The most connections open at once; more wait in the listen queue.
+    /// The most connections open at once. Past it, a new connection closes the oldest one
+    /// that has not sent a whole request head; when every one has, new ones wait in the listen
+    /// queue.
     pub(crate) max_connections: usize,
     /// The most a request may take, head to response.
     pub(crate) request_timeout: Duration,
@@ -309,7 +314,7 @@ pub(crate) async fn run(
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let slots = Connections::new(limits.max_connections);
     let graceful = GracefulShutdown::new();
     let mut connections = tokio::task::JoinSet::new();
     let mut shutdown = pin!(shutdown);
@@ -318,11 +323,6 @@ pub(crate) async fn run(
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
     loop {
-        // A slot first: past the cap, connections wait in the kernel's listen queue.
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-            () = &mut shutdown => break,
-        };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -335,14 +335,28 @@ pub(crate) async fn run(
             },
             () = &mut shutdown => break,
         };
+        // Past the cap, the oldest connection that sent no request head makes room; when
+        // every one has, this one waits (and the next ones in the listen queue).
+        let slot = tokio::select! {
+            slot = slots.slot() => slot,
+            () = &mut shutdown => break,
+        };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
+        let id = slots.open();
+        let service = TowerToHyperService::new(Heard {
+            inner: app.clone(),
+            id,
+            connections: slots.clone(),
+        });
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        connections.spawn(async move {
+        let ended = slots.clone();
+        let task = connections.spawn(async move {
             // A closed or timed-out connection is the client's business, not the server's.
             let _ = conn.await;
+            ended.ended(id);
             drop(slot);
         });
+        slots.spawned(id, task);
         // Connections that ended are let go of as the server runs.
         while connections.try_join_next().is_some() {}
     }
@@ -433,8 +447,24 @@ mod tests {
         );
     }
 
+    /// One call on a connection of its own: how long the answer took (the limiter's clock is
+    /// not the paused one, so a fast run of calls may be answered 429).
+    async fn one_call(addr: std::net::SocketAddr) -> Duration {
+        let started = tokio::time::Instant::now();
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"POST /tools/t HTTP/1.1\r\nhost: x\r\nx-api-key: sk-a\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = until_closed(&mut c).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.1 429"),
+            "{answer}"
+        );
+        started.elapsed()
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn connections_past_the_cap_wait_until_idle_ones_are_closed() {
+    async fn past_the_cap_a_new_connection_closes_the_oldest_that_sent_no_head() {
         let limits = Limits {
             header_timeout: Duration::from_secs(5),
             max_connections: 2,
@@ -442,28 +472,26 @@ mod tests {
         };
         let addr = start(limits, None).await;
         // Two idle connections take both slots.
-        let mut idle = Vec::new();
-        for _ in 0..2 {
-            idle.push(TcpStream::connect(addr).await.unwrap());
-        }
-        tokio::task::yield_now().await;
-        let started = tokio::time::Instant::now();
-        let mut legit = TcpStream::connect(addr).await.unwrap();
-        legit.write_all(REQUEST).await.unwrap();
-        let mut buf = [0u8; 12];
-        tokio::time::timeout(Duration::from_secs(3600), legit.read_exact(&mut buf))
-            .await
-            .expect("never served")
-            .unwrap();
-        assert_eq!(&buf, b"HTTP/1.1 200");
-        // Served only once the idle connections were closed for not sending a head.
-        let waited = started.elapsed();
-        assert!(waited >= Duration::from_secs(5), "served after {waited:?}");
-        for mut c in idle {
-            assert_eq!(until_closed(&mut c).await, "");
-        }
+        let mut oldest = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut newer = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let took = one_call(addr).await;
+        assert!(took < Duration::from_millis(100), "served after {took:?}");
+        // The oldest idle one made room; the newer one is still open until its header timeout.
+        let closed = tokio::time::Instant::now();
+        assert_eq!(until_closed(&mut oldest).await, "");
+        assert!(closed.elapsed() < Duration::from_millis(100));
+        assert_eq!(until_closed(&mut newer).await, "");
+        assert!(
+            closed.elapsed() >= Duration::from_secs(4),
+            "{:?}",
+            closed.elapsed()
+        );
     }
 
+    /// A client that opens a connection, sends a request line and one more header line every
+    /// 5 s, and opens another once the server closes it.
     #[tokio::test(start_paused = true)]
     async fn a_request_past_its_time_limit_is_503() {
         let limits = Limits {
