@@ -1437,7 +1437,8 @@ fn resolve<'p>(
     tool: &str,
 ) -> Result<Resolved<'p>, Refusal> {
     let Some(tp) = policy.tool(tool) else {
-        let mut r = Refusal::new(Reason::PermissionDenied, tool);
+        // The name comes from the caller (a URL path, a tool call): it is echoed cut short.
+        let mut r = Refusal::new(Reason::PermissionDenied, crate::admission::echoed(tool));
         r.detail = Some("unknown_tool");
         fill_caller(&mut r, caller);
         return Err(r);

@@ -164,6 +164,33 @@ async fn refusals_never_reach_the_inner_service() {
 }
 
 #[tokio::test]
+async fn a_made_up_tool_name_is_not_echoed_whole() {
+    let (limiter, _clock) = limiter();
+    let (_, inner) = counting();
+    let mut svc = FairShareLayer::new(limiter).layer(inner);
+    let name = "x".repeat(16 * 1024);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request(
+            &format!("/tools/{name}"),
+            Some(internal("acme", "a")),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN);
+    let body = json(res).await;
+    let tool = body["tool"].as_str().unwrap();
+    assert!(
+        tool.len() < 200 && tool.starts_with("xxxx"),
+        "{} bytes",
+        tool.len()
+    );
+    assert_eq!(body["detail"], "unknown_tool");
+}
+
+#[tokio::test]
 async fn a_401_carries_the_challenge_the_app_sets() {
     let (limiter, _clock) = limiter();
     let (_calls, inner) = counting();

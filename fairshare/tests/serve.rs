@@ -377,6 +377,13 @@ async fn metrics_need_a_key_or_a_listener_of_their_own() {
     assert!(page.contains("fairshare console"), "{page}");
     let (status, _) = get(format!("http://{}/fairshare/state", open.addr), None).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "no console without a key");
+    // A path the gateway does not serve is 404 with a key set too: it neither asks for the
+    // key nor tells that a console is there.
+    for path in ["/nope", "/tools", "/fairshar"] {
+        let (status, body) = get(format!("http://{}{path}", keyed.addr), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(!body.contains("key"), "{path}: {body}");
+    }
     // The decision latency is a histogram, as documented (not a summary).
     assert!(
         body.contains("fairshare_decision_duration_seconds_bucket{"),

@@ -54,5 +54,5 @@ mod state;
 mod template;
 mod walk;
 
-pub(crate) use refusal::Kept;
+pub(crate) use refusal::{echoed, Kept};
 pub use refusal::{Reason, Refusal, RefusalDetails, Scope};

@@ -424,6 +424,22 @@ fn same_number(a: Option<f64>, b: Option<f64>) -> bool {
     a.map(f64::to_bits) == b.map(f64::to_bits)
 }
 
+/// The longest name a refusal echoes of what the caller made up (an unknown tool's).
+const ECHOED: usize = 128;
+
+/// `name`, cut to its first [`ECHOED`] bytes (at a character boundary) and marked `…` when
+/// longer: a refusal of a made-up 16 KB name does not carry it back whole.
+pub(crate) fn echoed(name: &str) -> Arc<str> {
+    if name.len() <= ECHOED {
+        return Arc::from(name);
+    }
+    let cut = (0..=ECHOED)
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    Arc::from(format!("{}…", &name[..cut]))
+}
+
 fn json_opt(o: &mut impl fmt::Write, s: Option<&str>) -> fmt::Result {
     match s {
         Some(s) => json_str(o, s),
@@ -501,6 +517,15 @@ impl std::error::Error for Refusal {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_made_up_name_is_echoed_cut_short() {
+        assert_eq!(&*echoed("web_search"), "web_search");
+        let long = "é".repeat(8 * 1024);
+        let cut = echoed(&long);
+        assert!(cut.len() <= ECHOED + '…'.len_utf8(), "{} bytes", cut.len());
+        assert!(cut.ends_with('…') && long.starts_with(cut.trim_end_matches('…')));
+    }
 
     #[test]
     fn json_has_every_field_and_parses() {

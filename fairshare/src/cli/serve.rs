@@ -109,9 +109,11 @@ pub(crate) fn router_with<S: Store, C: Clock>(
         ConsoleAccess::Off => {}
         ConsoleAccess::Open => app = app.nest_service("/fairshare", limiter.console()),
         ConsoleAccess::WithKey(key) => {
+            // `route_layer`: the key guards the console's own paths only, so a path the
+            // gateway does not serve stays 404 (and does not tell that a console is there).
             let guarded = Router::new()
                 .nest_service("/fairshare", limiter.console())
-                .layer(middleware::from_fn(move |req: Request, next: Next| {
+                .route_layer(middleware::from_fn(move |req: Request, next: Next| {
                     let key = key.clone();
                     async move {
                         let by_query = req.uri().query().is_some_and(|q| {
