@@ -333,6 +333,8 @@ pub struct LevelFigures {
     pub share: f64,
     /// Units above its floor it could pass now: for the tool, the pool left to lend.
     pub slack: f64,
+    /// Its budgets (the tool's own too), each with what was spent of it in its current window.
+    pub budgets: Vec<BudgetUse>,
 }
 
 /// What the next call of a caller would get and why, from the same decision as
@@ -395,7 +397,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     tenant: states[1].unwrap_or_default(),
                     instance: states[2].unwrap_or_default(),
                 };
-                let e = crate::admission::engine::explain(&plan, &snap);
+                let mut e = crate::admission::engine::explain(&plan, &snap);
+                for l in &mut e.levels {
+                    let (state, budgets) = match l.level {
+                        "tool" => (&snap.tool, &plan.tool.budgets),
+                        "tenant" => (&snap.tenant, &plan.tenant.policy.budgets),
+                        _ => match plan.instance {
+                            Some(i) => (&snap.instance, &i.policy.budgets),
+                            None => continue,
+                        },
+                    };
+                    l.budgets = budget_use(state, plan.now, budgets);
+                }
                 (plan.now, e.verdict, e.levels, true)
             }
         };
@@ -530,11 +543,16 @@ fn query(uri: &http::Uri) -> Result<HashMap<String, String>, String> {
     Ok(out)
 }
 
-#[derive(Serialize)]
-struct BudgetUse {
-    period: &'static str,
-    max: f64,
-    used: f64,
+/// A budget and what was spent of it in the calendar window that holds now.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[non_exhaustive]
+pub struct BudgetUse {
+    /// Its period: `hour`, `day`, `month`…
+    pub period: &'static str,
+    /// The most it lets through in a window.
+    pub max: f64,
+    /// Spent of it in the current window.
+    pub used: f64,
 }
 
 #[derive(Serialize)]
@@ -560,6 +578,8 @@ struct ToolView {
     capacity: f64,
     period: String,
     used: f64,
+    in_flight: f64,
+    budgets: Vec<BudgetUse>,
     window_ends_in_ms: u64,
     tenants: Vec<Row>,
 }
@@ -582,7 +602,16 @@ fn used_now(
     } else {
         0.0
     };
-    let b = budgets
+    (used, budget_use(s, now, budgets))
+}
+
+/// What a stored state says was spent of each budget in its window that holds `now`.
+fn budget_use(
+    s: &crate::admission::engine::NodeState,
+    now: Timestamp,
+    budgets: &[crate::policy::Budget],
+) -> Vec<BudgetUse> {
+    budgets
         .iter()
         .map(|b| {
             let start = b.period.window(now).0.as_micros() as f64;
@@ -596,8 +625,7 @@ fn used_now(
                     .map_or(0.0, |c| c.used),
             }
         })
-        .collect();
-    (used, b)
+        .collect()
 }
 
 impl<S: Store, C: Clock> Console<S, C> {
@@ -631,7 +659,7 @@ impl<S: Store, C: Clock> Console<S, C> {
             let period = tp.period().as_micros();
             let window =
                 crate::admission::engine::aligned_window(now.as_micros() as f64, period as f64);
-            let mut tool_used = 0.0;
+            let mut tool_state = None;
             let mut tenants = Vec::new();
             for t in tp.tenants() {
                 let Some(ta) = alloc.tenants.iter().find(|a| a.name == t.name()) else {
@@ -639,8 +667,8 @@ impl<S: Store, C: Clock> Console<S, C> {
                 };
                 let keys = keys_of(tp, &t.name, None);
                 let states = limiter.store().inspect_at(&keys, now).await?;
-                if let Some(s) = &states[0] {
-                    tool_used = used_now(s, window, now, &tp.budgets).0;
+                if let Some(s) = states[0] {
+                    tool_state = Some(s);
                 }
                 let s = states[1].unwrap_or_default();
                 let (used, budgets) = used_now(&s, window, now, &t.budgets);
@@ -707,16 +735,18 @@ impl<S: Store, C: Clock> Console<S, C> {
             }
             if tp.tenants().is_empty() {
                 let keys = keys_of(tp, &Arc::from(""), None);
-                if let Some(s) = &limiter.store().inspect_at(&keys, now).await?[0] {
-                    tool_used = used_now(s, window, now, &tp.budgets).0;
-                }
+                tool_state = limiter.store().inspect_at(&keys, now).await?[0];
             }
+            let tool_state = tool_state.unwrap_or_default();
+            let (used, budgets) = used_now(&tool_state, window, now, &tp.budgets);
             tools.push(ToolView {
                 name: tp.name().to_owned(),
                 unit: tp.unit().as_str(),
                 capacity: tp.capacity(),
                 period: tp.period().to_string(),
-                used: tool_used,
+                used,
+                in_flight: tool_state.in_flight,
+                budgets,
                 window_ends_in_ms: (period - now.as_micros() % period) / 1000,
                 tenants,
             });

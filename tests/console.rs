@@ -210,6 +210,51 @@ async fn explain_and_state_read_without_charging() {
     assert_eq!(spaced["tenant"], "heavy", "percent-decoded: {spaced}");
 }
 
+/// A tool's own budget, as a tenant's, is in the state and in `explain`, with what was spent.
+#[tokio::test]
+async fn the_tools_own_budget_is_shown_and_explained() {
+    const BUDGETED: &str = r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        budgets = [{ period = "hour", max = 5 }]
+        [tool.tenants.a]
+        budgets = [{ period = "day", max = 50 }]
+    "#;
+    let clock = ManualClock::new(EPOCH);
+    let policy = Policy::from_toml_str(BUDGETED).unwrap();
+    let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
+    let app = Router::new().nest_service("/fairshare", limiter.console());
+    let a = Caller::new("a");
+    for _ in 0..5 {
+        limiter.admit(&a, "t", Cost(1.0)).await.unwrap();
+    }
+    let (_, state) = get(&app, "/fairshare/state").await;
+    let tool = &state["tools"][0];
+    assert_eq!(
+        tool["budgets"],
+        serde_json::json!([{ "period": "hour", "max": 5.0, "used": 5.0 }]),
+        "{state}"
+    );
+    assert_eq!(tenant(&state, "a")["budgets"][0]["used"], 5.0, "{state}");
+    let (_, e) = get(&app, "/fairshare/explain?tool=t&tenant=a").await;
+    assert_eq!(e["admitted"], false, "{e}");
+    assert_eq!(e["reason"], "cap_exceeded", "{e}");
+    assert_eq!(e["levels"][0]["level"], "tool", "{e}");
+    assert_eq!(
+        e["levels"][0]["budgets"],
+        serde_json::json!([{ "period": "hour", "max": 5.0, "used": 5.0 }]),
+        "{e}"
+    );
+    assert_eq!(e["levels"][1]["budgets"][0]["max"], 50.0, "{e}");
+    // The next hour, the tool's budget is fresh again; the tenant's day budget is not.
+    clock.advance(Duration::from_secs(3600));
+    let (_, e) = get(&app, "/fairshare/explain?tool=t&tenant=a").await;
+    assert_eq!(e["levels"][0]["budgets"][0]["used"], 0.0, "{e}");
+    assert_eq!(e["levels"][1]["budgets"][0]["used"], 5.0, "{e}");
+}
+
 /// In shadow mode (`enforce = false`) `admit` lets a refused call through and logs the
 /// refusal: `explain` says the same.
 #[tokio::test]

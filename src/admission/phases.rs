@@ -444,6 +444,8 @@ pub(crate) fn figures(
             l.state.ceiling
         }
         .max(0.0),
+        // Filled in by the console, which holds each level's stored state.
+        budgets: Vec::new(),
     };
     let mut out = vec![of(&tool_level(plan, b, tool_state))];
     out.extend(b.levels[1..b.n].iter().map(of));
