@@ -513,11 +513,24 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
             };
             format!(
                 "{name} {} ({} unused)",
-                num(r.ceiling),
-                num((t.capacity - r.ceiling).max(0.0))
+                num(r.alone_ceiling),
+                num((t.capacity - r.alone_ceiling).max(0.0))
             )
         })
         .collect();
+    if let Some(template) = t.tenants.iter().find(|r| r.name == "*") {
+        let without: Vec<String> = listed()
+            .filter(|r| r.alone_ceiling != r.ceiling)
+            .map(|r| format!("{} {}", r.name, num(r.alone_ceiling)))
+            .collect();
+        if !without.is_empty() {
+            println!(
+                "  shares and ceilings above count one (default tenant) caller active (weight {}); each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
+                num(template.weight),
+                without.join(", ")
+            );
+        }
+    }
     println!(
         "  a tenant calling alone gets at most its ceiling: {}; to lend it more, raise its `ceiling` or set the tool's `default_ceiling = \"capacity\"`",
         alone.join(", ")

@@ -148,3 +148,64 @@ fn simulate_json_is_deterministic_and_within_capacity() {
     }
     assert_eq!(v["totals"].as_array().unwrap().len(), 4);
 }
+
+/// With a template tenant, `check` says its shares and ceilings count one template caller
+/// active, and gives what a listed tenant gets calling alone: what the limiter admits it.
+#[test]
+fn check_says_which_callers_its_ceilings_count() {
+    use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Timestamp};
+    const TEMPLATED: &str = "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 150, per = \"5s\" }\n\
+        [tool.tenants.heavy]\nweight = 6\nfloor = 25\n[tool.tenants.quiet]\nweight = 2\nfloor = 15\n\
+        [tool.default_tenant]\nweight = 1\nmax_tenants = 10\n";
+    let dir = std::env::temp_dir().join(format!("fairshare-cli-alone-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("templated.toml");
+    std::fs::write(&path, TEMPLATED).unwrap();
+    let (code, out, _) = fairshare(&["check", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(code, 0, "{out}");
+    let heavy_row: Vec<&str> = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("heavy"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(heavy_row[4], "98.3", "{out}");
+    assert!(
+        out.contains("count one (default tenant) caller active")
+            && out.contains("with none active the ceilings are heavy 107.5, quiet 42.5"),
+        "{out}"
+    );
+    assert!(
+        out.contains("a tenant calling alone gets at most its ceiling: heavy 107.5"),
+        "{out}"
+    );
+
+    // heavy alone, offered far more than it can get, one call every 10 ms: what one whole
+    // aligned period (after the first, which starts with a full burst) admits.
+    let clock = ManualClock::new(Timestamp(1_767_225_600_000_000));
+    let limiter = Limiter::with_store(
+        Policy::from_toml_str(TEMPLATED).unwrap(),
+        MemoryStore::new(),
+        clock.clone(),
+    );
+    let heavy = Caller::new("heavy");
+    let admitted = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let mut in_second = 0;
+            for step in 0..1_000 {
+                let ok = limiter.admit(&heavy, "t", Cost(1.0)).await.is_ok();
+                if ok && (500..1_000).contains(&step) {
+                    in_second += 1;
+                }
+                clock.advance(std::time::Duration::from_millis(10));
+            }
+            in_second
+        });
+    assert!(
+        (107..=108).contains(&admitted),
+        "heavy alone was admitted {admitted} in a period, check says 107.5"
+    );
+}

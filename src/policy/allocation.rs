@@ -51,6 +51,10 @@ pub struct TenantAllocation {
     pub share: f64,
     /// Ceiling per period (explicit, or floor + share).
     pub ceiling: f64,
+    /// The ceiling when no caller of the template is active (a listed tenant calling alone):
+    /// above [`ceiling`](Self::ceiling) when the tool has a template, whose one active caller
+    /// the share and ceiling count; the same otherwise, and for the template itself.
+    pub alone_ceiling: f64,
     /// Burst above the floor.
     pub burst: f64,
     /// Budgets as `(period, max)`.
@@ -94,12 +98,12 @@ pub(super) fn compute(policy: &Policy) -> Allocation {
 fn tool(t: &ToolPolicy) -> ToolAllocation {
     let spare = t.spare();
     let weight = t.configured_weight + t.default_tenant.as_ref().map_or(0.0, |d| d.weight);
-    let tenants = t
-        .tenants
-        .iter()
-        .chain(t.default_tenant.as_ref())
-        .map(|l| tenant(l, spare, weight))
-        .collect();
+    let listed = t.tenants.iter().map(|l| TenantAllocation {
+        alone_ceiling: level_numbers(l, spare, t.configured_weight).ceiling,
+        ..tenant(l, spare, weight)
+    });
+    let template = t.default_tenant.iter().map(|d| tenant(d, spare, weight));
+    let tenants = listed.chain(template).collect();
     ToolAllocation {
         name: t.name.to_string(),
         unit: t.unit.as_str(),
@@ -142,6 +146,7 @@ fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
         weight: l.weight,
         share,
         ceiling,
+        alone_ceiling: ceiling,
         burst: l.burst,
         budgets: budgets(&l.budgets),
         instances,
