@@ -5,10 +5,10 @@
 
 #![cfg(feature = "redis")]
 
+#[path = "support/logs.rs"]
+mod logs;
 mod support;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::RedisServer;
@@ -86,38 +86,6 @@ fn restart_empty(server: &RedisServer) {
     assert!(server.spawn(), "redis-server restarted");
 }
 
-/// The log lines of `run`, which drives everything on this thread. (A process-wide
-/// subscriber that keeps this thread's lines: a thread's own default misses events whose
-/// call sites another test's thread registered first.)
-fn logged(run: impl FnOnce()) -> String {
-    #[derive(Clone, Default)]
-    struct Lines(Arc<Mutex<Vec<u8>>>);
-    impl Write for Lines {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let lines = Lines::default();
-    let writer = lines.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_thread_names(true)
-        .finish();
-    tracing::subscriber::set_global_default(subscriber).expect("one test sets the subscriber");
-    run();
-    let me = std::thread::current().name().unwrap_or_default().to_owned();
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-    text.lines()
-        .filter(|l| l.contains(&me))
-        .map(|l| format!("{l}\n"))
-        .collect()
-}
-
 fn current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -134,7 +102,7 @@ fn current_thread() -> tokio::runtime::Runtime {
 fn an_empty_restart_mid_hour_admits_nothing_more_with_every_replica_alive() {
     let server = RedisServer::start();
     let clock = ManualClock::new(MID_HOUR);
-    let log = logged(|| {
+    let log = logs::logged(|| {
         current_thread().block_on(async {
             let (a, b) = (
                 replica(&server, &clock).await,
