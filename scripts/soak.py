@@ -4,8 +4,14 @@
 Tenants with floors, a tenant with many instances, a churn of template tenants, a fail-open
 tool, unknown keys; clients that disconnect at random (some after sending the whole request,
 while the decision is in flight); SIGHUP reloads every minute; one Redis restart (SIGKILL,
-no persistence) half-way. Then it checks, and prints:
+no persistence) half-way; four connection-reset floods (2,000 connections from four tenants
+that send a call and reset it, SO_LINGER 0, at once or 1-2 ms later, 50 at a time). Then it
+checks, and prints:
 
+  - after each flood, within 1 s: the permits of `search` held in Redis are those of calls
+    in flight (at most 10), and an innocent tenant's calls are not refused
+    `concurrency_exceeded`;
+  - logs proportional to events: at most 16 WARN/ERROR lines in any second per replica;
   - RSS of each replica flat after warm-up: sampled every 10 s, every sample within +-10 % of
     the median after warm-up, and no growth (the mean of the last third within 10 % of the
     first third's);
@@ -28,6 +34,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -212,6 +219,74 @@ async def client(replicas, profile, rate, until, stats, rng):
         w.close()
 
 
+def redis_command(port, *args):
+    """One command to the soak's Redis, its integer or bulk answer (RESP, no client library)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        req = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+        s.sendall(req.encode())
+        answer = s.recv(65536).decode(errors="replace")
+    if answer.startswith(":"):
+        return int(answer[1:].split("\r\n")[0])
+    return answer
+
+
+async def reset_one(replica, key, rng):
+    """A call sent and the connection reset (RST) at once or 1-2 ms later."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, (replica.host, replica.port)), 5)
+        await loop.sock_sendall(sock, (f"POST /tools/search HTTP/1.1\r\nhost: soak\r\n"
+                                       f"x-api-key: {key}\r\ncontent-length: 0\r\n\r\n").encode())
+        if rng.random() < 0.5:
+            await asyncio.sleep(rng.uniform(0.001, 0.002))
+    except (OSError, asyncio.TimeoutError):
+        pass
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+async def reset_flood(replicas, rng, per_tenant=500):
+    """Four tenants (two instances of B, two template tenants) each reset `per_tenant` calls,
+    50 at a time, over both replicas."""
+    keys = ["sk-b0", "sk-b1", f"sk-t{rng.randrange(TEMPLATE_TENANTS)}",
+            f"sk-t{rng.randrange(TEMPLATE_TENANTS)}"]
+    jobs = [(replicas[i % len(replicas)], k) for k in keys for i in range(per_tenant)]
+    rng.shuffle(jobs)
+    for i in range(0, len(jobs), 50):
+        await asyncio.gather(*(reset_one(rep, k, rng) for rep, k in jobs[i:i + 50]))
+    return len(jobs)
+
+
+async def probe(replica, key, n=10):
+    """`n` calls by `key` on a connection of its own: the error of each refused one."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(replica.host, replica.port), 5)
+    errors = []
+    try:
+        for _ in range(n):
+            writer.write((f"POST /tools/search HTTP/1.1\r\nhost: soak\r\nx-api-key: {key}\r\n"
+                          "content-length: 0\r\n\r\n").encode())
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 10)
+            length = 0
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                name, _, value = line.decode().partition(":")
+                if name.lower() == "content-length":
+                    length = int(value.strip())
+            body = (await reader.readexactly(length)).decode() if length else ""
+            if int(status_line.split()[1]) != 200:
+                errors.append(body)
+    finally:
+        writer.close()
+    return errors
+
+
 async def scrape(replica):
     reader, writer = await asyncio.open_connection(replica.host, replica.port)
     writer.write(f"GET /metrics HTTP/1.1\r\nhost: soak\r\nauthorization: Bearer {METRICS_KEY}\r\n"
@@ -301,6 +376,8 @@ async def main():
     rss_samples = []  # (elapsed, rss0, rss1), every 10 s
     outage = None  # (killed_at, restarted_at)
     restart_at = duration / 2
+    floods_at = [duration * k / 8 for k in (1, 3, 5, 7)]
+    floods = []  # (elapsed, resets, permits held 1 s later, innocent refused concurrency_exceeded)
     next_hup, next_sample, next_rss = 60.0, 0.0, 0.0
     while time.monotonic() < until:
         await asyncio.sleep(1)
@@ -312,6 +389,17 @@ async def main():
             redis.start()
             outage = (killed, time.time())
             print(f"  {elapsed:6.0f}s  redis killed (SIGKILL, no persistence) and restarted 3 s later")
+        if floods_at and elapsed >= floods_at[0]:
+            floods_at.pop(0)
+            resets = await reset_flood(replicas, rng)
+            await asyncio.sleep(1)
+            held = redis_command(redis.port, "ZCARD", "fs5{search}T!")
+            innocent = []
+            for rep in replicas:
+                innocent += [e for e in await probe(rep, "sk-b19") if "concurrency" in e]
+            floods.append((elapsed, resets, held, len(innocent)))
+            print(f"  {elapsed:6.0f}s  {resets} connections reset; 1 s later {held} permits of "
+                  f"`search` held in Redis, {len(innocent)} innocent calls refused for concurrency")
         if elapsed >= next_hup:
             next_hup += 60
             for rep in replicas:
@@ -367,13 +455,28 @@ async def main():
     if fivexx:
         failures.append(f"{len(fivexx)} 5xx outside the outage")
 
+    for at, resets, held, innocent in floods:
+        if held > 10 or innocent:
+            failures.append(f"the flood at {at:.0f} s left {held} permits held and "
+                            f"{innocent} innocent calls refused for concurrency")
+    print(f"  reset floods: {len(floods)}, {sum(f[1] for f in floods)} connections; permits held "
+          f"1 s after each: {[f[2] for f in floods]}; innocent calls refused for concurrency: "
+          f"{sum(f[3] for f in floods)}")
+    if len(floods) < 4:
+        failures.append(f"only {len(floods)} reset floods ran")
+
     panics = 0
+    loud = []  # per replica: WARN/ERROR lines, and the most in one second
     admitted = []  # (at_us, tool, tenant)
     lost = 0
     pat = re.compile(r'tool="([^"]*)" tenant="([^"]*)".*outcome="admitted".*at_us=(\d+)')
     for rep in replicas:
+        per_second = {}
         with open(rep.log_path) as f:
             for line in f:
+                if " WARN " in line or " ERROR " in line:
+                    second = line[:19]
+                    per_second[second] = per_second.get(second, 0) + 1
                 if "panicked" in line:
                     panics += 1
                 if "lost this tool's state" in line:
@@ -382,7 +485,12 @@ async def main():
                     m = pat.search(line)
                     if m:
                         admitted.append((int(m.group(3)), m.group(1), m.group(2)))
+        loud.append((sum(per_second.values()), max(per_second.values(), default=0)))
     print(f"  panics: {panics}")
+    print(f"  WARN/ERROR lines per replica (total, most in one second): {loud}")
+    for i, (_, most) in enumerate(loud):
+        if most > 16:
+            failures.append(f"replica {i} wrote {most} WARN/ERROR lines in one second")
     if panics:
         failures.append(f"{panics} panics")
     print(f"  state loss noticed by the replicas: {lost} log lines (expected after the restart)")

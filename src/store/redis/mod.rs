@@ -43,7 +43,7 @@
 //! |---|---|---|
 //! | `fs5{<tool>}T` | string | the tool's record: shared pool, window counters, budgets |
 //! | `fs5{<tool>}T!` | zset | the tool's concurrency permits (member: a call's id, score: when its permit lapses, µs) |
-//! | `fs5{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a day's TTL, renewed by every check) |
+//! | `fs5{<tool>}T@` | string | the tool's epoch marker (see *State loss*; a 32-day TTL, longer than a month's budget, renewed as the tool is used) |
 //! | `fs5{<tool>}t<tenant>` / `u<client>` | string | a tenant's / an untenanted caller's record |
 //! | `fs5{<tool>}t<tenant>!` | zset | the tenant's permits |
 //! | `fs5{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
@@ -88,11 +88,14 @@
 //!
 //! A call whose caller went away — its future dropped (a client disconnected) or cut off by
 //! the [timeout](RedisStoreBuilder::timeout) — is never decided if it had not been yet. One
-//! decided after its caller left (it took a permit, it was charged) is given back in the
-//! background: its units refunded at every level, through the same queue, and its permits
-//! released. No path leaks a permit or a unit; a batch whose write is lost with the connection
-//! keeps its units, and its permits lapse after the permit TTL. [`RedisStore::abandoned`]
-//! counts the calls given back.
+//! decided after its caller left (it took a permit, it was charged), even one whose answer
+//! came in as the caller left, is given back in the background: its units refunded at every
+//! level, through the same queue, and its permits released. A permit is released when its call
+//! ends however it ends (the response sent, the client reset while the inner service ran or
+//! the body streamed, a timeout, [`Limiter::shutdown`](crate::Limiter::shutdown) on a replica
+//! that stops); the permit TTL is there for a replica that died. A write lost with the
+//! connection is tried once more on a fresh one. [`RedisStore::abandoned`] counts the calls
+//! given back.
 //!
 //! # Faults
 //!
@@ -105,21 +108,39 @@
 //! [`RedisStoreBuilder::connect_lazy`] starts a store while Redis is down. After three
 //! decisions in a row could not reach Redis, the store fails fast: calls get
 //! [`StoreError::Unavailable`] at once instead of waiting out the timeout, and one probe every
-//! 100 ms finds out when Redis is back.
+//! 100 ms finds out when Redis is back; a call that meets a connection broken by a restart is
+//! tried once more, so callers do not see the reconnect. The log is in proportion to events,
+//! not calls: a few lines a second of each kind per tool, each saying how many like it were
+//! held back (`held_back`); the metrics count every error.
 
 //!
 //! # State loss
 //!
 //! Exact counts and budgets need Redis to keep what it is given: **persistence on** (AOF,
-//! `appendfsync everysec`, or RDB snapshots) **and `maxmemory-policy noeviction`**. A restart
-//! without persistence, a `FLUSHALL` or an evicted key resets the counters it held: for up to
-//! one period every affected level admits as if fresh (at most its capacity again), and
-//! calendar budgets start over. The store makes this visible: it checks the server's
-//! configuration at start-up and every [few seconds](RedisStoreBuilder::health_checks_every),
-//! warning (log, and the `fairshare_store_risk` gauge) when the eviction policy can evict or
-//! persistence is off, and it keeps an epoch marker per tool: when a marker it saw disappears
-//! or changes, the state was lost, which it logs as an error and counts
-//! (`fairshare_store_state_lost_total`). See [`RedisStore::check_health`].
+//! `appendfsync everysec`, or RDB snapshots) **and `maxmemory-policy noeviction`**. The store
+//! checks the server's configuration at start-up and every
+//! [few seconds](RedisStoreBuilder::health_checks_every), warning (log, and the
+//! `fairshare_store_risk` gauge) when the eviction policy can evict or persistence is off.
+//!
+//! When the state is lost anyway (a restart without persistence, a `FLUSHALL`, an eviction),
+//! the live replicas heal it. Each tool has an epoch marker, read in the same round trip as
+//! the records: the first batch that reads an emptied state sees the marker gone, and the
+//! replica puts back, before deciding anything on it, what it admitted itself in the windows
+//! and budget windows still open (every replica keeps a ledger of what its landed writes
+//! counted), and forgets the refusals it remembered for that tool. A replica with no call
+//! in the meantime finds the loss by its health check within a second and does the same.
+//! The loss is logged once per tool and replica and counted
+//! (`fairshare_store_state_lost_total`); see [`RedisStore::check_health`].
+//!
+//! **The bound.** After a loss, a window or budget admits at most its limit plus what the
+//! replicas that died together with Redis had admitted in it (nobody is left to put that
+//! back), plus — until every live replica has put back its part — the room its part leaves.
+//! A live replica puts back its part in its first round trip for the tool after the loss, or
+//! within a second by its epoch check if it has no call of the tool meanwhile, so that room is
+//! open for at most a second. Buckets start full after a loss, so each level may also pass one
+//! burst early; template callers count again as they call. With every replica alive, a spent
+//! budget admits nothing more once each has put back its part (`tests/redis_state_loss.rs`
+//! restarts Redis empty in the middle of an hour and counts).
 //!
 //! # Refusal cache
 //!
