@@ -20,6 +20,7 @@ mod body;
 mod generic;
 #[allow(clippy::module_inception)]
 mod layer;
+mod mcp;
 mod refusal;
 mod select;
 mod service;
@@ -32,6 +33,7 @@ use std::task::{Context, Waker};
 pub use body::ResponseBody;
 pub use generic::{Describe, Described, DescribedFuture, DescribedLayer, FairShareError};
 pub use layer::FairShareLayer;
+pub use mcp::{FairShareMcp, McpFuture, McpLayer, McpRefusals, MCP_REFUSED};
 /// The refusal response the layer sends, for `IntoResponse for Refusal` (feature `axum`).
 #[cfg(feature = "axum")]
 pub(crate) use refusal::response as refusal_response;

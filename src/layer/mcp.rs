@@ -1,0 +1,378 @@
+//! MCP mode: a fair share per tool of an MCP server's `tools/call`, and refusals a model
+//! reads (see [`McpLayer`]).
+
+mod jsonrpc;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use tower_layer::Layer;
+use tower_service::Service;
+
+pub use jsonrpc::REFUSED as MCP_REFUSED;
+
+use super::body::ResponseBody;
+use super::layer::{FairShareLayer, Shared};
+use super::refusal::{admitted_headers, render};
+use super::select::{Identity, RequestHead};
+use super::Held;
+use crate::identity::{Caller, Cost};
+use crate::Refusal;
+
+/// The largest body read by default: 4 MiB.
+const MAX_BODY: usize = 4 << 20;
+
+/// How a refused `tools/call` is answered (see [`McpLayer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum McpRefusals {
+    /// A tool result with `isError: true`, the advice as text and the refusal as
+    /// `structuredContent` (the default: the model sees it).
+    #[default]
+    ToolResult,
+    /// A JSON-RPC error, code [`MCP_REFUSED`], the advice as `message` and the refusal as
+    /// `data` (the client sees it; a model sees what its client passes on).
+    Error,
+}
+
+/// The policy tool an MCP tool name is called as (`None`: not metered).
+type ToolMap = dyn Fn(&str) -> Option<Arc<str>> + Send + Sync;
+
+#[derive(Clone)]
+struct Options {
+    max_body: usize,
+    refusals: McpRefusals,
+    tool: Option<Arc<ToolMap>>,
+    others: Option<Arc<str>>,
+}
+
+/// [`FairShareLayer`] in MCP mode ([`FairShareLayer::mcp`]). Cheap to clone.
+///
+/// An MCP server over streamable HTTP has one endpoint; the tool a request calls is in its
+/// JSON-RPC body (`params.name` of `tools/call`). [`FairShareLayer::mcp`] reads the body (at
+/// most [`McpLayer::max_body`] bytes), decides a `tools/call` as a call of that tool — tiers,
+/// nested levels, budgets, concurrency, the [`Cost`] extension — and hands the request on with
+/// its body byte for byte unchanged. Every other message (`initialize`, `tools/list`, `ping`,
+/// notifications, responses, `GET` and `DELETE` on the endpoint) passes unmetered, unless
+/// [`meter_others`](McpLayer::meter_others) names a tool to count them as.
+///
+/// A refused `tools/call` is answered in the protocol's own terms, HTTP 200: by default a tool
+/// result with `isError: true`, a text saying what was limited, for whom and when to retry
+/// (or that retrying will not help), and the refusal's JSON as `structuredContent` — the
+/// tool-execution error MCP defines so that the model sees it. With
+/// [`McpRefusals::Error`], a JSON-RPC error of code [`MCP_REFUSED`] with the refusal as `data`.
+/// A caller with no identity gets the layer's HTTP 401 with its `WWW-Authenticate`.
+///
+/// What is not a message this server takes is answered with the JSON-RPC error a client
+/// expects, HTTP 400, and never reaches the server or charges anything: a body that is not
+/// JSON (`-32700`), not JSON-RPC 2.0 or a `tools/call` without an id (`-32600`), a
+/// `tools/call` without a tool name (`-32602`), a body past the limit (HTTP 413, `-32600`). A
+/// JSON-RPC batch (an array, which the current protocol revision no longer has) passes
+/// unmetered when none of its members is a `tools/call`; one that holds a `tools/call` is
+/// refused with `-32600`, so no call escapes its limit inside a batch.
+///
+/// An admitted call's concurrency permits are held until the response ends — an SSE stream
+/// until its last event — and given back when the client goes away.
+///
+/// ```
+/// use tower_fairshare::{FairShareLayer, Limiter, McpRefusals, Policy};
+///
+/// # let policy = Policy::from_toml_str("[[tool]]\nname = \"generate_report\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+/// let layer = FairShareLayer::new(Limiter::new(policy))
+///     .mcp()                              // the tool is `params.name` of `tools/call`
+///     .max_body(1 << 20)                  // read at most 1 MiB of a request
+///     .refusals(McpRefusals::ToolResult); // the default: the model reads the refusal
+/// // axum: Router::new().nest_service("/mcp", mcp_service).layer(layer)
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct McpLayer {
+    shared: Arc<Shared>,
+    options: Arc<Options>,
+}
+
+impl fmt::Debug for McpLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("McpLayer")
+            .field("max_body", &self.options.max_body)
+            .field("refusals", &self.options.refusals)
+            .field("others", &self.options.others)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FairShareLayer {
+    /// MCP mode: the tool of a request is the `params.name` of its JSON-RPC `tools/call`
+    /// body, and refusals are answered in JSON-RPC (see [`McpLayer`]). Identity, headers,
+    /// enforcement and the challenge are this layer's.
+    pub fn mcp(self) -> McpLayer {
+        McpLayer {
+            shared: self.shared,
+            options: Arc::new(Options {
+                max_body: MAX_BODY,
+                refusals: McpRefusals::default(),
+                tool: None,
+                others: None,
+            }),
+        }
+    }
+}
+
+impl McpLayer {
+    fn with(self, f: impl FnOnce(&mut Options)) -> Self {
+        let mut options = Options::clone(&self.options);
+        f(&mut options);
+        McpLayer {
+            shared: self.shared,
+            options: Arc::new(options),
+        }
+    }
+
+    /// The most bytes of a request body read (default 4 MiB): past it the request is
+    /// answered 413 with a JSON-RPC error, nothing charged, the server not called.
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|o| o.max_body = bytes)
+    }
+
+    /// How a refused `tools/call` is answered (default [`McpRefusals::ToolResult`]).
+    pub fn refusals(self, how: McpRefusals) -> Self {
+        self.with(|o| o.refusals = how)
+    }
+
+    /// The policy's tool for MCP tool `name` is `prefix` + `name` (e.g. `"crm."`: the MCP
+    /// tool `lookup` is the policy's `crm.lookup`).
+    pub fn tool_prefix(self, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        self.map_tool(move |name| Some(Arc::from(format!("{prefix}{name}"))))
+    }
+
+    /// The policy's tool for an MCP tool name is what `f` says; `None` lets the call through
+    /// unmetered. (Without it: the same name. A name the policy does not know is refused.)
+    pub fn map_tool<F>(self, f: F) -> Self
+    where
+        F: Fn(&str) -> Option<Arc<str>> + Send + Sync + 'static,
+    {
+        let f: Arc<ToolMap> = Arc::new(f);
+        self.with(|o| o.tool = Some(f))
+    }
+
+    /// Counts every message that is not a `tools/call` (`initialize`, `tools/list`,
+    /// notifications, `GET` streams) as a call of the policy's `tool`, refused as such.
+    pub fn meter_others(self, tool: impl Into<Arc<str>>) -> Self {
+        let tool = tool.into();
+        self.with(|o| o.others = Some(tool))
+    }
+}
+
+impl<S> Layer<S> for McpLayer {
+    type Service = FairShareMcp<S>;
+
+    fn layer(&self, inner: S) -> FairShareMcp<S> {
+        FairShareMcp {
+            inner,
+            shared: self.shared.clone(),
+            options: self.options.clone(),
+        }
+    }
+}
+
+/// A service behind an [`McpLayer`]: its requests reach it with their body read, as
+/// `Request<Full<Bytes>>`.
+#[derive(Clone)]
+pub struct FairShareMcp<S> {
+    inner: S,
+    shared: Arc<Shared>,
+    options: Arc<Options>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for FairShareMcp<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairShareMcp")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The future of [`FairShareMcp`]'s response.
+pub type McpFuture<ResB, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<ResB>>, E>> + Send>>;
+
+impl<S, B, ResB> Service<Request<B>> for FairShareMcp<S>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    ResB: http_body::Body + Send + 'static,
+    ResB::Data: From<Bytes>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = McpFuture<ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service was driven ready; a clone takes its place for the next call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let (shared, options) = (self.shared.clone(), self.options.clone());
+        Box::pin(serve(inner, shared, options, req))
+    }
+}
+
+/// One request: its body read, its message found, decided, and handed on or answered.
+async fn serve<S, B, ResB>(
+    mut inner: S,
+    shared: Arc<Shared>,
+    options: Arc<Options>,
+    req: Request<B>,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResB>>,
+    B: http_body::Body,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    ResB: http_body::Body,
+{
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, options.max_body).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            let message = format!(
+                "the request body is larger than {} bytes, the most this server reads",
+                options.max_body
+            );
+            let body = jsonrpc::error(None, jsonrpc::INVALID_REQUEST, &message, None);
+            return Ok(answer(StatusCode::PAYLOAD_TOO_LARGE, body));
+        }
+        Err(_) => {
+            let body = jsonrpc::error(
+                None,
+                jsonrpc::INVALID_REQUEST,
+                "the request body could not be read",
+                None,
+            );
+            return Ok(answer(StatusCode::BAD_REQUEST, body));
+        }
+    };
+    let message = if parts.method == Method::POST {
+        jsonrpc::read(&body)
+    } else {
+        jsonrpc::Message::Other
+    };
+    let (tool, id) = match message {
+        jsonrpc::Message::Invalid { id, code, message } => {
+            return Ok(answer(
+                StatusCode::BAD_REQUEST,
+                jsonrpc::error(id, code, message, None),
+            ));
+        }
+        jsonrpc::Message::ToolCall { id, name } => {
+            let tool = match &options.tool {
+                Some(map) => map(&name),
+                None => Some(Arc::from(&*name)),
+            };
+            (tool, Some(id.to_owned()))
+        }
+        jsonrpc::Message::Other => (options.others.clone(), None),
+    };
+    let Some(tool) = tool else {
+        let res = inner
+            .call(Request::from_parts(parts, Full::new(body)))
+            .await?;
+        return Ok(res.map(|b| ResponseBody::inner(b, None)));
+    };
+    let head = RequestHead {
+        method: &parts.method,
+        uri: &parts.uri,
+        headers: &parts.headers,
+        extensions: &parts.extensions,
+    };
+    let caller = match &shared.identify {
+        Identity::Extension => parts.extensions.get::<Caller>().cloned(),
+        Identity::With(identify) => match identify.identify_or_reject(&head) {
+            Ok(c) => c,
+            // The app's own rejection: nothing decided, nothing charged.
+            Err(res) => return Ok((*res).map(|b| ResponseBody::refusal(Some(b)))),
+        },
+    }
+    .unwrap_or_default();
+    let cost = parts.extensions.get::<Cost>().copied().unwrap_or_default();
+    let outcome = match shared.limiter.try_admit(&caller, &tool, cost) {
+        Some(outcome) => outcome,
+        None => shared.limiter.admit(caller, tool, cost).await,
+    };
+    let held = match outcome {
+        Ok(ticket) => Some(Held::new(ticket, &shared.limiter)),
+        Err(refusal) if !shared.enforce => {
+            tracing::info!(reason = refusal.reason.as_str(), tool = %refusal.tool(), "shadow mode: would refuse");
+            None
+        }
+        Err(refusal) => return Ok(refused(&shared, &options, id.as_deref(), &refusal)),
+    };
+    let mut res = inner
+        .call(Request::from_parts(parts, Full::new(body)))
+        .await?;
+    let Some(held) = held else {
+        return Ok(res.map(|b| ResponseBody::inner(b, None)));
+    };
+    if let Some(actual) = res.extensions().get::<Cost>().copied() {
+        shared.limiter.settle(held.ticket().clone(), actual);
+    }
+    if shared.headers {
+        admitted_headers(held.ticket(), res.headers_mut());
+    }
+    // The permits live in the body: a stream holds them until it ends or the client leaves.
+    let held = held.holds_permits().then(|| Box::new(held));
+    Ok(res.map(|b| ResponseBody::inner(b, held)))
+}
+
+/// The answer to a refused call: HTTP's 401 for a caller with no identity, otherwise the
+/// JSON-RPC answer the options say (for a `tools/call`; a metered other message gets a
+/// JSON-RPC error, or the HTTP refusal when it has no id to answer).
+fn refused<ResB>(
+    shared: &Shared,
+    options: &Options,
+    id: Option<&serde_json::value::RawValue>,
+    refusal: &Refusal,
+) -> Response<ResponseBody<ResB>> {
+    let (Some(id), false) = (id, refusal.reason == crate::Reason::UnidentifiedCaller) else {
+        let mut res = render(refusal, false);
+        if res.status() == StatusCode::UNAUTHORIZED {
+            res.headers_mut()
+                .insert(WWW_AUTHENTICATE, shared.challenge.clone());
+        }
+        return res.map(ResponseBody::refusal);
+    };
+    let body = match options.refusals {
+        McpRefusals::ToolResult => jsonrpc::tool_error(id, refusal),
+        McpRefusals::Error => jsonrpc::refusal_error(id, refusal),
+    };
+    let mut res = answer(StatusCode::OK, body);
+    if refusal.retryable {
+        res.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(refusal.retry_after_secs()));
+    }
+    res
+}
+
+/// A JSON answer of this layer's own.
+fn answer<ResB>(status: StatusCode, body: Bytes) -> Response<ResponseBody<ResB>> {
+    let mut res = Response::new(ResponseBody::refusal(Some(body)));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    res
+}
