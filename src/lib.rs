@@ -97,10 +97,10 @@ pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use console::{Console, Explanation};
 pub use identity::{Caller, Cost};
 pub use layer::{
-    default_refusal_response, grpc_code, http_status, CallerFromExtensions, Describe, Described,
-    DescribedFuture, DescribedLayer, FairShare, FairShareError, FairShareLayer, FairShareMcp,
-    Identify, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody, ResponseFuture,
-    ToolName, MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
+    default_refusal_response, grpc_code, http_status, BufferedBody, CallerFromExtensions, Describe,
+    Described, DescribedFuture, DescribedLayer, FairShare, FairShareError, FairShareLayer,
+    FairShareMcp, Identify, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody,
+    ResponseFuture, ToolName, MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
 };
 pub use limiter::{Limiter, Ticket};
 pub use policy::{

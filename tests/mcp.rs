@@ -11,8 +11,8 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_fairshare::{
-    Caller, FairShareLayer, Limiter, ManualClock, McpRefusals, MemoryStore, Policy, Store,
-    Timestamp, MCP_REFUSED,
+    BufferedBody, Caller, FairShareLayer, Limiter, ManualClock, McpRefusals, MemoryStore, Policy,
+    Store, Timestamp, MCP_REFUSED,
 };
 
 const POLICY: &str = r#"
@@ -49,7 +49,7 @@ fn limiter() -> Limiter<MemoryStore, ManualClock> {
 fn server() -> (
     Seen,
     impl Service<
-            Request<Full<Bytes>>,
+            Request<BufferedBody>,
             Response = Response<Full<Bytes>>,
             Error = Infallible,
             Future: Send,
@@ -59,7 +59,7 @@ fn server() -> (
 ) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
-    let svc = service_fn(move |req: Request<Full<Bytes>>| {
+    let svc = service_fn(move |req: Request<BufferedBody>| {
         let s = s.clone();
         async move {
             let body = req.into_body().collect().await.unwrap().to_bytes();
@@ -266,7 +266,7 @@ async fn a_streamed_answer_holds_its_permit_until_it_ends() {
     let calls = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
     // The first call streams (SSE) until the sender is dropped; later ones answer at once.
-    let inner = service_fn(move |_req: Request<Full<Bytes>>| {
+    let inner = service_fn(move |_req: Request<BufferedBody>| {
         let rx = rx.lock().unwrap().take();
         c.fetch_add(1, Ordering::SeqCst);
         async move {

@@ -3,6 +3,7 @@
 
 mod jsonrpc;
 
+use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
@@ -10,10 +11,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body::{Body, Frame, SizeHint};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -185,7 +186,7 @@ impl<S> Layer<S> for McpLayer {
 }
 
 /// A service behind an [`McpLayer`]: its requests reach it with their body read, as
-/// `Request<Full<Bytes>>`.
+/// `Request<BufferedBody>`.
 #[derive(Clone)]
 pub struct FairShareMcp<S> {
     inner: S,
@@ -207,7 +208,7 @@ pub type McpFuture<ResB, E> =
 
 impl<S, B, ResB> Service<Request<B>> for FairShareMcp<S>
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<BufferedBody>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     B: http_body::Body + Send + 'static,
@@ -241,15 +242,14 @@ async fn serve<S, B, ResB>(
     req: Request<B>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<ResB>>,
-    B: http_body::Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Service<Request<BufferedBody>, Response = Response<ResB>>,
+    B: Body,
     ResB: http_body::Body,
 {
     let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, options.max_body).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+    let body = match read_body(body, options.max_body).await {
+        Ok(b) => b,
+        Err(Unread::TooLarge) => {
             let message = format!(
                 "the request body is larger than {} bytes, the most this server reads",
                 options.max_body
@@ -290,7 +290,7 @@ where
     };
     let Some(tool) = tool else {
         let res = inner
-            .call(Request::from_parts(parts, Full::new(body)))
+            .call(Request::from_parts(parts, BufferedBody(Some(body))))
             .await?;
         return Ok(res.map(|b| ResponseBody::inner(b, None)));
     };
@@ -323,7 +323,7 @@ where
         Err(refusal) => return Ok(refused(&shared, &options, id.as_deref(), &refusal)),
     };
     let mut res = inner
-        .call(Request::from_parts(parts, Full::new(body)))
+        .call(Request::from_parts(parts, BufferedBody(Some(body))))
         .await?;
     let Some(held) = held else {
         return Ok(res.map(|b| ResponseBody::inner(b, None)));
@@ -375,4 +375,108 @@ fn answer<ResB>(status: StatusCode, body: Bytes) -> Response<ResponseBody<ResB>>
     res.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     res
+}
+
+/// Why a request body was not read.
+enum Unread {
+    TooLarge,
+    Failed,
+}
+
+/// `body`, whole, if it is at most `max` bytes (one frame is kept as it came, without a copy).
+async fn read_body<B: Body>(body: B, max: usize) -> Result<Bytes, Unread> {
+    let mut body = std::pin::pin!(body);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0;
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        let Ok(mut data) = frame.map_err(|_| Unread::Failed)?.into_data() else {
+            continue; // trailers
+        };
+        len += data.remaining();
+        if len > max {
+            return Err(Unread::TooLarge);
+        }
+        chunks.push(data.copy_to_bytes(data.remaining()));
+    }
+    Ok(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().expect("one chunk"),
+        _ => Bytes::from(chunks.concat()),
+    })
+}
+
+/// A request body [`McpLayer`] read whole: what the service behind it gets, byte for byte as
+/// the client sent it.
+#[derive(Clone, Debug, Default)]
+pub struct BufferedBody(Option<Bytes>);
+
+impl BufferedBody {
+    /// The body's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or_default()
+    }
+}
+
+impl Body for BufferedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let data = self.get_mut().0.take().filter(|b| !b.is_empty());
+        Poll::Ready(data.map(|b| Ok(Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes().is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.bytes().len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A body of these frames, one at a time.
+    struct Frames(Vec<Bytes>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            let next = (!self.0.is_empty()).then(|| self.0.remove(0));
+            Poll::Ready(next.map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    fn frames(parts: &[&'static str]) -> Frames {
+        Frames(
+            parts
+                .iter()
+                .map(|p| Bytes::from_static(p.as_bytes()))
+                .collect(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_up_to_its_limit() {
+        let read = read_body(frames(&["{\"a\":", "1", "}"]), 7).await;
+        assert_eq!(read.ok().as_deref(), Some(&b"{\"a\":1}"[..]));
+        assert!(matches!(
+            read_body(frames(&["{\"a\":", "12", "}"]), 7).await,
+            Err(Unread::TooLarge)
+        ));
+        let body = BufferedBody(Some(Bytes::from_static(b"xy")));
+        assert_eq!(body.size_hint().exact(), Some(2));
+        assert_eq!(read_body(body, 2).await.ok().as_deref(), Some(&b"xy"[..]));
+    }
 }
