@@ -183,3 +183,131 @@ async fn a_call_holds_its_permit_until_its_answer_ends_and_a_client_that_leaves_
     in_flight_becomes(&limiter, 0.0).await;
     acme.cancel().await.unwrap();
 }
+
+/// A client that follows the protocol (streamable HTTP, revision 2025-06-18) and nothing
+/// else: plain HTTP/1.1 requests, answers read as JSON or as an SSE stream.
+struct PlainClient {
+    addr: SocketAddr,
+    key: &'static str,
+    session: Option<String>,
+}
+
+impl PlainClient {
+    /// POSTs one message; the HTTP status and the JSON-RPC answer (`Null` for none).
+    async fn post(&mut self, message: serde_json::Value) -> (u16, serde_json::Value) {
+        self.post_text(message.to_string()).await
+    }
+
+    /// POSTs `body` as it is.
+    async fn post_text(&mut self, body: String) -> (u16, serde_json::Value) {
+        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let mut req = http::Request::post("/mcp")
+            .header("host", self.addr.to_string())
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("authorization", format!("Bearer {}", self.key))
+            .header("mcp-protocol-version", "2025-06-18");
+        if let Some(s) = &self.session {
+            req = req.header("mcp-session-id", s);
+        }
+        let body = http_body_util::Full::new(bytes::Bytes::from(body));
+        let res = send.send_request(req.body(body).unwrap()).await.unwrap();
+        let status = res.status().as_u16();
+        if let Some(s) = res.headers().get("mcp-session-id") {
+            self.session = Some(s.to_str().unwrap().to_owned());
+        }
+        let sse = res
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v.to_str().unwrap().starts_with("text/event-stream"));
+        let mut body = res.into_body();
+        let mut text = String::new();
+        // An SSE answer is read up to its first message with an id; a JSON one whole.
+        while let Some(frame) = http_body_util::BodyExt::frame(&mut body).await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                text.push_str(std::str::from_utf8(&data).unwrap());
+            }
+            if sse {
+                if let Some(v) = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
+                    .find(|v| v.get("id").is_some())
+                {
+                    return (status, v);
+                }
+            }
+        }
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_follows_the_protocol_gets_the_same_answers() {
+    let (addr, _limiter) = start().await;
+    let mut c = PlainClient {
+        addr,
+        key: "sk-acme",
+        session: None,
+    };
+    let (status, init) = c
+        .post(serde_json::json!({
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": { "name": "plain", "version": "1" }
+            }
+        }))
+        .await;
+    assert_eq!(status, 200, "{init}");
+    assert!(
+        init["result"]["capabilities"]["tools"].is_object(),
+        "{init}"
+    );
+    let (status, _) = c
+        .post(serde_json::json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }))
+        .await;
+    assert_eq!(status, 202);
+    let call = |id: u32| {
+        serde_json::json!({
+            "jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": { "name": "generate_report", "arguments": { "topic": "q3", "millis": 1 } }
+        })
+    };
+    for id in 2..=3 {
+        let (status, v) = c.post(call(id)).await;
+        assert_eq!((status, v["id"].as_u64()), (200, Some(id.into())), "{v}");
+        assert_ne!(v["result"]["isError"], true, "{v}");
+    }
+    let (status, v) = c.post(call(4)).await;
+    assert_eq!(status, 200);
+    assert_eq!(v["id"], 4);
+    assert_eq!(v["result"]["isError"], true, "{v}");
+    assert_eq!(
+        v["result"]["structuredContent"]["error"], "rate_limited",
+        "{v}"
+    );
+    // Not JSON: the JSON-RPC parse error, with nothing run.
+    let (status, v) = c.post_text("{oops".to_owned()).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_i64()),
+        (400, Some(-32700)),
+        "{v}"
+    );
+    // No key: HTTP 401 with a challenge, as the transport's auth says.
+    let mut anonymous = PlainClient {
+        addr,
+        key: "sk-nobody",
+        session: c.session.clone(),
+    };
+    let (status, _) = anonymous.post(call(5)).await;
+    assert_eq!(status, 401);
+}
