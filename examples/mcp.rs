@@ -96,7 +96,7 @@ impl ServerHandler for Tools {
 
 /// The app's auth: a known API key becomes the request's [`Caller`]; without one the
 /// fair-share layer answers 401.
-async fn authenticate(mut req: Request, next: Next) -> Response {
+pub async fn authenticate(mut req: Request, next: Next) -> Response {
     let key = req
         .headers()
         .get(http::header::AUTHORIZATION)
