@@ -99,7 +99,7 @@ pub use identity::{Caller, Cost};
 pub use layer::{
     default_refusal_response, grpc_code, http_status, BufferedBody, CallerFromExtensions, Describe,
     Described, DescribedFuture, DescribedLayer, FairShare, FairShareError, FairShareLayer,
-    FairShareMcp, Identify, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody,
+    FairShareMcp, Identify, McpCall, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody,
     ResponseFuture, ToolName, MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
 };
 pub use limiter::{Limiter, Ticket};

@@ -330,3 +330,89 @@ impl http_body::Body for Stream {
         self.0.poll_recv(cx)
     }
 }
+
+#[tokio::test]
+async fn tools_map_by_prefix_or_function_and_other_messages_can_be_metered() {
+    const PREFIXED: &str = r#"
+        [[tool]]
+        name = "crm.lookup"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 1
+        burst = 1
+
+        [[tool]]
+        name = "mcp"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 1
+        burst = 1
+    "#;
+    let limiter = || {
+        Limiter::with_store(
+            Policy::from_toml_str(PREFIXED).unwrap(),
+            MemoryStore::new(),
+            ManualClock::new(Timestamp(1_767_225_600_000_000)),
+        )
+    };
+    let (seen, inner) = server();
+    let mut svc = FairShareLayer::new(limiter())
+        .mcp()
+        .tool_prefix("crm.")
+        .meter_others("mcp")
+        .layer(inner.clone());
+    let (_, v) = send(&mut svc, post(call(1, "lookup"), Some("acme"))).await;
+    assert_ne!(v["result"]["isError"], true, "{v}");
+    let (_, v) = send(&mut svc, post(call(2, "lookup"), Some("acme"))).await;
+    assert_eq!(
+        v["result"]["structuredContent"]["tool"], "crm.lookup",
+        "{v}"
+    );
+    // `tools/list` counts as the tool `mcp`: one, then refused (with its id).
+    let list = r#"{"jsonrpc":"2.0","id":3,"method":"tools/list"}"#;
+    let (_, v) = send(&mut svc, post(list, Some("acme"))).await;
+    assert!(v["result"].is_object(), "{v}");
+    let (status, _) = send(&mut svc, post(list, Some("acme"))).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+
+    // A function: a tool it does not name passes unmetered.
+    let mut svc = FairShareLayer::new(limiter())
+        .mcp()
+        .map_tool(|name| (name == "lookup").then(|| "crm.lookup".into()))
+        .layer(inner);
+    for id in 10..13 {
+        let (_, v) = send(&mut svc, post(call(id, "free_tool"), Some("acme"))).await;
+        assert_ne!(v["result"]["isError"], true, "{v}");
+    }
+}
+
+#[tokio::test]
+async fn a_cost_hook_prices_each_call_from_its_arguments() {
+    let (_, inner) = server();
+    let mut svc = FairShareLayer::new(limiter())
+        .mcp()
+        .cost_with(|c| {
+            let args: serde_json::Value = c
+                .arguments
+                .and_then(|a| serde_json::from_str(a).ok())
+                .unwrap_or_default();
+            tower_fairshare::Cost(args["pages"].as_f64().unwrap_or(1.0))
+        })
+        .layer(inner);
+    // The tenant's ceiling is 2 calls' worth: one call of 2 pages spends it.
+    let priced = |id: u32, pages: u32| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"generate_report","arguments":{{"pages":{pages}}}}}}}"#
+        )
+    };
+    let (_, v) = send(&mut svc, post(priced(1, 2), Some("acme"))).await;
+    assert_ne!(v["result"]["isError"], true, "{v}");
+    let (_, v) = send(&mut svc, post(priced(2, 1), Some("acme"))).await;
+    assert_eq!(
+        v["result"]["structuredContent"]["error"], "rate_limited",
+        "{v}"
+    );
+}

@@ -47,11 +47,25 @@ pub enum McpRefusals {
 /// The policy tool an MCP tool name is called as (`None`: not metered).
 type ToolMap = dyn Fn(&str) -> Option<Arc<str>> + Send + Sync;
 
+/// The cost of a `tools/call`, from the call itself.
+type CostOf = dyn Fn(&McpCall<'_>) -> Cost + Send + Sync;
+
+/// A `tools/call` as [`McpLayer::cost_with`] sees it.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct McpCall<'a> {
+    /// The MCP tool's name (`params.name`).
+    pub name: &'a str,
+    /// Its arguments as the client sent them (`params.arguments`, JSON), if any.
+    pub arguments: Option<&'a str>,
+}
+
 #[derive(Clone)]
 struct Options {
     max_body: usize,
     refusals: McpRefusals,
     tool: Option<Arc<ToolMap>>,
+    cost: Option<Arc<CostOf>>,
     others: Option<Arc<str>>,
 }
 
@@ -121,6 +135,7 @@ impl FairShareLayer {
                 max_body: MAX_BODY,
                 refusals: McpRefusals::default(),
                 tool: None,
+                cost: None,
                 others: None,
             }),
         }
@@ -165,8 +180,34 @@ impl McpLayer {
         self.with(|o| o.tool = Some(f))
     }
 
+    /// The cost of each `tools/call` is what `f` says of it (its tool and arguments), instead
+    /// of the request's [`Cost`] extension (default 1).
+    ///
+    /// ```
+    /// use tower_fairshare::{Cost, FairShareLayer, Limiter, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"generate_report\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+    /// // A report over several quarters costs one unit a quarter.
+    /// let layer = FairShareLayer::new(Limiter::new(policy)).mcp().cost_with(|call| {
+    ///     let args: serde_json::Value = call
+    ///         .arguments
+    ///         .and_then(|a| serde_json::from_str(a).ok())
+    ///         .unwrap_or_default();
+    ///     Cost(args["quarters"].as_f64().unwrap_or(1.0).max(1.0))
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn cost_with<F>(self, f: F) -> Self
+    where
+        F: Fn(&McpCall<'_>) -> Cost + Send + Sync + 'static,
+    {
+        let f: Arc<CostOf> = Arc::new(f);
+        self.with(|o| o.cost = Some(f))
+    }
+
     /// Counts every message that is not a `tools/call` (`initialize`, `tools/list`,
-    /// notifications, `GET` streams) as a call of the policy's `tool`, refused as such.
+    /// notifications, `GET` streams) as a call of the policy's `tool`; one refused gets the
+    /// layer's HTTP refusal (429 with `Retry-After` and the refusal's JSON).
     pub fn meter_others(self, tool: impl Into<Arc<str>>) -> Self {
         let tool = tool.into();
         self.with(|o| o.others = Some(tool))
@@ -272,21 +313,30 @@ where
     } else {
         jsonrpc::Message::Other
     };
-    let (tool, id) = match message {
+    let (tool, id, priced) = match message {
         jsonrpc::Message::Invalid { id, code, message } => {
             return Ok(answer(
                 StatusCode::BAD_REQUEST,
                 jsonrpc::error(id, code, message, None),
             ));
         }
-        jsonrpc::Message::ToolCall { id, name } => {
+        jsonrpc::Message::ToolCall {
+            id,
+            name,
+            arguments,
+        } => {
             let tool = match &options.tool {
                 Some(map) => map(&name),
                 None => Some(Arc::from(&*name)),
             };
-            (tool, Some(id.to_owned()))
+            let call = McpCall {
+                name: &name,
+                arguments: arguments.map(serde_json::value::RawValue::get),
+            };
+            let priced = options.cost.as_ref().map(|f| f(&call));
+            (tool, Some(id.to_owned()), priced)
         }
-        jsonrpc::Message::Other => (options.others.clone(), None),
+        jsonrpc::Message::Other => (options.others.clone(), None, None),
     };
     let Some(tool) = tool else {
         let res = inner
@@ -309,7 +359,9 @@ where
         },
     }
     .unwrap_or_default();
-    let cost = parts.extensions.get::<Cost>().copied().unwrap_or_default();
+    let cost = priced
+        .or_else(|| parts.extensions.get::<Cost>().copied())
+        .unwrap_or_default();
     let outcome = match shared.limiter.try_admit(&caller, &tool, cost) {
         Some(outcome) => outcome,
         None => shared.limiter.admit(caller, tool, cost).await,
@@ -339,9 +391,9 @@ where
     Ok(res.map(|b| ResponseBody::inner(b, held)))
 }
 
-/// The answer to a refused call: HTTP's 401 for a caller with no identity, otherwise the
-/// JSON-RPC answer the options say (for a `tools/call`; a metered other message gets a
-/// JSON-RPC error, or the HTTP refusal when it has no id to answer).
+/// The answer to a refused call: for a `tools/call`, the JSON-RPC answer the options say;
+/// for a caller with no identity, and for any other message [`McpLayer::meter_others`]
+/// meters, the layer's HTTP refusal (401 with the challenge, 429, ...).
 fn refused<ResB>(
     shared: &Shared,
     options: &Options,

@@ -33,7 +33,7 @@ use std::task::{Context, Waker};
 pub use body::ResponseBody;
 pub use generic::{Describe, Described, DescribedFuture, DescribedLayer, FairShareError};
 pub use layer::FairShareLayer;
-pub use mcp::{BufferedBody, FairShareMcp, McpFuture, McpLayer, McpRefusals, MCP_REFUSED};
+pub use mcp::{BufferedBody, FairShareMcp, McpCall, McpFuture, McpLayer, McpRefusals, MCP_REFUSED};
 /// The refusal response the layer sends, for `IntoResponse for Refusal` (feature `axum`).
 #[cfg(feature = "axum")]
 pub(crate) use refusal::response as refusal_response;

@@ -23,10 +23,12 @@ pub const REFUSED: i64 = -32029;
 /// What a request body is, as far as admission cares.
 #[derive(Debug)]
 pub(crate) enum Message<'a> {
-    /// A `tools/call` request: its id (raw JSON) and the tool's name.
+    /// A `tools/call` request: its id (raw JSON), the tool's name and its arguments.
     ToolCall {
         id: &'a RawValue,
         name: Cow<'a, str>,
+        /// Its arguments (raw JSON), when there are any.
+        arguments: Option<&'a RawValue>,
     },
     /// Any other method, a notification or a response: passes unmetered.
     Other,
@@ -55,6 +57,8 @@ struct Envelope<'a> {
 struct Params<'a> {
     #[serde(borrow, default)]
     name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    arguments: Option<&'a RawValue>,
 }
 
 /// Reads `body` as one JSON-RPC message. A batch (an array, which the current protocol
@@ -90,8 +94,13 @@ fn envelope(e: Envelope<'_>) -> Message<'_> {
     }
     match (e.method, e.id) {
         (Some(m), Some(id)) if m == "tools/call" => {
-            match e.params.and_then(|p| p.name).filter(|n| !n.is_empty()) {
-                Some(name) => Message::ToolCall { id, name },
+            let (name, arguments) = e.params.map_or((None, None), |p| (p.name, p.arguments));
+            match name.filter(|n| !n.is_empty()) {
+                Some(name) => Message::ToolCall {
+                    id,
+                    name,
+                    arguments,
+                },
                 None => invalid(
                     Some(id),
                     INVALID_PARAMS,
@@ -226,10 +235,11 @@ mod tests {
         let body = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"generate_report","arguments":{"q":[1,{"x":"y"}]}}}"#;
         let m = read(body);
         assert_eq!(name(&m).as_deref(), Some("generate_report"));
-        let Message::ToolCall { id, .. } = m else {
+        let Message::ToolCall { id, arguments, .. } = m else {
             unreachable!()
         };
         assert_eq!(id.get(), "7");
+        assert_eq!(arguments.map(RawValue::get), Some(r#"{"q":[1,{"x":"y"}]}"#));
         // Escapes in the name are read as JSON reads them; a string id is kept as written.
         let body = br#" {"method":"tools/call","id":"a\"b","jsonrpc":"2.0","params":{"name":"gen\u0065rate"}}"#;
         let m = read(body);
