@@ -252,7 +252,7 @@ impl PlainClient {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_follows_the_protocol_gets_the_same_answers() {
-    let (addr, _limiter) = start().await;
+    let (addr, limiter) = start().await;
     let mut c = PlainClient {
         addr,
         key: "sk-acme",
@@ -302,6 +302,29 @@ async fn a_client_that_follows_the_protocol_gets_the_same_answers() {
         (400, Some(-32700)),
         "{v}"
     );
+    // Past the body limit (4 MiB by default): 413 with the JSON-RPC error, nothing run.
+    let huge = format!(
+        r#"{{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{{"name":"generate_report","arguments":{{"topic":"{}"}}}}}}"#,
+        "x".repeat(5 << 20)
+    );
+    let (status, v) = c.post_text(huge).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_i64()),
+        (413, Some(-32600)),
+        "{v}"
+    );
+    // Neither was charged: the two admitted calls are all the tenant used.
+    let keys = limiter
+        .call_keys(
+            &Caller::new("acme").with_instance("report-agent"),
+            "generate_report",
+        )
+        .unwrap();
+    let used = limiter.store().inspect(&keys).await.unwrap()[1]
+        .as_ref()
+        .unwrap()
+        .total;
+    assert!(used <= 2.0, "{used} charged");
     // No key: HTTP 401 with a challenge, as the transport's auth says.
     let mut anonymous = PlainClient {
         addr,
