@@ -22,11 +22,15 @@ use tower_fairshare::{
     Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Reason, Store, Timestamp,
 };
 
-/// One redis-server per test function; every case starts from an empty database.
+/// One redis-server per test function; every case starts from an empty key space of its own
+/// (a namespace, not a flush: a store of an earlier case whose background work is still
+/// running would see a flush as a lost state and put its counts back).
 struct Redis {
     server: RedisServer,
     /// Every tool of the suite's policies leases.
     leased: bool,
+    /// The namespace of the current case, and how many cases there were.
+    case: std::sync::Mutex<(String, u64)>,
 }
 
 impl Redis {
@@ -34,7 +38,12 @@ impl Redis {
         Redis {
             server: RedisServer::start(),
             leased: false,
+            case: std::sync::Mutex::new((String::new(), 0)),
         }
+    }
+
+    fn namespace(&self) -> String {
+        self.case.lock().unwrap().0.clone()
     }
 
     fn leased() -> Self {
@@ -51,10 +60,16 @@ impl conformance::Factory for Redis {
         unreachable!("a RedisStore is made inside the runtime that drives it: store_in")
     }
     fn store_in(&self, rt: &tokio::runtime::Runtime) -> RedisStore {
-        self.server.flushall();
+        let namespace = {
+            let mut case = self.case.lock().unwrap();
+            case.1 += 1;
+            case.0 = format!("case{}:", case.1);
+            case.0.clone()
+        };
         rt.block_on(
             RedisStore::builder(self.server.url())
                 .injected_clock()
+                .namespace(namespace)
                 .refusal_cache(std::env::var("FS_NO_CACHE").is_err())
                 .timeout(Duration::from_secs(10))
                 .connect(),
@@ -62,11 +77,12 @@ impl conformance::Factory for Redis {
         .expect("connect")
     }
     fn count_states(&self, _store: &RedisStore) -> usize {
-        self.server.state_keys()
+        self.server.state_keys_in(&self.namespace())
     }
     fn expire(&self, _store: &RedisStore, now: Timestamp) {
         // The suite calls this from inside its runtime: sweep from a runtime of our own.
         let url = self.server.url();
+        let namespace = self.namespace();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -75,6 +91,7 @@ impl conformance::Factory for Redis {
             rt.block_on(async {
                 let store = RedisStore::builder(url)
                     .injected_clock()
+                    .namespace(namespace)
                     .connect()
                     .await
                     .unwrap();

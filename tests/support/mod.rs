@@ -151,6 +151,15 @@ impl RedisServer {
         keys.iter().filter(|k| k.last() != Some(&b'@')).count()
     }
 
+    /// Keys holding callers' state under `namespace` (a prefix of every key), markers aside.
+    pub fn state_keys_in(&self, namespace: &str) -> usize {
+        let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+            .arg(format!("{namespace}*"))
+            .query(&mut self.conn())
+            .unwrap();
+        keys.iter().filter(|k| k.last() != Some(&b'@')).count()
+    }
+
     /// Kills the process (SIGKILL) and waits for it.
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
