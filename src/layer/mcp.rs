@@ -275,51 +275,99 @@ where
     }
 }
 
+/// A response of this layer's own, or of the app's identification, sent instead.
+type Answer<ResB> = Response<ResponseBody<ResB>>;
+
 /// One request: its body read, its message found, decided, and handed on or answered.
 async fn serve<S, B, ResB>(
     mut inner: S,
     shared: Arc<Shared>,
     options: Arc<Options>,
     req: Request<B>,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+) -> Result<Answer<ResB>, S::Error>
 where
     S: Service<Request<BufferedBody>, Response = Response<ResB>>,
     B: Body,
     ResB: http_body::Body,
 {
     let (parts, body) = req.into_parts();
-    let body = match read_body(body, options.max_body).await {
+    let body = match read_request(body, options.max_body).await {
         Ok(b) => b,
-        Err(Unread::TooLarge) => {
-            let message = format!(
-                "the request body is larger than {} bytes, the most this server reads",
-                options.max_body
-            );
-            let body = jsonrpc::error(None, jsonrpc::INVALID_REQUEST, &message, None);
-            return Ok(answer(StatusCode::PAYLOAD_TOO_LARGE, body));
-        }
-        Err(_) => {
-            let body = jsonrpc::error(
-                None,
-                jsonrpc::INVALID_REQUEST,
-                "the request body could not be read",
-                None,
-            );
-            return Ok(answer(StatusCode::BAD_REQUEST, body));
-        }
+        Err(answer) => return Ok(answer),
     };
-    let message = if parts.method == Method::POST {
-        jsonrpc::read(&body)
+    let found = match find_call(&parts.method, &body, &options) {
+        Ok(f) => f,
+        Err(answer) => return Ok(answer),
+    };
+    let Some(tool) = found.tool else {
+        let res = inner
+            .call(Request::from_parts(parts, BufferedBody(Some(body))))
+            .await?;
+        return Ok(res.map(|b| ResponseBody::inner(b, None)));
+    };
+    let caller = match identify(&shared, &parts) {
+        Ok(c) => c,
+        Err(answer) => return Ok(answer),
+    };
+    let cost = found
+        .cost
+        .or_else(|| parts.extensions.get::<Cost>().copied())
+        .unwrap_or_default();
+    let outcome = match shared.limiter.try_admit(&caller, &tool, cost) {
+        Some(outcome) => outcome,
+        None => shared.limiter.admit(caller, tool, cost).await,
+    };
+    let held = match outcome {
+        Ok(ticket) => Some(Held::new(ticket, &shared.limiter)),
+        Err(refusal) if !shared.enforce => {
+            tracing::info!(reason = refusal.reason.as_str(), tool = %refusal.tool(), "shadow mode: would refuse");
+            None
+        }
+        Err(refusal) => return Ok(refused(&shared, &options, found.id.as_deref(), &refusal)),
+    };
+    let res = inner
+        .call(Request::from_parts(parts, BufferedBody(Some(body))))
+        .await?;
+    Ok(admitted(&shared, res, held))
+}
+
+/// The request's body, or the JSON-RPC answer to one past the limit or that could not be read.
+async fn read_request<B: Body, ResB>(body: B, max: usize) -> Result<Bytes, Answer<ResB>> {
+    let (status, message) = match read_body(body, max).await {
+        Ok(b) => return Ok(b),
+        Err(Unread::TooLarge) => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {max} bytes, the most this server reads"),
+        ),
+        Err(Unread::Failed) => (
+            StatusCode::BAD_REQUEST,
+            "the request body could not be read".to_owned(),
+        ),
+    };
+    let body = jsonrpc::error(None, jsonrpc::INVALID_REQUEST, &message, None);
+    Err(answer(status, body))
+}
+
+/// What a request asks to be decided: the policy's tool (`None`: unmetered), the id to answer
+/// a `tools/call` with, and its cost if the options price it.
+struct Found {
+    tool: Option<Arc<str>>,
+    id: Option<Box<serde_json::value::RawValue>>,
+    cost: Option<Cost>,
+}
+
+/// The call in a request's body, or the JSON-RPC error for a body this server does not take.
+fn find_call<ResB>(method: &Method, body: &[u8], options: &Options) -> Result<Found, Answer<ResB>> {
+    let message = if method == Method::POST {
+        jsonrpc::read(body)
     } else {
         jsonrpc::Message::Other
     };
-    let (tool, id, priced) = match message {
-        jsonrpc::Message::Invalid { id, code, message } => {
-            return Ok(answer(
-                StatusCode::BAD_REQUEST,
-                jsonrpc::error(id, code, message, None),
-            ));
-        }
+    match message {
+        jsonrpc::Message::Invalid { id, code, message } => Err(answer(
+            StatusCode::BAD_REQUEST,
+            jsonrpc::error(id, code, message, None),
+        )),
         jsonrpc::Message::ToolCall {
             id,
             name,
@@ -333,52 +381,46 @@ where
                 name: &name,
                 arguments: arguments.map(serde_json::value::RawValue::get),
             };
-            let priced = options.cost.as_ref().map(|f| f(&call));
-            (tool, Some(id.to_owned()), priced)
+            Ok(Found {
+                tool,
+                id: Some(id.to_owned()),
+                cost: options.cost.as_ref().map(|f| f(&call)),
+            })
         }
-        jsonrpc::Message::Other => (options.others.clone(), None, None),
-    };
-    let Some(tool) = tool else {
-        let res = inner
-            .call(Request::from_parts(parts, BufferedBody(Some(body))))
-            .await?;
-        return Ok(res.map(|b| ResponseBody::inner(b, None)));
-    };
-    let head = RequestHead {
-        method: &parts.method,
-        uri: &parts.uri,
-        headers: &parts.headers,
-        extensions: &parts.extensions,
-    };
+        jsonrpc::Message::Other => Ok(Found {
+            tool: options.others.clone(),
+            id: None,
+            cost: None,
+        }),
+    }
+}
+
+/// The caller, as the layer identifies callers (none: anonymous), or the app's own rejection
+/// (then nothing is decided or charged).
+fn identify<ResB>(shared: &Shared, parts: &http::request::Parts) -> Result<Caller, Answer<ResB>> {
     let caller = match &shared.identify {
         Identity::Extension => parts.extensions.get::<Caller>().cloned(),
-        Identity::With(identify) => match identify.identify_or_reject(&head) {
-            Ok(c) => c,
-            // The app's own rejection: nothing decided, nothing charged.
-            Err(res) => return Ok((*res).map(|b| ResponseBody::refusal(Some(b)))),
-        },
-    }
-    .unwrap_or_default();
-    let cost = priced
-        .or_else(|| parts.extensions.get::<Cost>().copied())
-        .unwrap_or_default();
-    let outcome = match shared.limiter.try_admit(&caller, &tool, cost) {
-        Some(outcome) => outcome,
-        None => shared.limiter.admit(caller, tool, cost).await,
-    };
-    let held = match outcome {
-        Ok(ticket) => Some(Held::new(ticket, &shared.limiter)),
-        Err(refusal) if !shared.enforce => {
-            tracing::info!(reason = refusal.reason.as_str(), tool = %refusal.tool(), "shadow mode: would refuse");
-            None
+        Identity::With(identify) => {
+            let head = RequestHead {
+                method: &parts.method,
+                uri: &parts.uri,
+                headers: &parts.headers,
+                extensions: &parts.extensions,
+            };
+            identify
+                .identify_or_reject(&head)
+                .map_err(|res| (*res).map(|b| ResponseBody::refusal(Some(b))))?
         }
-        Err(refusal) => return Ok(refused(&shared, &options, id.as_deref(), &refusal)),
     };
-    let mut res = inner
-        .call(Request::from_parts(parts, BufferedBody(Some(body))))
-        .await?;
+    Ok(caller.unwrap_or_default())
+}
+
+/// An admitted call's response: its charge settled to a `Cost` it reports, the RateLimit
+/// headers if asked, and its permits (if any) in the body, so that a stream holds them until
+/// it ends or the client leaves.
+fn admitted<ResB>(shared: &Shared, mut res: Response<ResB>, held: Option<Held>) -> Answer<ResB> {
     let Some(held) = held else {
-        return Ok(res.map(|b| ResponseBody::inner(b, None)));
+        return res.map(|b| ResponseBody::inner(b, None));
     };
     if let Some(actual) = res.extensions().get::<Cost>().copied() {
         shared.limiter.settle(held.ticket().clone(), actual);
@@ -386,9 +428,8 @@ where
     if shared.headers {
         admitted_headers(held.ticket(), res.headers_mut());
     }
-    // The permits live in the body: a stream holds them until it ends or the client leaves.
     let held = held.holds_permits().then(|| Box::new(held));
-    Ok(res.map(|b| ResponseBody::inner(b, held)))
+    res.map(|b| ResponseBody::inner(b, held))
 }
 
 /// The answer to a refused call: for a `tools/call`, the JSON-RPC answer the options say;
