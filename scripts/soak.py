@@ -159,6 +159,8 @@ class Stats:
 
 
 async def request(reader, writer, path, key, disconnect):
+    """One call on a keep-alive connection: its status and body (None when the client
+    disconnects right after sending it)."""
     head = f"POST {path} HTTP/1.1\r\nhost: soak\r\ncontent-length: 0\r\n"
     if key:
         head += f"x-api-key: {key}\r\n"
@@ -178,9 +180,8 @@ async def request(reader, writer, path, key, disconnect):
         name, _, value = line.decode().partition(":")
         if name.lower() == "content-length":
             length = int(value.strip())
-    if length:
-        await reader.readexactly(length)
-    return status
+    body = await reader.readexactly(length) if length else b""
+    return status, body
 
 
 async def client(replicas, profile, rate, until, stats, rng):
@@ -202,13 +203,13 @@ async def client(replicas, profile, rate, until, stats, rng):
                 conns[r] = await asyncio.wait_for(
                     asyncio.open_connection(replicas[r].host, replicas[r].port), 5)
             reader, writer = conns[r]
-            status = await asyncio.wait_for(request(reader, writer, path, key, disconnect), 10)
-            if status is None:
+            answer = await asyncio.wait_for(request(reader, writer, path, key, disconnect), 10)
+            if answer is None:
                 stats.disconnects += 1
                 writer.close()
                 del conns[r]
             else:
-                stats.answers.append((time.time(), status))
+                stats.answers.append((time.time(), answer[0]))
         except (OSError, ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError,
                 ValueError, IndexError):
             stats.errors += 1
@@ -267,21 +268,10 @@ async def probe(replica, key, n=10):
     errors = []
     try:
         for _ in range(n):
-            writer.write((f"POST /tools/search HTTP/1.1\r\nhost: soak\r\nx-api-key: {key}\r\n"
-                          "content-length: 0\r\n\r\n").encode())
-            await writer.drain()
-            status_line = await asyncio.wait_for(reader.readline(), 10)
-            length = 0
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b"\n", b""):
-                    break
-                name, _, value = line.decode().partition(":")
-                if name.lower() == "content-length":
-                    length = int(value.strip())
-            body = (await reader.readexactly(length)).decode() if length else ""
-            if int(status_line.split()[1]) != 200:
-                errors.append(body)
+            status, body = await asyncio.wait_for(
+                request(reader, writer, "/tools/search", key, False), 10)
+            if status != 200:
+                errors.append(body.decode())
     finally:
         writer.close()
     return errors
