@@ -78,6 +78,7 @@ fn placeholder<'a>() -> Level<'a> {
         ceil_b: none,
         state: Scalars::default(),
         policy: None,
+        fresh: false,
     }
 }
 
@@ -130,115 +131,27 @@ pub(crate) fn below<'a>(
     b.windows = Windows::default();
 
     // 1. Template callers counted: a flood of new identities stops here.
-    b.standing = [Standing::NotCounted; 2];
-    b.tenants_counted = tenants_counted;
-    let t_pol = plan.tenant.policy;
-    let mut n_tenants = tenants_counted;
-    if t_pol.template {
-        b.standing[0] = template::standing(tenant_state, window);
-        if !b.standing[0].counted() {
-            if n_tenants >= t_pol.max_tracked {
-                b.callers = Some(too_many(
-                    Scope::Tenant,
-                    t_pol.max_tracked,
-                    n_tenants,
-                    next_window - now,
-                ));
-                return;
-            }
-            n_tenants += 1;
-        }
-    }
-    let mut n_instances = template::counted_at(tenant_state, window);
-    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
-        if i.policy.template {
-            b.standing[1] = template::standing(s, window);
-            if !b.standing[1].counted() {
-                if n_instances >= i.policy.max_tracked {
-                    let wait = template::until_one_leaves(tenant_state, window, period) - now;
-                    b.callers = Some(too_many(
-                        Scope::Instance,
-                        i.policy.max_tracked,
-                        n_instances,
-                        wait,
-                    ));
-                    return;
-                }
-                n_instances += 1;
-            }
-        }
-    }
-
-    // 2. The numbers each level is owed right now.
-    let spare = tool.spare();
-    let tn = level_numbers(
-        t_pol,
-        spare,
-        tool.configured_weight
-            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
-    );
-    b.levels[1] = Level {
-        scope: Scope::Tenant,
-        floor_b: bucket(tn.own_floor, tn.own_floor),
-        share_b: bucket(tn.share_rate, t_pol.burst),
-        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
-        numbers: tn,
-        state: Scalars::of(tenant_state),
-        policy: Some(t_pol),
+    let Some((n_tenants, n_instances)) =
+        count_callers(b, plan, tenant_state, instance_state, tenants_counted)
+    else {
+        return;
     };
-    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
-        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
-        let inner_weight = t_pol.configured_child_weight
-            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
-        let inn = level_numbers(i.policy, inner_spare, inner_weight);
-        b.levels[2] = Level {
-            scope: Scope::Instance,
-            floor_b: bucket(inn.own_floor, inn.own_floor),
-            share_b: bucket(inn.share_rate, i.policy.burst),
-            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
-            numbers: inn,
-            state: Scalars::of(s),
-            policy: Some(i.policy),
-        };
-        b.n = 3;
-    }
-    // What the children of the tool and of the tenant can hold in their share banks.
-    b.banks = [
-        tool.configured_tenant_burst
-            + tool.default_tenant.as_ref().map_or(0.0, |d| d.burst) * n_tenants as f64,
-        t_pol.configured_child_burst
-            + t_pol.default_child.as_ref().map_or(0.0, |d| d.burst) * n_instances as f64,
-        0.0,
-    ];
+
+    // 2. The numbers each level is owed right now, and its state brought up to now.
+    levels(
+        b,
+        plan,
+        tenant_state,
+        instance_state,
+        n_tenants,
+        n_instances,
+    );
     let n = b.n;
-    for l in b.levels[1..n].iter_mut() {
-        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
-        roll_window(&mut l.state, window);
-    }
 
     // 3. Concurrency (the tool's cap is checked first, in `above`).
-    let caps = [
-        None,
-        t_pol.max_concurrency,
-        plan.instance.and_then(|i| i.policy.max_concurrency),
-    ];
-    for (l, cap) in b.levels[..n].iter().zip(caps) {
-        if let Some(cap) = cap {
-            if l.state.in_flight + 1.0 > cap as f64 {
-                b.concurrency = Some(Fail {
-                    reason: Reason::ConcurrencyExceeded,
-                    scope: l.scope,
-                    wait: 1_000_000.0,
-                    window: Label::Word("in_flight"),
-                    window_secs: None,
-                    limit: cap as f64,
-                    used: l.state.in_flight,
-                    reset_at: None,
-                    sure_wait: 0.0,
-                });
-                return;
-            }
-        }
+    b.concurrency = full_cap(b, plan);
+    if b.concurrency.is_some() {
+        return;
     }
 
     // 4. Budgets: every matching calendar window must have room.
@@ -269,6 +182,197 @@ pub(crate) fn below<'a>(
         tool_period: tool.period,
     };
     b.walk_failed = ctx.below_into(true, &mut b.walk).err();
+}
+
+/// Step 1 of [`below`]: how the tenant and the instance stand among their parents' template
+/// children, and how many are counted with this call ((tenants, instances)), or `None` with
+/// the refusal in `b` when one more would be too many.
+fn count_callers(
+    b: &mut Below<'_>,
+    plan: &Plan<'_>,
+    tenant_state: &NodeState,
+    instance_state: Option<&NodeState>,
+    tenants_counted: u64,
+) -> Option<(u64, u64)> {
+    let (now, period, window, next_window) = (b.now, b.period, b.window, b.next_window);
+    b.standing = [Standing::NotCounted; 2];
+    b.tenants_counted = tenants_counted;
+    let t_pol = plan.tenant.policy;
+    let mut n_tenants = tenants_counted;
+    if t_pol.template {
+        b.standing[0] = template::standing(tenant_state, window);
+        if !b.standing[0].counted() {
+            if n_tenants >= t_pol.max_tracked {
+                b.callers = Some(too_many(
+                    Scope::Tenant,
+                    t_pol.max_tracked,
+                    n_tenants,
+                    next_window - now,
+                ));
+                return None;
+            }
+            n_tenants += 1;
+        }
+    }
+    let mut n_instances = template::counted_at(tenant_state, window);
+    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
+        if i.policy.template {
+            b.standing[1] = template::standing(s, window);
+            if !b.standing[1].counted() {
+                if n_instances >= i.policy.max_tracked {
+                    let wait = template::until_one_leaves(tenant_state, window, period) - now;
+                    b.callers = Some(too_many(
+                        Scope::Instance,
+                        i.policy.max_tracked,
+                        n_instances,
+                        wait,
+                    ));
+                    return None;
+                }
+                n_instances += 1;
+            }
+        }
+    }
+    Some((n_tenants, n_instances))
+}
+
+/// Step 3 of [`below`]: the first of the tenant's and the instance's concurrency caps that
+/// is full, if any.
+fn full_cap(b: &Below<'_>, plan: &Plan<'_>) -> Option<Fail> {
+    let caps = [
+        None,
+        plan.tenant.policy.max_concurrency,
+        plan.instance.and_then(|i| i.policy.max_concurrency),
+    ];
+    for (l, cap) in b.levels[..b.n].iter().zip(caps) {
+        let Some(cap) = cap else { continue };
+        if l.state.in_flight + 1.0 > cap as f64 {
+            return Some(Fail {
+                reason: Reason::ConcurrencyExceeded,
+                scope: l.scope,
+                wait: 1_000_000.0,
+                window: Label::Word("in_flight"),
+                window_secs: None,
+                limit: cap as f64,
+                used: l.state.in_flight,
+                reset_at: None,
+                sure_wait: 0.0,
+            });
+        }
+    }
+    None
+}
+
+/// Step 2 of [`below`]: the tenant's and the instance's numbers at the counts given, the
+/// share banks their parents hold for their children (see [`banks`]), and their states
+/// refilled and rolled to `b`'s instant.
+fn levels<'a>(
+    b: &mut Below<'a>,
+    plan: &Plan<'a>,
+    tenant_state: &NodeState,
+    instance_state: Option<&NodeState>,
+    n_tenants: u64,
+    n_instances: u64,
+) {
+    let tool = plan.tool;
+    let t_pol = plan.tenant.policy;
+    let (c, now, period, window) = (plan.cost, b.now, b.period, b.window);
+    let spare = tool.spare();
+    let tn = level_numbers(
+        t_pol,
+        spare,
+        tool.configured_weight
+            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
+    );
+    let (tool_banks, tenant_bank) = banks(
+        tool.burst,
+        tool.configured_tenant_burst,
+        tool.default_tenant.as_ref().map_or(0.0, |d| d.burst),
+        n_tenants,
+        t_pol.burst,
+        c,
+    );
+    b.levels[1] = Level {
+        scope: Scope::Tenant,
+        floor_b: bucket(tn.own_floor, tn.own_floor),
+        share_b: bucket(tn.share_rate, tenant_bank),
+        ceil_b: bucket(tn.ceiling_rate, t_pol.burst),
+        numbers: tn,
+        state: Scalars::of(tenant_state),
+        policy: Some(t_pol),
+        fresh: t_pol.template && !b.standing[0].counted(),
+    };
+    b.banks = [tool_banks, 0.0, 0.0];
+    if let (Some(i), Some(s)) = (plan.instance, instance_state) {
+        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
+        let inner_weight = t_pol.configured_child_weight
+            + t_pol.default_child.as_ref().map_or(0.0, |d| d.weight) * n_instances as f64;
+        let inn = level_numbers(i.policy, inner_spare, inner_weight);
+        let (instance_banks, instance_bank) = banks(
+            t_pol.burst,
+            t_pol.configured_child_burst,
+            t_pol.default_child.as_ref().map_or(0.0, |d| d.burst),
+            n_instances,
+            i.policy.burst,
+            c,
+        );
+        b.levels[2] = Level {
+            scope: Scope::Instance,
+            floor_b: bucket(inn.own_floor, inn.own_floor),
+            share_b: bucket(inn.share_rate, instance_bank),
+            ceil_b: bucket(inn.ceiling_rate, i.policy.burst),
+            numbers: inn,
+            state: Scalars::of(s),
+            policy: Some(i.policy),
+            fresh: i.policy.template && !b.standing[1].counted(),
+        };
+        b.banks[1] = instance_banks;
+        b.n = 3;
+    }
+    let n = b.n;
+    // A template caller not counted yet starts with no more banked share than its parent's
+    // bucket holds beyond the other children's banks: many of them arriving at once would
+    // otherwise bank more share than the tool can back, and those calling last would be
+    // crowded out by the others' bursts (see `Level::fresh`).
+    let parent_depth = [tool.burst, t_pol.burst];
+    for (idx, l) in b.levels[1..n].iter_mut().enumerate() {
+        refill(&mut l.state, &l.floor_b, &l.share_b, &l.ceil_b, now, period);
+        roll_window(&mut l.state, window);
+        if l.fresh {
+            let others = b.banks[idx] - l.share_b.depth;
+            l.state.share = l.state.share.min(parent_depth[idx] - others).max(0.0);
+        }
+    }
+}
+
+/// The share banks under a parent whose lending bucket is `depth` deep: (what its children's
+/// banks hold together, the calling child's bank), given the configured children's bursts, a
+/// template child's burst, the template children counted and the calling child's burst.
+///
+/// While the banks fit in the parent's bucket they are the children's bursts; once more
+/// template children are counted than it holds banks for, each bank shrinks in proportion
+/// so together they fill it, but never below one unit (a bank must hold a call). A caller
+/// not counted yet starts with only what is left beyond the others' banks (see `below`).
+/// So the parent holds (nearly) every banked share token, and a caller under its share is
+/// not crowded out by the others' banked bursts, whatever the order they call in.
+fn banks(
+    depth: f64,
+    configured: f64,
+    template: f64,
+    counted: u64,
+    own: f64,
+    cost: f64,
+) -> (f64, f64) {
+    let all = configured + template * counted as f64;
+    if all <= depth || all <= 0.0 {
+        return (all, own);
+    }
+    let scale = depth / all;
+    let least = |burst: f64| (burst * scale).max(burst.min(2.0 * cost));
+    (
+        configured * scale + least(template) * counted as f64,
+        least(own),
+    )
 }
 
 /// The refusal for a template caller over `max_tracked`; `wait` is until a counted one stops
@@ -403,6 +507,7 @@ fn tool_level(plan: &Plan<'_>, b: &Below<'_>, tool_state: &NodeState) -> Level<'
         ceil_b: bucket(spare, tool.burst),
         state: Scalars::of(tool_state),
         policy: None,
+        fresh: false,
     };
     refill(
         &mut t.state,

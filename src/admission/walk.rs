@@ -16,6 +16,11 @@ pub(super) struct Level<'a> {
     pub(super) ceil_b: Bucket,
     pub(super) state: Scalars,
     pub(super) policy: Option<&'a LevelPolicy>,
+    /// A template caller not counted at its parent (new, or back after two windows away):
+    /// its bank starts with no more than its parent can back (see `below`), and its first
+    /// call, up to its bank's depth, is served as within its share: an advance its bank pays
+    /// back as it refills.
+    pub(super) fresh: bool,
 }
 
 /// The window a refusal names: the tool's period, or a fixed word. Rendered only when the
@@ -154,11 +159,11 @@ impl PathCtx<'_, '_> {
         let bucket_ok = s.ceiling + EPS >= need;
         let window_ok = s.non_floor + rem <= window_cap + EPS;
         if !(bucket_ok && window_ok) {
-            return Err(self.fail(l, need, rem, window_ok, window_cap));
+            return Err(self.fail(l, need, rem, window_ok));
         }
         w.takes[idx][2] = rem;
         if idx > 0 {
-            if s.share + EPS >= rem {
+            if s.share + EPS >= rem || (l.fresh && rem <= l.share_b.depth + EPS) {
                 w.takes[idx][1] = rem;
             } else {
                 w.own_chain = false;
@@ -168,22 +173,24 @@ impl PathCtx<'_, '_> {
         Ok(())
     }
 
-    pub(super) fn fail(
-        &self,
-        l: &Level<'_>,
-        need: f64,
-        rem: f64,
-        window_ok: bool,
-        window_cap: f64,
-    ) -> Fail {
+    pub(super) fn fail(&self, l: &Level<'_>, need: f64, rem: f64, window_ok: bool) -> Fail {
         let s = &l.state;
         let mut wait = wait_for(s.ceiling, need, &l.ceil_b, self.period);
         if !window_ok {
-            wait = wait.max(if rem > window_cap + EPS {
+            wait = wait.max(if rem > l.numbers.ceiling_rate + EPS {
                 f64::INFINITY
             } else {
                 self.next_window - self.now
             });
+        }
+        // A borrow the bar blocks (the other children's banks fill the level) can still pass
+        // once the caller's own share covers the call: no later than its share bank refills.
+        if need > rem + EPS && !wait.is_finite() {
+            wait = self.own_share_wait();
+            if !wait.is_finite() {
+                // Larger than its bank: it can pass once fewer callers are counted.
+                wait = self.next_window - self.now;
+            }
         }
         // Could the whole call be served by the caller's floor later instead?
         let lf = &self.levels[self.levels.len() - 1];
@@ -206,6 +213,16 @@ impl PathCtx<'_, '_> {
             reset_at: None,
             sure_wait: 0.0,
         }
+    }
+
+    /// When the caller's own share bank (at every level below the tool) covers the whole
+    /// call, so it passes without the borrowing bar: the longest of the levels' refills.
+    fn own_share_wait(&self) -> f64 {
+        let mut wait: f64 = 0.0;
+        for l in &self.levels[1..] {
+            wait = wait.max(wait_for(l.state.share, self.cost, &l.share_b, self.period));
+        }
+        wait
     }
 
     /// A lower bound of the time before any path could pass the level that refused (`f`,

@@ -105,6 +105,10 @@ macro_rules! suite {
             conformance::template_counting(&$factory)
         }
         #[test]
+        fn newcomers_get_their_share_whatever_the_arrival_order() {
+            conformance::newcomers_share(&$factory)
+        }
+        #[test]
         fn active_template_callers_share_with_listed_callers() {
             conformance::templates_share_with_listed(&$factory)
         }
@@ -295,6 +299,7 @@ fn policy_strategy() -> impl Strategy<Value = (String, f64, Vec<f64>, Vec<f64>, 
 }
 
 const MINUTE: u64 = 60_000_000;
+const SECOND: u64 = 1_000_000;
 
 fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), TestCaseError> {
     if cond {
@@ -1050,6 +1055,109 @@ pub fn templates_share_with_listed<F: Factory>(f: &F) {
         clock.advance(Duration::from_secs(2));
         assert_eq!(quota(ax()).await, 120.0);
     });
+}
+
+/// A share for every active caller, whatever the arrival order: a listed tenant and many
+/// template tenants, all offering 3× their share, the template ones calling last at every
+/// instant they tie (the adversarial order: the others' bursts go first), a second group
+/// joining at random times in the second window. In the first window every caller gets at
+/// least half its nominal share; from the third (the joiners' first full window) every
+/// template tenant at least 95 % of it and the listed one within ±2 % of its ceiling.
+pub fn newcomers_share<F: Factory>(f: &F) {
+    let rt = runtime();
+    const C: f64 = 600.0;
+    const FLOOR: f64 = 60.0;
+    const WEIGHT: f64 = 5.0;
+    let strat = (
+        8usize..24,
+        4usize..16,
+        prop::collection::vec((0.0f64..1.0, 0u64..SECOND), 40),
+    );
+    runner((f.cases() / 3).max(4))
+        .run(&strat, |(first, joiners, draws)| {
+            let policy = policy_of(
+                f,
+                &format!(
+                    r#"
+                    [[tool]]
+                    name = "t"
+                    unit = "calls"
+                    rate = {{ limit = {C}, per = "1s" }}
+                    [tool.tenants.L]
+                    weight = {WEIGHT}
+                    floor = {FLOOR}
+                    [tool.default_tenant]
+                    weight = 1
+                    "#
+                ),
+            )
+            .expect("valid");
+            let spare = C - FLOOR;
+            let share = |n: usize| spare / (WEIGHT + n as f64);
+            let all = first + joiners;
+            let mut loads = vec![Load {
+                caller: Caller::new("L"),
+                per_period: 3.0 * C,
+                phase: 0.0,
+                cost: 1.0,
+                start: 0,
+            }];
+            for (i, (phase, late)) in draws.iter().take(all).enumerate() {
+                loads.push(Load {
+                    caller: Caller::new(format!("guest-{i}")),
+                    per_period: 3.0 * share(first),
+                    phase: *phase,
+                    cost: 1.0,
+                    start: if i < first { 0 } else { SECOND + late },
+                });
+            }
+            let (limiter, clock) = harness(&policy, f.store_in(&rt));
+            let events = rt.block_on(drive(&limiter, &clock, "t", &loads, SECOND, 5));
+            let got = |i: usize, w: u64| {
+                events
+                    .iter()
+                    .filter(|e| e.source == i && e.admitted && e.at / SECOND == w)
+                    .count() as f64
+            };
+            for i in 1..=first {
+                check(got(i, 0) >= 0.5 * share(first), || {
+                    format!(
+                        "guest-{} got {} in the first window, share {}",
+                        i - 1,
+                        got(i, 0),
+                        share(first)
+                    )
+                })?;
+            }
+            check(
+                got(0, 0) >= 0.5 * (FLOOR + spare * WEIGHT / (WEIGHT + first as f64)),
+                || format!("L got {} in the first window", got(0, 0)),
+            )?;
+            if std::env::var("FS_DEBUG").is_ok() {
+                for w in 0..5 {
+                    let row: Vec<f64> = (0..=all).map(|i| got(i, w)).collect();
+                    eprintln!("w{w} {row:?} sum {}", row.iter().sum::<f64>());
+                }
+            }
+            for w in 2..5 {
+                for i in 1..=all {
+                    check(got(i, w) >= 0.95 * share(all) - 2.0, || {
+                        format!(
+                            "guest-{} got {} in window {w}, share {}",
+                            i - 1,
+                            got(i, w),
+                            share(all)
+                        )
+                    })?;
+                }
+                let ceiling = FLOOR + spare * WEIGHT / (WEIGHT + all as f64);
+                check((got(0, w) - ceiling).abs() <= 0.02 * ceiling + 1.0, || {
+                    format!("L got {} in window {w}, ceiling {ceiling}", got(0, w))
+                })?;
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// Budgets: calendar budgets AND across levels; a refusal names window, limit, used and
