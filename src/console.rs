@@ -452,21 +452,58 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.recorder().start();
         Console {
             limiter: self.clone(),
+            keys: None,
         }
     }
 }
 
 /// The operator's console service ([`Limiter::console`]).
-#[derive(Debug)]
 pub struct Console<S, C> {
     limiter: Limiter<S, C>,
+    keys: Option<KeyResolver>,
+}
+
+/// How a console turns an API key into the caller it authenticates (see
+/// [`Console::resolve_keys`]).
+type KeyResolver = Arc<dyn Fn(&str) -> Option<Caller> + Send + Sync>;
+
+impl<S: std::fmt::Debug, C: std::fmt::Debug> std::fmt::Debug for Console<S, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console")
+            .field("limiter", &self.limiter)
+            .field("resolves_keys", &self.keys.is_some())
+            .finish()
+    }
 }
 
 impl<S, C> Clone for Console<S, C> {
     fn clone(&self) -> Self {
         Console {
             limiter: self.limiter.clone(),
+            keys: self.keys.clone(),
         }
+    }
+}
+
+impl<S, C> Console<S, C> {
+    /// Lets `explain` be asked by API key (`?tool=T&api_key=K`): `resolve` returns the caller
+    /// that key authenticates, as your auth layer builds it (tenant, instance, tier), or
+    /// `None` for an unknown key. The key is never echoed back.
+    ///
+    /// ```
+    /// use tower_fairshare::{Caller, Limiter, Policy};
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }").unwrap();
+    /// let console = Limiter::new(policy)
+    ///     .console()
+    ///     .resolve_keys(|key| (key == "sk-acme").then(|| Caller::new("acme").with_tier("pro")));
+    /// # drop(console);
+    /// ```
+    pub fn resolve_keys(
+        mut self,
+        resolve: impl Fn(&str) -> Option<Caller> + Send + Sync + 'static,
+    ) -> Self {
+        self.keys = Some(Arc::new(resolve));
+        self
     }
 }
 
@@ -757,6 +794,67 @@ impl<S: Store, C: Clock> Console<S, C> {
         })
     }
 
+    /// The caller, tool and cost an `explain` query asks about, resolved as a call would be:
+    /// from `api_key=` through the key resolver, or from `tenant=`, `instance=` and `tier=`. A
+    /// question that leaves out what the answer depends on (the tier of a tool that admits
+    /// only some tiers) is answered with what to add, not for a different caller.
+    fn question<'q>(
+        &self,
+        q: &'q HashMap<String, String>,
+    ) -> Result<(Caller, &'q str, Cost), Reply> {
+        let Some(tool) = q.get("tool") else {
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "explain needs ?tool=NAME (and api_key=, or tenant=, instance=, tier=; cost=)",
+            ));
+        };
+        let cost = match q.get("cost").map(|c| c.parse::<f64>()) {
+            None => Cost::default(),
+            Some(Ok(c)) => Cost(c),
+            Some(Err(_)) => return Err(problem(StatusCode::BAD_REQUEST, "cost must be a number")),
+        };
+        if let Some(key) = q.get("api_key") {
+            let Some(resolve) = &self.keys else {
+                return Err(problem(
+                    StatusCode::BAD_REQUEST,
+                    "this console does not resolve API keys: ask with tenant=, instance= and tier=",
+                ));
+            };
+            return match resolve(key) {
+                Some(caller) => Ok((caller, tool, cost)),
+                None => Err(problem(StatusCode::NOT_FOUND, "no caller has this API key")),
+            };
+        }
+        let mut caller = match q.get("tenant") {
+            Some(t) => Caller::new(t.as_str()),
+            None => Caller::untenanted(),
+        };
+        if let Some(i) = q.get("instance") {
+            caller = caller.with_instance(i.as_str());
+        }
+        match q.get("tier") {
+            Some(t) => caller = caller.with_tier(t.as_str()),
+            None => {
+                let policy = self.limiter.policy();
+                if let Some(tiers) = policy
+                    .tool(tool)
+                    .map(|tp| tp.tiers())
+                    .filter(|t| !t.is_empty())
+                {
+                    return Err(problem(
+                        StatusCode::BAD_REQUEST,
+                        &format!(
+                            "tool `{}` admits only callers of tier {}: the answer depends on the caller's tier; add tier= (or api_key=)",
+                            crate::admission::echoed(tool),
+                            tiers.iter().map(|t| format!("`{t}`")).collect::<Vec<_>>().join(" or ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok((caller, tool, cost))
+    }
+
     async fn answer(self, method: Method, uri: http::Uri) -> Reply {
         if method != Method::GET && method != Method::HEAD {
             return problem(
@@ -781,28 +879,9 @@ impl<S: Store, C: Clock> Console<S, C> {
                 Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
             },
             "explain" => {
-                let Some(tool) = q.get("tool") else {
-                    return problem(
-                        StatusCode::BAD_REQUEST,
-                        "explain needs ?tool=NAME (and tenant=, instance=, cost=)",
-                    );
-                };
-                let mut caller = match q.get("tenant") {
-                    Some(t) => Caller::new(t.as_str()),
-                    None => Caller::untenanted(),
-                };
-                if let Some(i) = q.get("instance") {
-                    caller = caller.with_instance(i.as_str());
-                }
-                if let Some(t) = q.get("tier") {
-                    caller = caller.with_tier(t.as_str());
-                }
-                let cost = match q.get("cost").map(|c| c.parse::<f64>()) {
-                    None => Cost::default(),
-                    Some(Ok(c)) => Cost(c),
-                    Some(Err(_)) => {
-                        return problem(StatusCode::BAD_REQUEST, "cost must be a number")
-                    }
+                let (caller, tool, cost) = match self.question(&q) {
+                    Ok(question) => question,
+                    Err(reply) => return reply,
                 };
                 match self.limiter.explain(&caller, tool, cost).await {
                     Ok(e) => json(&e),

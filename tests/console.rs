@@ -32,6 +32,13 @@ floor = 30
 [tool.tenants.quiet.default_instance]
 [tool.default_tenant]
 max_tenants = 1000
+
+[[tool]]
+name = "internal_report"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+tier = "internal"
+[tool.default_tenant]
 "#;
 
 fn limiter() -> (Limiter<MemoryStore, ManualClock>, ManualClock) {
@@ -208,6 +215,70 @@ async fn explain_and_state_read_without_charging() {
     )
     .await;
     assert_eq!(spaced["tenant"], "heavy", "percent-decoded: {spaced}");
+}
+
+/// `explain` resolves the caller as a call does: the tier is part of the question (or the
+/// API key, through the console's key resolver), and a question without the tier a tool
+/// requires says so instead of answering for a caller without one.
+#[tokio::test]
+async fn explain_asks_for_the_tier_a_tool_depends_on() {
+    let (limiter, _clock) = limiter();
+    let app = Router::new().nest_service(
+        "/fairshare",
+        limiter.console().resolve_keys(|key| {
+            (key == "sk-heavy").then(|| Caller::new("heavy").with_tier("internal"))
+        }),
+    );
+    let (status, e) = get(&app, "/fairshare/explain?tool=internal_report&tenant=heavy").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{e}");
+    let msg = e["error"].as_str().unwrap();
+    assert!(
+        msg.contains("tier `internal`") && msg.contains("tier="),
+        "{msg}"
+    );
+    for (tier, admitted) in [("internal", true), ("free", false)] {
+        let uri = format!("/fairshare/explain?tool=internal_report&tenant=heavy&tier={tier}");
+        let (status, e) = get(&app, &uri).await;
+        assert_eq!(status, StatusCode::OK, "{e}");
+        let caller = Caller::new("heavy").with_tier(tier);
+        let got = limiter.admit(&caller, "internal_report", Cost(1.0)).await;
+        assert_eq!(e["admitted"], got.is_ok(), "{tier}: {e} / {got:?}");
+        assert_eq!(got.is_ok(), admitted, "{tier}: {got:?}");
+        if let Err(r) = got {
+            assert_eq!(e["reason"], r.reason.as_str(), "{e}");
+        }
+    }
+    // By API key: the caller the key authenticates, tier included.
+    let (status, e) = get(
+        &app,
+        "/fairshare/explain?tool=internal_report&api_key=sk-heavy",
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{e}");
+    assert_eq!(
+        (e["admitted"].clone(), e["tenant"].clone()),
+        (true.into(), "heavy".into()),
+        "{e}"
+    );
+    let (status, e) = get(
+        &app,
+        "/fairshare/explain?tool=internal_report&api_key=sk-nobody",
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{e}");
+    assert!(
+        !e.to_string().contains("sk-nobody"),
+        "the key is not echoed: {e}"
+    );
+    // A console that resolves no keys says so.
+    let plain = Router::new().nest_service("/fairshare", limiter.console());
+    let (status, e) = get(
+        &plain,
+        "/fairshare/explain?tool=internal_report&api_key=sk-heavy",
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("tier="), "{e}");
 }
 
 /// A tool's own budget, as a tenant's, is in the state and in `explain`, with what was spent.
@@ -438,6 +509,16 @@ async fn the_live_page_in_headless_chromium() {
             .await
             .unwrap();
     }
+    // The explain form, from a link: with the tier the tool requires, the caller is
+    // admitted; without it, the page says what to add.
+    let asked = |q: &str| {
+        let page = format!("{url}#explain?{q}");
+        String::from_utf8(headless(&["--dump-dom", &page]).stdout).unwrap()
+    };
+    let dom = asked("tool=internal_report&tenant=heavy&tier=internal");
+    assert!(dom.contains("\"admitted\": true"), "{dom}");
+    let dom = asked("tool=internal_report&tenant=heavy");
+    assert!(dom.contains("depends on the caller's tier"), "{dom}");
     let second = shot(&two);
     assert_ne!(
         first, second,

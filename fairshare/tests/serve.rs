@@ -323,6 +323,40 @@ async fn get(url: String, bearer: Option<&str>) -> (StatusCode, String) {
 
 /// `/metrics` names every tenant: it is served only behind a key, or on a listener of its
 /// own, never to anyone who asks.
+/// The console's `explain` asks about a gateway API key's caller, as a call with that key
+/// is decided (its tier included), and says what to add to a question without the tier a
+/// tool requires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_by_api_key_agrees_with_the_call() {
+    let server = serve_with("explain-key", &["--metrics-key", "s3cret"]);
+    let explain = |q: &str| {
+        get(
+            format!("http://{}/fairshare/explain?{q}", server.addr),
+            Some("s3cret"),
+        )
+    };
+    for key in ["sk-ops", "sk-acme"] {
+        let (status, body) = explain(&format!("tool=admin_export&api_key={key}")).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let e: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let called = call(&server, "admin_export", Some(key)).await;
+        assert_eq!(
+            e["admitted"],
+            called.status == StatusCode::OK,
+            "{key}: {e} / {}",
+            called.json
+        );
+        if called.status != StatusCode::OK {
+            assert_eq!(e["reason"], called.json["error"], "{key}: {e}");
+        }
+    }
+    let (status, body) = explain("tool=admin_export&tenant=ops&instance=console").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("tier `admin`"), "{body}");
+    let (status, body) = explain("tool=admin_export&api_key=sk-nobody").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+}
+
 #[tokio::test]
 async fn metrics_need_a_key_or_a_listener_of_their_own() {
     let open = serve("metrics-none");

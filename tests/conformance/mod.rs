@@ -630,6 +630,21 @@ floor = 20
 ceiling = 60
 "#;
 
+/// A tool only callers of tier `internal` or `pro` may call, beside [`EVERY_LIMIT`]'s.
+const TIERED: &str = r#"
+[[tool]]
+name = "tiered"
+unit = "tokens"
+rate = { limit = 60, per = "10s" }
+tiers = ["internal", "pro"]
+[tool.tenants.A]
+floor = 10
+[tool.tenants.B]
+weight = 2
+[tool.default_tenant]
+max_tenants = 2
+"#;
+
 /// Callers of [`EVERY_LIMIT`]: A's listed instance, four template instances (one more than
 /// `max_instances`), and B.
 fn every_limit_callers() -> Vec<Caller> {
@@ -1321,19 +1336,21 @@ async fn futures_join<S: Store>(l: &Limiter<S, ManualClock>, c: &Caller, n: usiz
 /// concurrency caps, costs from 1 to 30), and explaining writes nothing.
 pub fn explain_agrees<F: Factory>(f: &F) {
     let rt = runtime();
-    // Template tenants too (at most two counted), beside the listed ones.
+    // Template tenants too (at most two counted), beside the listed ones; and a tool that
+    // admits only some tiers, asked about by callers of every tier (or none).
     let policy = policy_of(
         f,
-        &format!("{EVERY_LIMIT}\n[tool.default_tenant]\nmax_tenants = 2\n"),
+        &format!("{EVERY_LIMIT}\n[tool.default_tenant]\nmax_tenants = 2\n{TIERED}"),
     )
     .unwrap();
+    let tiers = [None, Some("internal"), Some("pro"), Some("free")];
     let mut callers = every_limit_callers();
     callers.extend(["C", "D", "E"].map(Caller::new));
     runner(f.cases())
         .run(
             &prop::collection::vec(
                 (
-                    0usize..9,
+                    (0usize..9, 0usize..2, 0usize..4),
                     0u64..400_000,
                     1u32..30,
                     prop::bool::weighted(0.3),
@@ -1345,21 +1362,32 @@ pub fn explain_agrees<F: Factory>(f: &F) {
                 let mut held: Vec<Ticket> = Vec::new();
                 rt.block_on(async {
                     let mut t = 0u64;
-                    for (k, (who, dt, cost, keep)) in ops.into_iter().enumerate() {
+                    for (k, ((who, tool, tier), dt, cost, keep)) in ops.into_iter().enumerate() {
                         t += dt;
                         clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
-                        let caller = &callers[who];
-                        let keys = limiter.call_keys(caller, "t").unwrap();
-                        let before = limiter.store().inspect(&keys).await.unwrap();
+                        let tool = ["t", "tiered"][tool];
+                        let caller = &match tiers[tier] {
+                            Some(tier) => callers[who].clone().with_tier(tier),
+                            None => callers[who].clone(),
+                        };
+                        // A caller the tool refuses before the store has no keys to read.
+                        let keys = limiter.call_keys(caller, tool).ok();
+                        let before = match &keys {
+                            Some(keys) => limiter.store().inspect(keys).await.unwrap(),
+                            None => Default::default(),
+                        };
                         let e = limiter
-                            .explain(caller, "t", Cost(cost as f64))
+                            .explain(caller, tool, Cost(cost as f64))
                             .await
                             .unwrap();
-                        let after = limiter.store().inspect(&keys).await.unwrap();
+                        let after = match &keys {
+                            Some(keys) => limiter.store().inspect(keys).await.unwrap(),
+                            None => Default::default(),
+                        };
                         check(before == after, || {
                             format!("op {k}: explaining wrote {before:?} -> {after:?}")
                         })?;
-                        let got = limiter.admit(caller, "t", Cost(cost as f64)).await;
+                        let got = limiter.admit(caller, tool, Cost(cost as f64)).await;
                         let (admitted, reason, scope) = match &got {
                             Ok(_) => (true, None, None),
                             Err(r) => (false, Some(r.reason.as_str()), r.scope.map(|s| s.as_str())),
@@ -1370,7 +1398,7 @@ pub fn explain_agrees<F: Factory>(f: &F) {
                                 && e.why.binding == scope,
                             || {
                                 format!(
-                                    "op {k} ({caller:?}, cost {cost}, t {t}): explain said \
+                                    "op {k} ({caller:?} at {tool}, cost {cost}, t {t}): explain said \
                                      {:?}/{:?}/{:?}, the call got {got:?}",
                                     e.admitted, e.why.reason, e.why.binding
                                 )

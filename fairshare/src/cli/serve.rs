@@ -104,15 +104,24 @@ pub(crate) fn router_with<S: Store, C: Clock>(
     console: ConsoleAccess,
     limits: Limits,
 ) -> Router {
+    let keys = Arc::new(keys);
     let mut app = Router::new().route("/tools/{name}", any(tool));
+    // `explain` can be asked by a gateway API key (`api_key=`): the caller it authenticates.
+    let explained = keys.clone();
+    let console_of = move |limiter: &Limiter<S, C>| {
+        let keys = explained.clone();
+        limiter
+            .console()
+            .resolve_keys(move |key| keys.caller(key).cloned())
+    };
     match console {
         ConsoleAccess::Off => {}
-        ConsoleAccess::Open => app = app.nest_service("/fairshare", limiter.console()),
+        ConsoleAccess::Open => app = app.nest_service("/fairshare", console_of(&limiter)),
         ConsoleAccess::WithKey(key) => {
             // `route_layer`: the key guards the console's own paths only, so a path the
             // gateway does not serve stays 404 (and does not tell that a console is there).
             let guarded = Router::new()
-                .nest_service("/fairshare", limiter.console())
+                .nest_service("/fairshare", console_of(&limiter))
                 .route_layer(middleware::from_fn(move |req: Request, next: Next| {
                     let key = key.clone();
                     async move {
@@ -168,7 +177,7 @@ pub(crate) fn router_with<S: Store, C: Clock>(
             .headers(true),
     )
     // Outermost: the caller is known before the fair-share layer looks for it.
-    .layer(middleware::from_fn_with_state(Arc::new(keys), authenticate))
+    .layer(middleware::from_fn_with_state(keys, authenticate))
     .layer(middleware::from_fn_with_state(
         limits.request_timeout,
         time_limit,
