@@ -83,6 +83,8 @@ struct Inner<S, C> {
     tenant_labels: usize,
     /// Refusals counted and kept for the console (off until one is made).
     recorder: crate::console::Recorder,
+    /// Which refusals get an `info` line (one per caller per window).
+    refusal_lines: telemetry::RefusalLines,
     /// Units of callers' own allocations this process holds, charged in advance (tools with
     /// `lease = { max = N }`).
     leases: Leases,
@@ -272,6 +274,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 instance_labels: false,
                 tenant_labels: DEFAULT_TENANT_LABELS,
                 recorder: Default::default(),
+                refusal_lines: Default::default(),
                 leases: Leases::new(),
                 on_drop: give_back_on_drop::<S, C>,
             }),
@@ -1072,16 +1075,38 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         match outcome {
             Ok(t) => match (t.admission(), &t.shadow_refusal) {
                 (Some(_), _) => trace_admitted(caller, tool, cost, t),
-                (None, Some(r)) => event(r, tool, tenant, instance, cost, "shadow"),
+                (None, Some(r)) => self.event(policy, r, [tool, tenant, instance], cost, "shadow"),
                 (None, None) => {}
             },
             Err(r) => {
-                event(r, tool, tenant, instance, cost, "refused");
+                self.event(policy, r, [tool, tenant, instance], cost, "refused");
                 self.inner
                     .recorder
                     .refused(policy, caller, tool, r, || self.inner.clock.now());
             }
         }
+    }
+
+    /// The decision event of a refusal (or a shadow refusal).
+    fn event(
+        &self,
+        policy: &Policy,
+        r: &Refusal,
+        [tool, tenant, instance]: [&str; 3],
+        cost: Cost,
+        outcome: &'static str,
+    ) {
+        let now = self.inner.clock.now().as_micros();
+        let period = policy
+            .tool(tool)
+            .map_or(1, |tp| tp.period().as_micros().max(1) as u64);
+        self.inner.refusal_lines.event(
+            r,
+            [tool, tenant, instance],
+            cost.0,
+            outcome,
+            [now / period, now / 1_000_000],
+        );
     }
 
     /// The decision's metrics.
@@ -1199,20 +1224,6 @@ fn trace_admitted_event(caller: &Caller, tool: &str, cost: Cost, t: &Ticket) {
         weight = v.weight, floor = v.floor, share = v.share, ceiling = v.ceiling,
         remaining = t.remaining().unwrap_or(a.remaining), slack = a.slack,
         at_us = a.at.as_micros(), leased = t.leased_part().is_some(),
-    );
-}
-
-fn event(r: &Refusal, tool: &str, tenant: &str, instance: &str, cost: Cost, outcome: &'static str) {
-    tracing::info!(
-        target: "tower_fairshare::decision",
-        tool, tenant, instance, cost = cost.0, outcome,
-        reason = r.reason.as_str(),
-        scope = r.scope.map_or("none", |s| s.as_str()),
-        window = r.window().unwrap_or(""),
-        limit = r.limit,
-        used = r.used,
-        retry_after_ms = r.retry_after.map(|d| d.as_millis() as u64),
-        retryable = r.retryable,
     );
 }
 

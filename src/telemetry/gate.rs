@@ -57,6 +57,26 @@ pub(crate) fn let_through(kind: &'static str, tool: &str) -> Option<u64> {
     Some(std::mem::take(&mut slot.held_back))
 }
 
+/// Path prefixes (first segments) remembered at most: past them, no more first lines.
+const MAX_PREFIXES: usize = 256;
+
+/// Whether `path`'s first segment (`/health` of `/health/live`) is seen for the first time.
+pub(crate) fn first_of_prefix(path: &str) -> bool {
+    static SEEN: OnceLock<Mutex<std::collections::HashSet<String>>> = OnceLock::new();
+    let prefix = match path.get(1..).and_then(|p| p.find('/')) {
+        Some(end) => &path[..end + 1],
+        None => path,
+    };
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if seen.len() >= MAX_PREFIXES || seen.contains(prefix) {
+        return false;
+    }
+    seen.insert(prefix.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +92,14 @@ mod tests {
         assert!((2..=4).contains(&through), "{through}");
         assert_eq!(let_through("test-flood", "other"), Some(0));
         assert_eq!(let_through("test-other-kind", "t"), Some(0));
+    }
+
+    /// A path prefix is said once, whatever follows it.
+    #[test]
+    fn each_path_prefix_is_first_once() {
+        assert!(first_of_prefix("/gate-test/a"));
+        assert!(!first_of_prefix("/gate-test/b?x=1"));
+        assert!(!first_of_prefix("/gate-test"));
+        assert!(first_of_prefix("/gate-test-2"));
     }
 }

@@ -27,6 +27,8 @@
 //! slack.
 
 mod gate;
+mod refusals;
+pub(crate) use refusals::RefusalLines;
 
 pub(crate) use gate::let_through;
 
@@ -276,9 +278,15 @@ pub(crate) fn store_error(tool: &std::sync::Arc<str>, store: &'static str, mode:
 #[cfg(not(feature = "metrics"))]
 pub(crate) fn store_error(_: &std::sync::Arc<str>, _: &'static str, _: &'static str) {}
 
-/// A request a layer let through because it names no tool: counted, and a `debug` event.
+/// A request a layer let through because it names no tool: counted, a `warn` line the first
+/// time its path's first segment is seen (a misrouted tool is found the day it ships), a
+/// `debug` event every time.
 pub(crate) fn unmapped(path: &str) {
-    tracing::debug!(target: "tower_fairshare::unmapped", path, "the request names no tool: passed through unmetered");
+    if gate::first_of_prefix(path) {
+        tracing::warn!(target: "tower_fairshare::unmapped", path, "a request names no tool: passed through unmetered (said once per path prefix; every one at debug)");
+    } else {
+        tracing::debug!(target: "tower_fairshare::unmapped", path, "the request names no tool: passed through unmetered");
+    }
     #[cfg(feature = "metrics")]
     metrics::counter!(UNMAPPED).increment(1);
 }
