@@ -1099,7 +1099,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let now = self.inner.clock.now().as_micros();
         let period = policy
             .tool(tool)
-            .map_or(1, |tp| tp.period().as_micros().max(1) as u64);
+            .map_or(1, |tp| tp.period().as_micros().max(1));
         self.inner.refusal_lines.event(
             r,
             [tool, tenant, instance],
