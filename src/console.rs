@@ -619,6 +619,14 @@ struct ToolView {
     budgets: Vec<BudgetUse>,
     window_ends_in_ms: u64,
     tenants: Vec<Row>,
+    /// The busiest unlisted tenants and instances (a bounded top-K; see `telemetry::busiest`).
+    busiest: Busy,
+}
+
+#[derive(Serialize)]
+struct Busy {
+    tenants: Vec<crate::telemetry::busiest::BusyCaller>,
+    instances: Vec<crate::telemetry::busiest::BusyCaller>,
 }
 
 #[derive(Serialize)]
@@ -786,6 +794,10 @@ impl<S: Store, C: Clock> Console<S, C> {
                 budgets,
                 window_ends_in_ms: (period - now.as_micros() % period) / 1000,
                 tenants,
+                busiest: {
+                    let [tenants, instances] = self.limiter.busiest(tp.name());
+                    Busy { tenants, instances }
+                },
             });
         }
         Ok(StateView {

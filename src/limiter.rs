@@ -85,6 +85,8 @@ struct Inner<S, C> {
     recorder: crate::console::Recorder,
     /// Which refusals get an `info` line (one per caller per window).
     refusal_lines: telemetry::RefusalLines,
+    /// The busiest unlisted callers of each tool, named in metrics and the console.
+    busiest: telemetry::busiest::Busiest,
     /// Units of callers' own allocations this process holds, charged in advance (tools with
     /// `lease = { max = N }`).
     leases: Leases,
@@ -275,6 +277,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 tenant_labels: DEFAULT_TENANT_LABELS,
                 recorder: Default::default(),
                 refusal_lines: Default::default(),
+                busiest: Default::default(),
                 leases: Leases::new(),
                 on_drop: give_back_on_drop::<S, C>,
             }),
@@ -298,10 +301,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// How many of a tool's tenants (and of a tenant's instances) the metrics label by name,
     /// in the order the policy lists them (default 1,000). The rest, and every caller a
-    /// template governs, share the label `other`; callers and tools the policy does not know
-    /// are `unknown`. Label values never come from what a request claims, so a flood of made-up
-    /// names adds no series: a tool has at most this many tenant label values plus two. Call
-    /// before cloning the limiter.
+    /// template governs but the tool's busiest (a top-K of at most 10, see
+    /// [`telemetry::busiest`](crate::telemetry::busiest)), share the label `other`; callers and
+    /// tools the policy does not know are `unknown`. A flood of made-up names adds no series:
+    /// a tool has at most this many tenant label values plus twelve at once. Call before
+    /// cloning the limiter.
     pub fn tenant_labels(mut self, max: usize) -> Self {
         match Arc::get_mut(&mut self.inner) {
             Some(inner) => inner.tenant_labels = max,
@@ -333,6 +337,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             policy.version = version;
             let policy = Arc::new(policy);
             self.inner.recorder.retain(&policy);
+            self.inner
+                .busiest
+                .retain(|tool| policy.tool(tool).is_some());
             self.inner.policy.store(policy);
             self.inner.version.store(version, Release);
         }
@@ -466,9 +473,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if let Poll::Ready(Ok(ticket)) = answer {
             trace_admitted(caller, tool, cost, ticket);
         }
-        #[cfg(feature = "metrics")]
         if let Poll::Ready(outcome) = answer {
-            self.count(&self.inner.policy.load(), caller, tool, outcome);
+            let policy = self.inner.policy.load();
+            let busy = self.busy(&policy, caller, tool, outcome.is_err());
+            #[cfg(feature = "metrics")]
+            self.count(&policy, caller, tool, outcome, busy);
+            #[cfg(not(feature = "metrics"))]
+            let _ = busy;
         }
         true
     }
@@ -1023,15 +1034,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The metric labels of `caller` calling `tool`: names the policy lists, or words.
     #[cfg(feature = "metrics")]
-    fn labels(&self, policy: &Policy, caller: &Caller, tool: &str) -> telemetry::Labels {
+    fn labels(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        busy: [bool; 2],
+    ) -> telemetry::Labels {
         use telemetry::LabelValue;
         let cap = self.inner.tenant_labels;
-        let named = |p: &crate::policy::LevelPolicy| {
-            if !p.template && p.position < cap {
-                LabelValue::Name(p.name.clone())
-            } else {
-                LabelValue::OTHER
-            }
+        // Listed callers by name (the first `cap`), unlisted ones while they are among the
+        // busiest (their own name: what the caller claimed, bounded by the top-K).
+        let named = |p: &crate::policy::LevelPolicy, busy: bool, claimed: Option<&Arc<str>>| match (
+            p.template, claimed,
+        ) {
+            (false, _) if p.position < cap => LabelValue::Name(p.name.clone()),
+            (true, Some(name)) if busy => LabelValue::Name(name.clone()),
+            _ => LabelValue::OTHER,
         };
         let Some(tp) = policy.tool(tool) else {
             return telemetry::Labels {
@@ -1045,12 +1064,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             None if !tp.require_tenant() => tp.default_tenant(),
             None => None,
         };
-        let tenant = tenant_policy.map_or(LabelValue::UNKNOWN, named);
+        let tenant = tenant_policy.map_or(LabelValue::UNKNOWN, |p| {
+            named(p, busy[0], caller.tenant_arc())
+        });
         let instance = self.inner.instance_labels.then(|| {
             match (tenant_policy, caller.instance()) {
                 (_, None) => LabelValue::Word("none"),
                 (Some(p), Some(i)) if p.has_instances() => {
-                    p.instance(i).map_or(LabelValue::UNKNOWN, named)
+                    p.instance(i).map_or(LabelValue::UNKNOWN, |ip| {
+                        named(ip, busy[1], caller.instance_arc())
+                    })
                 }
                 // Instances the policy does not limit separately have no names of their own.
                 (Some(_), Some(_)) => LabelValue::OTHER,
@@ -1066,8 +1089,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Metrics and the decision event.
     fn record(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost, outcome: &Outcome) {
+        let busy = self.busy(policy, caller, tool, outcome.is_err());
         #[cfg(feature = "metrics")]
-        self.count(policy, caller, tool, outcome);
+        self.count(policy, caller, tool, outcome, busy);
+        #[cfg(not(feature = "metrics"))]
+        let _ = busy;
         #[cfg(not(feature = "metrics"))]
         let _ = policy;
         let tenant = caller.tenant().unwrap_or("");
@@ -1085,6 +1111,49 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     .refused(policy, caller, tool, r, || self.inner.clock.now());
             }
         }
+    }
+
+    /// Counts a decision of a caller a template governs among the tool's busiest, and says
+    /// whether its tenant and its instance are named now.
+    fn busy(&self, policy: &Policy, caller: &Caller, tool: &str, refused: bool) -> [bool; 2] {
+        use telemetry::busiest::Kind;
+        let (Some(tp), Some(tenant)) = (policy.tool(tool), caller.tenant_arc()) else {
+            return [false; 2];
+        };
+        let Some(tenant_policy) = tp.tenant(tenant) else {
+            return [false; 2];
+        };
+        let template_instance = match caller.instance_arc() {
+            Some(i) if tenant_policy.has_instances() => tenant_policy
+                .instance(i)
+                .is_some_and(|ip| ip.template)
+                .then_some(i),
+            _ => None,
+        };
+        if !tenant_policy.template && template_instance.is_none() {
+            return [false; 2];
+        }
+        let secs = self.inner.clock.now().as_micros() / 1_000_000;
+        let board = &self.inner.busiest;
+        let tool = tp.name_arc();
+        [
+            tenant_policy.template
+                && board.count(tool, Kind::Tenant, (tenant, None), refused, secs),
+            template_instance.is_some_and(|i| {
+                board.count(tool, Kind::Instance, (tenant, Some(i)), refused, secs)
+            }),
+        ]
+    }
+
+    /// The busiest unlisted callers of `tool` now: template tenants, then template instances.
+    pub(crate) fn busiest(&self, tool: &str) -> [Vec<telemetry::busiest::BusyCaller>; 2] {
+        use telemetry::busiest::Kind;
+        let secs = self.inner.clock.now().as_micros() / 1_000_000;
+        let board = &self.inner.busiest;
+        [
+            board.named(tool, Kind::Tenant, secs),
+            board.named(tool, Kind::Instance, secs),
+        ]
     }
 
     /// The decision event of a refusal (or a shadow refusal).
@@ -1111,8 +1180,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The decision's metrics.
     #[cfg(feature = "metrics")]
-    fn count(&self, policy: &Policy, caller: &Caller, tool: &str, outcome: &Outcome) {
-        let labels = self.labels(policy, caller, tool);
+    fn count(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        outcome: &Outcome,
+        busy: [bool; 2],
+    ) {
+        let labels = self.labels(policy, caller, tool, busy);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
         match outcome {
             Ok(t) => match (t.admission(), &t.shadow_refusal) {

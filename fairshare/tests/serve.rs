@@ -102,9 +102,14 @@ fn serve(name: &str) -> Server {
 
 /// `fairshare serve` with these arguments too.
 fn serve_with(name: &str, args: &[&str]) -> Server {
+    serve_files(name, KEYS, args)
+}
+
+/// `fairshare serve` with this keys file and these arguments.
+fn serve_files(name: &str, keys: &str, args: &[&str]) -> Server {
     let dir = Dir::new(name);
     let policy = dir.file("policy.toml", POLICY);
-    let keys = dir.file("keys.toml", KEYS);
+    let keys = dir.file("keys.toml", keys);
     let mut child = Command::new(env!("CARGO_BIN_EXE_fairshare"))
         .args(["serve", "--policy", &policy, "--keys", &keys])
         .args(["--listen", "127.0.0.1:0"])
@@ -321,8 +326,90 @@ async fn get(url: String, bearer: Option<&str>) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// `/metrics` names every tenant: it is served only behind a key, or on a listener of its
-/// own, never to anyone who asks.
+/// Calls `/tools/generate_report` once with each key, 32 at a time over pooled
+/// connections; the statuses seen.
+async fn call_each(server: &Server, keys: impl Iterator<Item = String>) -> Vec<StatusCode> {
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let url = format!("http://{}/tools/generate_report", server.addr);
+    let keys: Vec<String> = keys.collect();
+    let mut out = Vec::new();
+    for chunk in keys.chunks(32) {
+        let mut calls = tokio::task::JoinSet::new();
+        for key in chunk {
+            let request = Request::post(&url).header("x-api-key", key.as_str());
+            let call = client.request(request.body(Empty::new()).unwrap());
+            calls.spawn(async move {
+                let r = call.await.expect("the gateway answers");
+                let status = r.status();
+                r.into_body().collect().await.unwrap();
+                status
+            });
+        }
+        while let Some(status) = calls.join_next().await {
+            out.push(status.unwrap());
+        }
+    }
+    out
+}
+
+/// The noisy neighbour among a thousand template tenants is named in `/metrics` and on the
+/// console within a window, and 100,000 identities later `/metrics` is still small: the
+/// busiest unlisted callers are a bounded top-K, everyone else `other`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flooding_tenant_among_a_thousand_is_named_and_metrics_stay_bounded() {
+    const IDENTITIES: usize = 100_000;
+    let mut keys = String::from("[keys.\"sk-flood\"]\ntenant = \"flood-co\"\n");
+    for i in 0..IDENTITIES {
+        keys.push_str(&format!("[keys.\"k{i}\"]\ntenant = \"t{i}\"\n"));
+    }
+    let server = serve_files("busiest", &keys, &["--metrics-key", "s3cret"]);
+    // A thousand tenants call twice each; one floods (2,000 calls, nearly all refused).
+    let some = (0..2).flat_map(|_| (0..1_000).map(|i| format!("k{i}")));
+    let flood = (0..2_000).map(|_| "sk-flood".to_owned());
+    let statuses = call_each(&server, some.chain(flood)).await;
+    assert!(statuses.iter().filter(|s| s.as_u16() == 429).count() > 1_900);
+    let (_, metrics) = get(format!("http://{}/metrics", server.addr), Some("s3cret")).await;
+    assert!(
+        metrics.contains("tenant=\"flood-co\""),
+        "the flooder is named:\n{metrics}"
+    );
+    assert!(
+        !metrics.contains("tenant=\"t1\""),
+        "a quiet template tenant is not named"
+    );
+    let (_, state) = get(
+        format!("http://{}/fairshare/state", server.addr),
+        Some("s3cret"),
+    )
+    .await;
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    let busiest = &state["tools"][0]["busiest"]["tenants"];
+    assert_eq!(busiest[0]["tenant"], "flood-co", "{busiest}");
+    assert!(
+        busiest[0]["refused"].as_f64().unwrap() > 1_000.0,
+        "{busiest}"
+    );
+    // Every other identity calls once.
+    let statuses = call_each(&server, (1_000..IDENTITIES).map(|i| format!("k{i}"))).await;
+    assert_eq!(statuses.len(), IDENTITIES - 1_000);
+    let (_, metrics) = get(format!("http://{}/metrics", server.addr), Some("s3cret")).await;
+    let named: std::collections::BTreeSet<&str> = metrics
+        .split("tenant=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .collect();
+    assert!(named.len() <= 12, "tenant label values: {named:?}");
+    assert!(
+        metrics.len() < 32 * 1024,
+        "/metrics is {} bytes:\n{metrics}",
+        metrics.len()
+    );
+    println!(
+        "/metrics after {IDENTITIES} identities: {} bytes, tenant labels {named:?}",
+        metrics.len()
+    );
+}
+
 /// The console's `explain` asks about a gateway API key's caller, as a call with that key
 /// is decided (its tier included), and says what to add to a question without the tier a
 /// tool requires.
@@ -357,6 +444,8 @@ async fn explain_by_api_key_agrees_with_the_call() {
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
 }
 
+/// `/metrics` names every tenant: it is served only behind a key, or on a listener of its
+/// own, never to anyone who asks.
 #[tokio::test]
 async fn metrics_need_a_key_or_a_listener_of_their_own() {
     let open = serve("metrics-none");

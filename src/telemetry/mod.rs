@@ -26,6 +26,7 @@
 //! weight, floor, share and ceiling the caller was owed, what it has left, and the tool's
 //! slack.
 
+pub mod busiest;
 mod gate;
 mod refusals;
 pub(crate) use refusals::RefusalLines;
