@@ -244,6 +244,11 @@ impl Recorder {
         self.on.store(true, Ordering::Relaxed);
     }
 
+    /// Whether a console was made (what it shows is kept from then on).
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
     /// Counts and keeps a refusal of `caller` calling `tool` at `now` (a tool the policy
     /// does not know is not kept: it has no page). Off (one relaxed load) until a console is
     /// made.

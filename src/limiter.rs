@@ -475,11 +475,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         if let Poll::Ready(outcome) = answer {
             let policy = self.inner.policy.load();
-            let busy = self.busy(&policy, caller, tool, outcome.is_err());
+            self.report_busy(&policy, caller, tool, cost, outcome, 0);
             #[cfg(feature = "metrics")]
-            self.count(&policy, caller, tool, outcome, busy);
-            #[cfg(not(feature = "metrics"))]
-            let _ = busy;
+            self.count(&policy, caller, tool, outcome);
         }
         true
     }
@@ -1034,13 +1032,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The metric labels of `caller` calling `tool`: names the policy lists, or words.
     #[cfg(feature = "metrics")]
-    fn labels(
-        &self,
-        policy: &Policy,
-        caller: &Caller,
-        tool: &str,
-        busy: [bool; 2],
-    ) -> telemetry::Labels {
+    fn labels(&self, policy: &Policy, caller: &Caller, tool: &str) -> telemetry::Labels {
+        use telemetry::busiest::Kind;
         use telemetry::LabelValue;
         let cap = self.inner.tenant_labels;
         // Listed callers by name (the first `cap`), unlisted ones while they are among the
@@ -1064,15 +1057,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             None if !tp.require_tenant() => tp.default_tenant(),
             None => None,
         };
+        let busiest = &self.inner.busiest;
         let tenant = tenant_policy.map_or(LabelValue::UNKNOWN, |p| {
-            named(p, busy[0], caller.tenant_arc())
+            let busy = p.template
+                && busiest.is_named(tool, Kind::Tenant, (caller.tenant().unwrap_or(""), None));
+            named(p, busy, caller.tenant_arc())
         });
         let instance = self.inner.instance_labels.then(|| {
             match (tenant_policy, caller.instance()) {
                 (_, None) => LabelValue::Word("none"),
                 (Some(p), Some(i)) if p.has_instances() => {
                     p.instance(i).map_or(LabelValue::UNKNOWN, |ip| {
-                        named(ip, busy[1], caller.instance_arc())
+                        let key = (caller.tenant().unwrap_or(""), Some(i));
+                        let busy = ip.template && busiest.is_named(tool, Kind::Instance, key);
+                        named(ip, busy, caller.instance_arc())
                     })
                 }
                 // Instances the policy does not limit separately have no names of their own.
@@ -1087,62 +1085,87 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// Metrics and the decision event.
+    /// Metrics, the decision event, and the tool's busiest unlisted callers.
     fn record(&self, policy: &Policy, caller: &Caller, tool: &str, cost: Cost, outcome: &Outcome) {
-        let busy = self.busy(policy, caller, tool, outcome.is_err());
-        #[cfg(feature = "metrics")]
-        self.count(policy, caller, tool, outcome, busy);
-        #[cfg(not(feature = "metrics"))]
-        let _ = busy;
-        #[cfg(not(feature = "metrics"))]
-        let _ = policy;
         let tenant = caller.tenant().unwrap_or("");
         let instance = caller.instance().unwrap_or("");
+        let mut refusals_in_window = 0;
         match outcome {
             Ok(t) => match (t.admission(), &t.shadow_refusal) {
                 (Some(_), _) => trace_admitted(caller, tool, cost, t),
-                (None, Some(r)) => self.event(policy, r, [tool, tenant, instance], cost, "shadow"),
+                (None, Some(r)) => {
+                    self.event(policy, r, [tool, tenant, instance], cost, "shadow");
+                }
                 (None, None) => {}
             },
             Err(r) => {
-                self.event(policy, r, [tool, tenant, instance], cost, "refused");
+                refusals_in_window =
+                    self.event(policy, r, [tool, tenant, instance], cost, "refused");
                 self.inner
                     .recorder
                     .refused(policy, caller, tool, r, || self.inner.clock.now());
             }
         }
+        self.report_busy(policy, caller, tool, cost, outcome, refusals_in_window);
+        #[cfg(feature = "metrics")]
+        self.count(policy, caller, tool, outcome);
     }
 
-    /// Counts a decision of a caller a template governs among the tool's busiest, and says
-    /// whether its tenant and its instance are named now.
-    fn busy(&self, policy: &Policy, caller: &Caller, tool: &str, refused: bool) -> [bool; 2] {
-        use telemetry::busiest::Kind;
+    /// Reports a decision of a caller a template governs to the tool's busiest when it
+    /// crosses a step: its use in the window a multiple of `STEP` units, or its
+    /// `refusals_in_window` (this one included) a multiple of `STEP`. Only while someone
+    /// reads them: the metrics are compiled in or a console was made.
+    fn report_busy(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        cost: Cost,
+        outcome: &Outcome,
+        refusals_in_window: u64,
+    ) {
+        use telemetry::busiest::{Kind, STEP};
+        if !(cfg!(feature = "metrics") || self.inner.recorder.is_on()) {
+            return;
+        }
+        let weight = match outcome {
+            Err(_) if refusals_in_window > 0 && refusals_in_window % STEP as u64 == 0 => {
+                [STEP, STEP]
+            }
+            Ok(t) => {
+                let (Some(quota), Some(left)) = (t.quota(), t.remaining()) else {
+                    return;
+                };
+                let used = (quota - left).max(0.0);
+                if (used / STEP).floor() <= ((used - cost.0) / STEP).floor() {
+                    return;
+                }
+                [STEP, 0.0]
+            }
+            Err(_) => return,
+        };
         let (Some(tp), Some(tenant)) = (policy.tool(tool), caller.tenant_arc()) else {
-            return [false; 2];
+            return;
         };
         let Some(tenant_policy) = tp.tenant(tenant) else {
-            return [false; 2];
+            return;
         };
-        let template_instance = match caller.instance_arc() {
-            Some(i) if tenant_policy.has_instances() => tenant_policy
-                .instance(i)
-                .is_some_and(|ip| ip.template)
-                .then_some(i),
-            _ => None,
-        };
-        if !tenant_policy.template && template_instance.is_none() {
-            return [false; 2];
-        }
         let secs = self.inner.clock.now().as_micros() / 1_000_000;
         let board = &self.inner.busiest;
-        let tool = tp.name_arc();
-        [
-            tenant_policy.template
-                && board.count(tool, Kind::Tenant, (tenant, None), refused, secs),
-            template_instance.is_some_and(|i| {
-                board.count(tool, Kind::Instance, (tenant, Some(i)), refused, secs)
-            }),
-        ]
+        if tenant_policy.template {
+            board.report(tp.name_arc(), Kind::Tenant, (tenant, None), weight, secs);
+        }
+        if let Some(i) = caller.instance_arc() {
+            if tenant_policy.instance(i).is_some_and(|ip| ip.template) {
+                board.report(
+                    tp.name_arc(),
+                    Kind::Instance,
+                    (tenant, Some(i)),
+                    weight,
+                    secs,
+                );
+            }
+        }
     }
 
     /// The busiest unlisted callers of `tool` now: template tenants, then template instances.
@@ -1156,7 +1179,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         ]
     }
 
-    /// The decision event of a refusal (or a shadow refusal).
+    /// The decision event of a refusal (or a shadow refusal); the caller's refusals in the
+    /// window so far.
     fn event(
         &self,
         policy: &Policy,
@@ -1164,7 +1188,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         [tool, tenant, instance]: [&str; 3],
         cost: Cost,
         outcome: &'static str,
-    ) {
+    ) -> u64 {
         let now = self.inner.clock.now().as_micros();
         let period = policy
             .tool(tool)
@@ -1175,20 +1199,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             cost.0,
             outcome,
             [now / period, now / 1_000_000],
-        );
+        )
     }
 
     /// The decision's metrics.
     #[cfg(feature = "metrics")]
-    fn count(
-        &self,
-        policy: &Policy,
-        caller: &Caller,
-        tool: &str,
-        outcome: &Outcome,
-        busy: [bool; 2],
-    ) {
-        let labels = self.labels(policy, caller, tool, busy);
+    fn count(&self, policy: &Policy, caller: &Caller, tool: &str, outcome: &Outcome) {
+        let labels = self.labels(policy, caller, tool);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
         match outcome {
             Ok(t) => match (t.admission(), &t.shadow_refusal) {

@@ -9,6 +9,11 @@
 //! [`K`] largest and at least [`MIN_CALLS`] of its decisions (and 1 % of the tool's, over the
 //! same aging) are surely its own. A flood of new identities, each calling a few times, never
 //! reaches that: it names nobody, and adds no label value.
+//!
+//! Counting costs a decision nothing in the common case: a caller is reported only each time
+//! its use in the window crosses a multiple of [`STEP`] units, and each [`STEP`]th refusal of
+//! it in a window, with that weight; callers that never get that busy never touch the board.
+//! The names in force are a snapshot read without a lock.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,6 +26,8 @@ const SLOTS: usize = 4 * K;
 pub const MIN_CALLS: f64 = 20.0;
 /// Every this many seconds, every count halves.
 pub const AGE_SECS: u64 = 60;
+/// A caller is reported once per this many units used, and per this many refusals.
+pub const STEP: f64 = 16.0;
 
 /// Which board of a tool: template tenants, or template instances (of any tenant).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -47,6 +54,16 @@ pub struct BusyCaller {
 #[derive(Default, Debug)]
 pub(crate) struct Busiest {
     tools: Mutex<HashMap<(Arc<str>, u8), Board>>,
+    /// The callers named now, of every tool: read by every decision that needs a label.
+    named: arc_swap::ArcSwap<Vec<Named>>,
+}
+
+/// A caller named at a tool.
+#[derive(Clone, Debug, PartialEq)]
+struct Named {
+    tool: Arc<str>,
+    kind: Kind,
+    key: Key,
 }
 
 #[derive(Debug, Default)]
@@ -66,25 +83,61 @@ struct Slot {
 }
 
 impl Busiest {
-    /// Counts one decision of an unlisted caller at `tool` (at `secs` of the limiter's clock)
-    /// and says whether it is named now.
-    pub(crate) fn count(
+    /// Counts `decisions` decisions of an unlisted caller at `tool` (`refused` of them
+    /// refusals), at `secs` of the limiter's clock, and renews the names in force.
+    pub(crate) fn report(
         &self,
         tool: &Arc<str>,
         kind: Kind,
         key: (&Arc<str>, Option<&Arc<str>>),
-        refused: bool,
+        [decisions, refused]: [f64; 2],
         secs: u64,
-    ) -> bool {
+    ) {
         let mut tools = self.tools.lock().unwrap_or_else(|e| e.into_inner());
         let board = tools.entry((tool.clone(), kind as u8)).or_default();
         board.age(secs);
         let at = board.slot_of((key.0.clone(), key.1.cloned()));
         let slot = &mut board.slots[at];
-        slot.count += 1.0;
-        slot.refused += if refused { 1.0 } else { 0.0 };
-        board.total += 1.0;
-        board.named(at)
+        slot.count += decisions;
+        slot.refused += refused;
+        board.total += decisions;
+        let mut named: Vec<Named> = self
+            .named
+            .load()
+            .iter()
+            .filter(|n| !(n.tool == *tool && n.kind == kind))
+            .cloned()
+            .collect();
+        named.extend(
+            (0..board.slots.len())
+                .filter(|&i| board.named(i))
+                .map(|i| Named {
+                    tool: tool.clone(),
+                    kind,
+                    key: board.slots[i].key.clone(),
+                }),
+        );
+        if **self.named.load() != named {
+            self.named.store(Arc::new(named));
+        }
+    }
+
+    /// Whether this caller is named at `tool` now (no lock: the snapshot of the last report).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn is_named(
+        &self,
+        tool: &str,
+        kind: Kind,
+        (tenant, instance): (&str, Option<&str>),
+    ) -> bool {
+        let named = self.named.load();
+        !named.is_empty()
+            && named.iter().any(|n| {
+                n.kind == kind
+                    && &*n.tool == tool
+                    && &*n.key.0 == tenant
+                    && n.key.1.as_deref() == instance
+            })
     }
 
     /// The callers named now at `tool`, busiest first.
@@ -115,6 +168,11 @@ impl Busiest {
     pub(crate) fn retain(&self, keep: impl Fn(&str) -> bool) {
         let mut tools = self.tools.lock().unwrap_or_else(|e| e.into_inner());
         tools.retain(|(tool, _), _| keep(tool));
+        let named = self.named.load();
+        if named.iter().any(|n| !keep(&n.tool)) {
+            let kept = named.iter().filter(|n| keep(&n.tool)).cloned().collect();
+            self.named.store(Arc::new(kept));
+        }
     }
 }
 
@@ -199,10 +257,16 @@ mod tests {
         let mut named_at = None;
         for k in 0..10_000u64 {
             let id = name(&format!("id-{k}"));
-            let id_named = b.count(&tool, Kind::Tenant, (&id, None), false, k / 1000);
-            assert!(!id_named, "a one-call identity named at {k}");
-            if k % 10 == 0 && b.count(&tool, Kind::Tenant, (&heavy, None), true, k / 1000) {
-                named_at.get_or_insert(k);
+            b.report(&tool, Kind::Tenant, (&id, None), [1.0, 0.0], k / 1000);
+            assert!(
+                !b.is_named("t", Kind::Tenant, (&id, None)),
+                "a one-call identity named at {k}"
+            );
+            if k % 10 == 0 {
+                b.report(&tool, Kind::Tenant, (&heavy, None), [1.0, 1.0], k / 1000);
+                if b.is_named("t", Kind::Tenant, ("heavy", None)) {
+                    named_at.get_or_insert(k);
+                }
             }
         }
         assert!(named_at.is_some_and(|k| k < 2_000), "{named_at:?}");
@@ -222,7 +286,7 @@ mod tests {
         let callers: Vec<Arc<str>> = (0..3 * K).map(|i| name(&format!("busy-{i}"))).collect();
         for _ in 0..100 {
             for c in &callers {
-                b.count(&tool, Kind::Tenant, (c, None), false, 0);
+                b.report(&tool, Kind::Tenant, (c, None), [1.0, 0.0], 0);
             }
         }
         assert!(b.named("t", Kind::Tenant, 0).len() <= K);

@@ -19,10 +19,34 @@ pub(crate) struct RefusalLines {
 
 #[derive(Default, Debug)]
 struct Lines {
-    /// Per caller: the window its last `info` line was in, and refusals since.
-    callers: HashMap<(String, String, String), (u64, u64)>,
-    /// Per tool: the second its last `info` lines were in, and how many.
-    tools: HashMap<String, (u64, u32)>,
+    /// Per caller (a hash of tool, tenant and instance): the window its last `info` line was
+    /// in, refusals since, and its refusals in the current window.
+    callers: HashMap<u64, Caller>,
+    /// Per tool (a hash of its name): the second its last `info` lines were in, and how many.
+    tools: HashMap<u64, (u64, u32)>,
+}
+
+#[derive(Debug, Default)]
+struct Caller {
+    line_window: u64,
+    held: u64,
+    window: u64,
+    in_window: u64,
+}
+
+/// What a refusal is, for its caller's lines: `info` (with how many the caller's earlier
+/// refusals held back) or not, and the caller's refusals in this window so far (this one
+/// included).
+pub(crate) struct Seen {
+    pub(crate) info: Option<u64>,
+    pub(crate) in_window: u64,
+}
+
+fn hash(parts: &[&str]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parts.hash(&mut h);
+    h.finish()
 }
 
 /// One refusal's decision event at `$level`, with `$held` fields after the refusal's own.
@@ -47,6 +71,7 @@ impl RefusalLines {
     /// The decision event of refusal `r` of `[tool, tenant, instance]`, in window and second
     /// `at` of the limiter's clock: `info` for the caller's first in the window (with how many
     /// the window before held back), `debug` for the rest.
+    /// Returns the caller's refusals in this window so far.
     pub(crate) fn event(
         &self,
         r: &crate::Refusal,
@@ -54,54 +79,73 @@ impl RefusalLines {
         cost: f64,
         outcome: &'static str,
         [window, second]: [u64; 2],
-    ) {
-        match self.info(tool, tenant, instance, window, second) {
+    ) -> u64 {
+        let seen = self.see(tool, tenant, instance, window, second);
+        match seen.info {
             Some(held_back) => {
                 refusal_event!(info, r, [tool, tenant, instance], cost, outcome, held_back)
             }
             None => refusal_event!(debug, r, [tool, tenant, instance], cost, outcome,),
         }
+        seen.in_window
     }
 
-    /// Whether this refusal of `tenant`/`instance` at `tool`, in window `window` and second
-    /// `second`, gets an `info` line: `Some(n)` with the caller's refusals held back since its
-    /// last one, or `None` for a `debug` line.
-    pub(crate) fn info(
+    /// This refusal of `tenant`/`instance` at `tool`, in window `window` and second
+    /// `second`: whether it gets an `info` line (see [`Seen`]).
+    pub(crate) fn see(
         &self,
         tool: &str,
         tenant: &str,
         instance: &str,
         window: u64,
         second: u64,
-    ) -> Option<u64> {
+    ) -> Seen {
         let mut lines = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let Lines { callers, tools } = &mut *lines;
-        let key = (tool.to_owned(), tenant.to_owned(), instance.to_owned());
-        if let Some((w, held)) = callers.get_mut(&key) {
-            if *w == window {
-                *held += 1;
-                return None;
-            }
-        }
         if callers.len() >= MAX_CALLERS {
             callers.clear();
         }
         if tools.len() >= MAX_CALLERS {
             tools.clear();
         }
-        let t = tools.entry(tool.to_owned()).or_insert((second, 0));
+        let c = callers
+            .entry(hash(&[tool, tenant, instance]))
+            .or_insert(Caller {
+                line_window: u64::MAX,
+                window,
+                ..Caller::default()
+            });
+        if c.window != window {
+            c.window = window;
+            c.in_window = 0;
+        }
+        c.in_window += 1;
+        let in_window = c.in_window;
+        if c.line_window == window {
+            c.held += 1;
+            return Seen {
+                info: None,
+                in_window,
+            };
+        }
+        let t = tools.entry(hash(&[tool])).or_insert((second, 0));
         if t.0 != second {
             *t = (second, 0);
         }
-        let entry = callers.entry(key).or_insert((u64::MAX, 0));
         if t.1 >= PER_SECOND {
-            entry.1 += 1;
-            return None;
+            c.held += 1;
+            return Seen {
+                info: None,
+                in_window,
+            };
         }
         t.1 += 1;
-        let held = entry.1;
-        *entry = (window, 0);
-        Some(held)
+        let held = std::mem::take(&mut c.held);
+        c.line_window = window;
+        Seen {
+            info: Some(held),
+            in_window,
+        }
     }
 }
 
@@ -116,15 +160,16 @@ mod tests {
     fn one_line_per_caller_per_window_and_a_few_per_second() {
         let lines = RefusalLines::default();
         let through = (0..1000)
-            .filter(|k| lines.info("t", "runaway", "", 7, k / 100).is_some())
+            .filter(|k| lines.see("t", "runaway", "", 7, k / 100).info.is_some())
             .count();
         assert_eq!(through, 1);
-        assert_eq!(lines.info("t", "runaway", "", 8, 60), Some(999));
+        let next = lines.see("t", "runaway", "", 8, 60);
+        assert_eq!((next.info, next.in_window), (Some(999), 1));
         let new = (0..1000)
-            .filter(|k| lines.info("t", &format!("id-{k}"), "", 8, 61).is_some())
+            .filter(|k| lines.see("t", &format!("id-{k}"), "", 8, 61).info.is_some())
             .count();
         assert_eq!(new, PER_SECOND as usize);
         // Another tool has its own count.
-        assert_eq!(lines.info("u", "runaway", "", 8, 61), Some(0));
+        assert_eq!(lines.see("u", "runaway", "", 8, 61).info, Some(0));
     }
 }
