@@ -1129,7 +1129,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return;
         }
         let weight = match outcome {
-            Err(_) if refusals_in_window > 0 && refusals_in_window % STEP as u64 == 0 => {
+            Err(_) if refusals_in_window > 0 && refusals_in_window.is_multiple_of(STEP as u64) => {
                 [STEP, STEP]
             }
             Ok(t) => {
