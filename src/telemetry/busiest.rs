@@ -23,7 +23,7 @@ pub const K: usize = 10;
 /// Counters kept per tool.
 const SLOTS: usize = 4 * K;
 /// Decisions a caller must surely have had (over the aging) to be named.
-pub const MIN_CALLS: f64 = 20.0;
+pub const MIN_CALLS: f64 = 32.0;
 /// Every this many seconds, every count halves.
 pub const AGE_SECS: u64 = 60;
 /// A caller is reported once per this many units used, and per this many refusals.
