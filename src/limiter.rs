@@ -1125,7 +1125,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         refusals_in_window: u64,
     ) {
         use telemetry::busiest::{Kind, STEP};
-        if !(cfg!(feature = "metrics") || self.inner.recorder.is_on()) {
+        if !self.counts_busiest() {
             return;
         }
         let weight = match outcome {
@@ -1168,6 +1168,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
+    /// Whether anyone reads the busiest callers: metrics compiled in, or a console made.
+    fn counts_busiest(&self) -> bool {
+        cfg!(feature = "metrics") || self.inner.recorder.is_on()
+    }
+
     /// The busiest unlisted callers of `tool` now: template tenants, then template instances.
     pub(crate) fn busiest(&self, tool: &str) -> [Vec<telemetry::busiest::BusyCaller>; 2] {
         use telemetry::busiest::Kind;
@@ -1189,6 +1194,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: Cost,
         outcome: &'static str,
     ) -> u64 {
+        // Nothing to keep when nobody reads the lines nor the busiest callers.
+        let logged = tracing::enabled!(target: "tower_fairshare::decision", tracing::Level::INFO);
+        if !logged && !self.counts_busiest() {
+            return 0;
+        }
         let now = self.inner.clock.now().as_micros();
         let period = policy
             .tool(tool)

@@ -3,27 +3,28 @@
 //! back; the others at `debug`. At most [`PER_SECOND`] `info` lines per tool and second of the
 //! limiter's clock, whatever the number of callers, so a flood of new identities cannot turn
 //! them back into one line per call. The metrics count every refusal.
+//!
+//! Callers are kept in [`SHARDS`] maps by the hash of their name, each behind its own lock, so
+//! refusals of different callers on different threads do not wait for each other; the
+//! per-tool count of lines a second is consulted only when a caller's line is due.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// `info` refusal lines per tool and second at most.
 pub(crate) const PER_SECOND: u32 = 5;
-/// Callers remembered at most (more forget them all and start over).
-const MAX_CALLERS: usize = 4096;
+/// Callers remembered at most per shard (more forget that shard's and start over).
+const MAX_CALLERS: usize = 1024;
+/// Maps of callers, each behind its own lock.
+const SHARDS: usize = 16;
 
 #[derive(Default, Debug)]
 pub(crate) struct RefusalLines {
-    inner: Mutex<Lines>,
-}
-
-#[derive(Default, Debug)]
-struct Lines {
     /// Per caller (a hash of tool, tenant and instance): the window its last `info` line was
     /// in, refusals since, and its refusals in the current window.
-    callers: HashMap<u64, Caller>,
+    callers: [Mutex<HashMap<u64, Caller>>; SHARDS],
     /// Per tool (a hash of its name): the second its last `info` lines were in, and how many.
-    tools: HashMap<u64, (u64, u32)>,
+    tools: Mutex<HashMap<u64, (u64, u32)>>,
 }
 
 #[derive(Debug, Default)]
@@ -100,52 +101,50 @@ impl RefusalLines {
         window: u64,
         second: u64,
     ) -> Seen {
-        let mut lines = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let Lines { callers, tools } = &mut *lines;
+        let key = hash(&[tool, tenant, instance]);
+        let mut callers = self.callers[key as usize % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if callers.len() >= MAX_CALLERS {
             callers.clear();
         }
-        if tools.len() >= MAX_CALLERS {
-            tools.clear();
-        }
-        let c = callers
-            .entry(hash(&[tool, tenant, instance]))
-            .or_insert(Caller {
-                line_window: u64::MAX,
-                window,
-                ..Caller::default()
-            });
+        let c = callers.entry(key).or_insert(Caller {
+            line_window: u64::MAX,
+            window,
+            ..Caller::default()
+        });
         if c.window != window {
             c.window = window;
             c.in_window = 0;
         }
         c.in_window += 1;
         let in_window = c.in_window;
-        if c.line_window == window {
+        if c.line_window == window || !self.line_due(tool, second) {
             c.held += 1;
             return Seen {
                 info: None,
                 in_window,
             };
+        }
+        c.line_window = window;
+        Seen {
+            info: Some(std::mem::take(&mut c.held)),
+            in_window,
+        }
+    }
+
+    /// Whether `tool` may write one more `info` refusal line in `second` (and counts it).
+    fn line_due(&self, tool: &str, second: u64) -> bool {
+        let mut tools = self.tools.lock().unwrap_or_else(|e| e.into_inner());
+        if tools.len() >= MAX_CALLERS {
+            tools.clear();
         }
         let t = tools.entry(hash(&[tool])).or_insert((second, 0));
         if t.0 != second {
             *t = (second, 0);
         }
-        if t.1 >= PER_SECOND {
-            c.held += 1;
-            return Seen {
-                info: None,
-                in_window,
-            };
-        }
         t.1 += 1;
-        let held = std::mem::take(&mut c.held);
-        c.line_window = window;
-        Seen {
-            info: Some(held),
-            in_window,
-        }
+        t.1 <= PER_SECOND
     }
 }
 
