@@ -95,12 +95,18 @@ impl Busiest {
     ) {
         let mut tools = self.tools.lock().unwrap_or_else(|e| e.into_inner());
         let board = tools.entry((tool.clone(), kind as u8)).or_default();
-        board.age(secs);
+        let aged = board.age(secs);
         let at = board.slot_of((key.0.clone(), key.1.cloned()));
         let slot = &mut board.slots[at];
         slot.count += decisions;
         slot.refused += refused;
         board.total += decisions;
+        // The names in force change when this caller's standing does, or with the aging;
+        // others' standings are renewed at their own next report.
+        let (tenant, instance): (&str, Option<&str>) = (key.0, key.1.map(|i| &**i));
+        if !aged && board.named(at) == self.is_named(tool, kind, (tenant, instance)) {
+            return;
+        }
         let mut named: Vec<Named> = self
             .named
             .load()
@@ -117,13 +123,10 @@ impl Busiest {
                     key: board.slots[i].key.clone(),
                 }),
         );
-        if **self.named.load() != named {
-            self.named.store(Arc::new(named));
-        }
+        self.named.store(Arc::new(named));
     }
 
     /// Whether this caller is named at `tool` now (no lock: the snapshot of the last report).
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) fn is_named(
         &self,
         tool: &str,
@@ -177,11 +180,11 @@ impl Busiest {
 }
 
 impl Board {
-    /// Halves every count once per [`AGE_SECS`] passed since the last aging.
-    fn age(&mut self, secs: u64) {
+    /// Halves every count once per [`AGE_SECS`] passed since the last aging; whether it did.
+    fn age(&mut self, secs: u64) -> bool {
         let steps = secs.saturating_sub(self.aged_at) / AGE_SECS;
         if steps == 0 {
-            return;
+            return false;
         }
         self.aged_at += steps * AGE_SECS;
         let f = 0.5f64.powi(steps.min(64) as i32);
@@ -191,6 +194,7 @@ impl Board {
             s.refused *= f;
             s.over *= f;
         }
+        true
     }
 
     /// The counter of `key`: its own, a new one while there are fewer than [`SLOTS`], else the
