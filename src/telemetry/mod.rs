@@ -3,13 +3,13 @@
 //!
 //! | metric | type | unit | labels |
 //! |---|---|---|---|
-//! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant`, `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
+//! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant` (a listed tenant's name, one of the tool's [busiest](busiest) unlisted callers', or `other`), `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
 //! | [`TOOL_HEADROOM`] `fairshare_tool_headroom` | gauge | units | `tool`: pool tokens left to lend after the last admitted call |
 //! | [`TENANT_HEADROOM`] `fairshare_tenant_headroom` | gauge | units | `tool`, `tenant`: units of the caller's quota (its ceiling per period) left in the current window after its last admitted call (the `r` of the `RateLimit` header) |
 //! | [`DECISION_SECONDS`] `fairshare_decision_duration_seconds` | histogram | seconds | `store` (`memory`, `redis`, ...) |
 //! | [`STORE_ERRORS`] `fairshare_store_errors_total` | counter | errors | `tool`, `store` |
 //! | [`STORE_FALLBACKS`] `fairshare_store_fallbacks_total` | counter | decisions | `tool`, `mode` (`allow`: let through unmetered, `deny`: refused) |
-//! | [`UNMAPPED`] `fairshare_unmapped_requests_total` | counter | requests | none: requests the layer let through because they name no tool (a path outside the tool prefix, no `ToolName`); each is also a `debug` event with its path, target `tower_fairshare::unmapped` |
+//! | [`UNMAPPED`] `fairshare_unmapped_requests_total` | counter | requests | none: requests the layer let through because they name no tool (a path outside the tool prefix, no `ToolName`); each is also an event with its path, target `tower_fairshare::unmapped`: `warn` the first time its path's first segment is seen, `debug` after |
 //! | [`LEASE_HITS`] `fairshare_lease_hits_total` | counter | decisions | `tool`: calls admitted from a lease this process held, without the store (the lease hit ratio is this over the tool's admitted decisions) |
 //! | [`LEASE_GRANTS`] `fairshare_lease_grants_total` | counter | grants | `tool`: grants of more than one call's cost the store charged for a lease |
 //! | [`LEASE_GRANTED_UNITS`] `fairshare_lease_granted_units_total` | counter | units | `tool`: units those grants charged |
@@ -20,8 +20,10 @@
 //! tool with a `default_instance` template may see thousands. Turn it on with
 //! [`Limiter::instance_labels`](crate::Limiter::instance_labels).
 //!
-//! Decision events use the target `tower_fairshare::decision`: `debug` for admitted calls,
-//! `info` for refusals, with the fields that settle a dispute — tool, tenant, instance, cost,
+//! Decision events use the target `tower_fairshare::decision`: `debug` for admitted calls;
+//! for refusals `info` for a caller's first in each window of the tool's period (with
+//! `held_back`: how many of its refusals the window before did not write at `info`), at most
+//! five a second per tool, and `debug` for the rest; with the fields that settle a dispute — tool, tenant, instance, cost,
 //! outcome, reason, scope, window, limit, used, retry-after, and for admitted calls the
 //! weight, floor, share and ceiling the caller was owed, what it has left, and the tool's
 //! slack.
