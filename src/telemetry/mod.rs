@@ -3,7 +3,7 @@
 //!
 //! | metric | type | unit | labels |
 //! |---|---|---|---|
-//! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant` (a listed tenant's name, one of the tool's [busiest](busiest) unlisted callers', or `other`), `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
+//! | [`DECISIONS`] `fairshare_decisions_total` | counter | decisions | `tool`, `tenant` (a listed tenant's name, one of the tool's [`busiest`] unlisted callers', or `other`), `outcome` (`admitted`, `refused`, `shadow`, `unmetered`), `reason` (`none` or the refusal's), `scope` (`none`, `tool`, `tenant`, `instance`); `instance` when enabled |
 //! | [`TOOL_HEADROOM`] `fairshare_tool_headroom` | gauge | units | `tool`: pool tokens left to lend after the last admitted call |
 //! | [`TENANT_HEADROOM`] `fairshare_tenant_headroom` | gauge | units | `tool`, `tenant`: units of the caller's quota (its ceiling per period) left in the current window after its last admitted call (the `r` of the `RateLimit` header) |
 //! | [`DECISION_SECONDS`] `fairshare_decision_duration_seconds` | histogram | seconds | `store` (`memory`, `redis`, ...) |
