@@ -245,16 +245,6 @@ impl Ticket {
     }
 }
 
-impl Drop for Ticket {
-    /// The call's own answer, when this was its last ticket, is kept for the next decision on
-    /// this thread to write over (see `store::recycle`).
-    fn drop(&mut self) {
-        if let Some(Charged::Own(a)) = self.admission.take() {
-            crate::store::recycle(a);
-        }
-    }
-}
-
 impl Limiter<MemoryStore, SystemClock> {
     /// A limiter with an in-process store and the system clock.
     pub fn new(policy: Policy) -> Self {

@@ -261,25 +261,6 @@ impl Refusal {
         }
     }
 
-    /// Whether `other` shows the same as this refusal in a response: every field its JSON
-    /// and its headers are made of (the retry wait to the millisecond the JSON states it in,
-    /// which fixes the whole seconds of `Retry-After` too). Names shared with the same record
-    /// are equal without being read.
-    pub(crate) fn shows_as(&self, other: &RefusalDetails) -> bool {
-        let ms = |r: &RefusalDetails| r.retry_after.map(|d| d.as_micros().div_ceil(1000));
-        self.reason == other.reason
-            && self.retryable == other.retryable
-            && ms(self) == ms(other)
-            && self.scope == other.scope
-            && self.window_secs == other.window_secs
-            && self.reset_at == other.reset_at
-            && same_number(self.limit, other.limit)
-            && same_number(self.used, other.used)
-            && self.detail == other.detail
-            && (Arc::ptr_eq(&self.names, &other.names) || self.names == other.names)
-            && self.caller_instance == other.caller_instance
-    }
-
     /// The JSON body of an HTTP or gRPC refusal (its fields are listed in the README).
     pub fn to_json(&self) -> String {
         let mut o = String::with_capacity(256);
@@ -416,12 +397,6 @@ fn write_rfc3339(o: &mut impl fmt::Write, t: Timestamp) -> fmt::Result {
         text[at + 1] = b'0' + (n % 10) as u8;
     }
     o.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
-}
-
-/// Equal numbers, bit for bit: `==` calls a NaN unequal to itself (a refusal that shows it
-/// would never be shared), and `0.0` and `-0.0` merely miss each other.
-fn same_number(a: Option<f64>, b: Option<f64>) -> bool {
-    a.map(f64::to_bits) == b.map(f64::to_bits)
 }
 
 /// The longest name a refusal echoes of what the caller made up (an unknown tool's).

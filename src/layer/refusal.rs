@@ -122,29 +122,6 @@ fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
     })
 }
 
-thread_local! {
-    /// The last `RateLimit-Policy` value made on this thread, with what it says (scope, quota's
-    /// bits, window): an admitted caller's next response says the same, and shares it.
-    static LAST_POLICY: std::cell::Cell<Option<(Scope, u64, u64, HeaderValue)>> =
-        const { std::cell::Cell::new(None) };
-}
-
-/// [`policy_value`], shared with the last response on this thread that said the same (a
-/// reference count instead of rendering, checking and copying the value again).
-fn policy_header(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
-    let key = (scope, quota.to_bits(), window_secs);
-    LAST_POLICY
-        .try_with(|last| {
-            let value = match last.take() {
-                Some((s, q, w, v)) if (s, q, w) == key => v,
-                _ => policy_value(scope, quota, window_secs),
-            };
-            last.set(Some((key.0, key.1, key.2, value.clone())));
-            value
-        })
-        .unwrap_or_else(|_| policy_value(scope, quota, window_secs))
-}
-
 /// A quota per window as a whole number of units per (possibly longer) window.
 fn whole_quota(quota: f64, window_secs: u64) -> (f64, u64) {
     if !(quota.is_finite() && quota > 0.0) || quota.fract() == 0.0 {
@@ -237,33 +214,7 @@ pub(crate) fn render(r: &Refusal, grpc: bool) -> Response<Option<Bytes>> {
         }
         return res;
     }
-    // A flood is the same refusal over and over (given again from a store's memory, its
-    // wait shorter by a few microseconds): within a millisecond it renders the same, so the
-    // last one this thread rendered is shared rather than written again.
-    // (A thread whose locals are being torn down renders afresh.)
-    let hit = LAST_RENDERED.try_with(|last| {
-        let last = last.try_borrow().ok()?;
-        let last = last.as_ref().filter(|l| l.refusal.shows_as(r))?;
-        let mut res = Response::new(Some(last.body.clone()));
-        *res.status_mut() = last.status;
-        *res.headers_mut() = last.headers.clone();
-        Some(res)
-    });
-    if let Ok(Some(res)) = hit {
-        return res;
-    }
-    let res = render_http(r, retryable);
-    let _ = LAST_RENDERED.try_with(|last| {
-        if let Ok(mut last) = last.try_borrow_mut() {
-            *last = Some(Rendered {
-                refusal: r.clone(),
-                status: res.status(),
-                headers: res.headers().clone(),
-                body: res.body().clone().unwrap_or_default(),
-            });
-        }
-    });
-    res
+    render_http(r, retryable)
 }
 
 /// An HTTP refusal rendered afresh.
@@ -280,18 +231,6 @@ fn render_http(r: &Refusal, retryable: bool) -> Response<Option<Bytes>> {
     }
     refusal_rate_headers(r, h);
     res
-}
-
-/// The last HTTP refusal rendered on a thread, and what it rendered to.
-struct Rendered {
-    refusal: Refusal,
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-thread_local! {
-    static LAST_RENDERED: std::cell::RefCell<Option<Rendered>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The JSON body, rendered on the stack and copied once into an exactly sized buffer.
@@ -342,7 +281,7 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let reset = reset_in.as_micros().div_ceil(1_000_000) as u64;
     headers.insert(
         RATELIMIT_POLICY,
-        policy_header(scope, quota, t.window_secs()),
+        policy_value(scope, quota, t.window_secs()),
     );
     headers.insert(
         RATELIMIT,
@@ -488,7 +427,7 @@ mod tests {
             for (scope, quota, window) in calls {
                 let scope = [Scope::Tool, Scope::Tenant, Scope::Instance][scope];
                 proptest::prop_assert_eq!(
-                    policy_header(scope, quota, window),
+                    policy_value(scope, quota, window),
                     policy_value(scope, quota, window),
                     "{:?} {} {}", scope, quota, window
                 );

@@ -44,7 +44,7 @@ impl CallKeys {
         untenanted: bool,
     ) -> CallKeys {
         CallKeys {
-            tool: tool_name(tool.name_arc()),
+            tool: tool.name_arc().clone(),
             tenant: tenant.name.clone(),
             instance: instance.map(|i| i.name.clone()),
             untenanted,
@@ -97,7 +97,6 @@ pub struct Admission {
 impl Admission {
     /// An answer for `keys` decided at `at`, every figure zero, for a store to fill in.
     /// (Rarely made: the memory store mostly writes over a record its thread kept.)
-    #[cold]
     pub(crate) fn blank(keys: CallKeys, at: Timestamp) -> Admission {
         Admission {
             keys,
@@ -105,27 +104,6 @@ impl Admission {
             ..Admission::default()
         }
     }
-}
-
-thread_local! {
-    /// An answer record the last ticket dropped on this thread left unshared, for the next
-    /// decision made here to write over: no allocation, no copy into a fresh one.
-    static SPARE: std::cell::Cell<Option<Arc<Admission>>> = const { std::cell::Cell::new(None) };
-}
-
-/// Keeps `a` for [`spare_admission`] when nothing else holds it (the last ticket of a call
-/// was dropped); otherwise, or on a thread whose locals are gone, just drops it.
-pub(crate) fn recycle(a: Arc<Admission>) {
-    if Arc::strong_count(&a) == 1 {
-        // A spare already kept is dropped in its place: one per thread.
-        let _ = SPARE.try_with(move |s| s.set(Some(a)));
-    }
-}
-
-/// An answer record nothing else holds, kept by [`recycle`] on this thread, to be written
-/// over whole.
-pub(crate) fn spare_admission() -> Option<Arc<Admission>> {
-    SPARE.try_with(|s| s.take()).ok().flatten()
 }
 
 /// The store's answer.
@@ -308,30 +286,4 @@ impl<S: Store> Store for Arc<S> {
     fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
         (**self).flush()
     }
-}
-
-/// The tool's name for a call's keys: the same string, from a copy this thread keeps. Every
-/// decision clones and drops the name it is charged to; on the policy's own `Arc` that would
-/// be two atomic writes to one counter shared by every thread deciding for the tool, the one
-/// cache line all of them would fight over. Keys compare by content, so a per-thread copy is
-/// the same key.
-fn tool_name(shared: &Arc<str>) -> Arc<str> {
-    /// Tool names this thread has seen (a handful; bounded, then the shared one is used).
-    const MAX: usize = 32;
-    thread_local! {
-        static NAMES: std::cell::RefCell<Vec<Arc<str>>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    NAMES
-        .try_with(|names| {
-            let mut names = names.borrow_mut();
-            if let Some(n) = names.iter().find(|n| crate::key::same_name(n, shared)) {
-                return n.clone();
-            }
-            if names.len() < MAX {
-                names.push(Arc::from(&**shared));
-                return names[names.len() - 1].clone();
-            }
-            shared.clone()
-        })
-        .unwrap_or_else(|_| shared.clone())
 }

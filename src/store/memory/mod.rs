@@ -433,19 +433,9 @@ fn decide_on(
         publish(cell, below.tenants_counted_in(tool_state));
     }
     drop(tool);
-    // The answer: a record the last ticket dropped on this thread left unshared, written over
-    // in place (its keys kept when they name the same levels); else a fresh one.
-    let mut shared = match super::spare_admission() {
-        Some(a) => a,
-        None => Arc::new(Admission::blank(keys.keep(), plan.now)),
-    };
-    // Unshared (the spare was kept only so, a fresh one is): no copy is made.
+    // The answer, filled in below (a fresh record: nothing else holds it, so no copy).
+    let mut shared = Arc::new(Admission::blank(keys.keep(), plan.now));
     let a = Arc::make_mut(&mut shared);
-    if !keys.are(&a.keys) {
-        a.keys = keys.keep();
-    }
-    a.at = plan.now;
-    a.call = 0;
     let expires = engine::commit_below(
         plan,
         &mut below,
