@@ -694,9 +694,8 @@ impl<S: Store, C: Clock> Console<S, C> {
     }
 
     async fn state(&self, q: &HashMap<String, String>) -> Result<StateView, crate::StoreError> {
-        let limiter = &self.limiter;
-        let policy = limiter.policy();
-        let now = limiter.clock().now();
+        let policy = self.limiter.policy();
+        let now = self.limiter.clock().now();
         let allocation = policy.allocation();
         let mut tools = Vec::new();
         for tp in policy.tools() {
@@ -706,109 +705,133 @@ impl<S: Store, C: Clock> Console<S, C> {
             let Some(alloc) = allocation.tools.iter().find(|a| a.name == tp.name()) else {
                 continue;
             };
-            let period = tp.period().as_micros();
-            let window =
-                crate::admission::engine::aligned_window(now.as_micros() as f64, period as f64);
-            let mut tool_state = None;
-            let mut tenants = Vec::new();
-            for t in tp.tenants() {
-                let Some(ta) = alloc.tenants.iter().find(|a| a.name == t.name()) else {
-                    continue;
-                };
-                let keys = keys_of(tp, &t.name, None);
-                let states = limiter.store().inspect_at(&keys, now).await?;
-                if let Some(s) = states[0] {
-                    tool_state = Some(s);
-                }
-                let s = states[1].unwrap_or_default();
-                let (used, budgets) = used_now(&s, window, now, &t.budgets);
-                let counts = limiter.recorder().counts(tp.name(), Some(t.name()));
-                let instances = if q.get("tenant").is_some_and(|x| x == t.name()) {
-                    let mut rows = Vec::new();
-                    for i in t.instances() {
-                        let Some(ia) = ta.instances.iter().find(|a| a.name == i.name()) else {
-                            continue;
-                        };
-                        let keys = keys_of(tp, &t.name, Some(&i.name));
-                        let s =
-                            limiter.store().inspect_at(&keys, now).await?[2].unwrap_or_default();
-                        let (used, budgets) = used_now(&s, window, now, &i.budgets);
-                        rows.push(Row {
-                            name: i.name.to_string(),
-                            floor: ia.floor,
-                            weight: ia.weight,
-                            share: ia.share,
-                            ceiling: ia.ceiling,
-                            used,
-                            borrowed: (used - ia.floor - ia.share).max(0.0),
-                            in_flight: s.in_flight,
-                            budgets,
-                            refused: HashMap::new(),
-                            instances: None,
-                        });
-                    }
-                    Some(rows)
-                } else {
-                    None
-                };
-                tenants.push(Row {
-                    name: t.name.to_string(),
-                    floor: ta.floor,
-                    weight: ta.weight,
-                    share: ta.share,
-                    ceiling: ta.ceiling,
-                    used,
-                    borrowed: (used - ta.floor - ta.share).max(0.0),
-                    in_flight: s.in_flight,
-                    budgets,
-                    refused: by_reason(counts),
-                    instances,
-                });
-            }
-            // Every caller the policy does not list, refusals only (no state is read for
-            // names the policy does not know).
-            let counts = limiter.recorder().counts(tp.name(), None);
-            if counts.iter().any(|n| *n > 0) {
-                tenants.push(Row {
-                    name: "other".to_owned(),
-                    floor: 0.0,
-                    weight: 0.0,
-                    share: 0.0,
-                    ceiling: 0.0,
-                    used: 0.0,
-                    borrowed: 0.0,
-                    in_flight: 0.0,
-                    budgets: Vec::new(),
-                    refused: by_reason(counts),
-                    instances: None,
-                });
-            }
-            if tp.tenants().is_empty() {
-                let keys = keys_of(tp, &Arc::from(""), None);
-                tool_state = limiter.store().inspect_at(&keys, now).await?[0];
-            }
-            let tool_state = tool_state.unwrap_or_default();
-            let (used, budgets) = used_now(&tool_state, window, now, &tp.budgets);
-            tools.push(ToolView {
-                name: tp.name().to_owned(),
-                unit: tp.unit().as_str(),
-                capacity: tp.capacity(),
-                period: tp.period().to_string(),
-                used,
-                in_flight: tool_state.in_flight,
-                budgets,
-                window_ends_in_ms: (period - now.as_micros() % period) / 1000,
-                tenants,
-                busiest: {
-                    let [tenants, instances] = self.limiter.busiest(tp.name());
-                    Busy { tenants, instances }
-                },
-            });
+            tools.push(self.tool_view(tp, alloc, q, now).await?);
         }
         Ok(StateView {
             at: now.to_rfc3339(),
             tools,
         })
+    }
+
+    /// One tool of the state: its use, each listed tenant's row (with its instances when the
+    /// query opens it), `other`'s refusals, and its busiest unlisted callers.
+    async fn tool_view(
+        &self,
+        tp: &ToolPolicy,
+        alloc: &crate::policy::ToolAllocation,
+        q: &HashMap<String, String>,
+        now: Timestamp,
+    ) -> Result<ToolView, crate::StoreError> {
+        let limiter = &self.limiter;
+        let period = tp.period().as_micros();
+        let window =
+            crate::admission::engine::aligned_window(now.as_micros() as f64, period as f64);
+        let mut tool_state = None;
+        let mut tenants = Vec::new();
+        for t in tp.tenants() {
+            let Some(ta) = alloc.tenants.iter().find(|a| a.name == t.name()) else {
+                continue;
+            };
+            let keys = keys_of(tp, &t.name, None);
+            let states = limiter.store().inspect_at(&keys, now).await?;
+            if let Some(s) = states[0] {
+                tool_state = Some(s);
+            }
+            let s = states[1].unwrap_or_default();
+            let (used, budgets) = used_now(&s, window, now, &t.budgets);
+            let counts = limiter.recorder().counts(tp.name(), Some(t.name()));
+            let instances = match q.get("tenant").is_some_and(|x| x == t.name()) {
+                true => Some(self.instance_rows(tp, t, ta, window, now).await?),
+                false => None,
+            };
+            tenants.push(Row {
+                name: t.name.to_string(),
+                floor: ta.floor,
+                weight: ta.weight,
+                share: ta.share,
+                ceiling: ta.ceiling,
+                used,
+                borrowed: (used - ta.floor - ta.share).max(0.0),
+                in_flight: s.in_flight,
+                budgets,
+                refused: by_reason(counts),
+                instances,
+            });
+        }
+        // Every caller the policy does not list, refusals only (no state is read for
+        // names the policy does not know).
+        let counts = limiter.recorder().counts(tp.name(), None);
+        if counts.iter().any(|n| *n > 0) {
+            tenants.push(Row {
+                name: "other".to_owned(),
+                floor: 0.0,
+                weight: 0.0,
+                share: 0.0,
+                ceiling: 0.0,
+                used: 0.0,
+                borrowed: 0.0,
+                in_flight: 0.0,
+                budgets: Vec::new(),
+                refused: by_reason(counts),
+                instances: None,
+            });
+        }
+        if tp.tenants().is_empty() {
+            let keys = keys_of(tp, &Arc::from(""), None);
+            tool_state = limiter.store().inspect_at(&keys, now).await?[0];
+        }
+        let tool_state = tool_state.unwrap_or_default();
+        let (used, budgets) = used_now(&tool_state, window, now, &tp.budgets);
+        let [busy_tenants, busy_instances] = limiter.busiest(tp.name());
+        Ok(ToolView {
+            name: tp.name().to_owned(),
+            unit: tp.unit().as_str(),
+            capacity: tp.capacity(),
+            period: tp.period().to_string(),
+            used,
+            in_flight: tool_state.in_flight,
+            budgets,
+            window_ends_in_ms: (period - now.as_micros() % period) / 1000,
+            tenants,
+            busiest: Busy {
+                tenants: busy_tenants,
+                instances: busy_instances,
+            },
+        })
+    }
+
+    /// The rows of tenant `t`'s listed instances.
+    async fn instance_rows(
+        &self,
+        tp: &ToolPolicy,
+        t: &crate::policy::LevelPolicy,
+        ta: &crate::policy::TenantAllocation,
+        window: f64,
+        now: Timestamp,
+    ) -> Result<Vec<Row>, crate::StoreError> {
+        let mut rows = Vec::new();
+        for i in t.instances() {
+            let Some(ia) = ta.instances.iter().find(|a| a.name == i.name()) else {
+                continue;
+            };
+            let keys = keys_of(tp, &t.name, Some(&i.name));
+            let s = self.limiter.store().inspect_at(&keys, now).await?[2].unwrap_or_default();
+            let (used, budgets) = used_now(&s, window, now, &i.budgets);
+            rows.push(Row {
+                name: i.name.to_string(),
+                floor: ia.floor,
+                weight: ia.weight,
+                share: ia.share,
+                ceiling: ia.ceiling,
+                used,
+                borrowed: (used - ia.floor - ia.share).max(0.0),
+                in_flight: s.in_flight,
+                budgets,
+                refused: HashMap::new(),
+                instances: None,
+            });
+        }
+        Ok(rows)
     }
 
     /// The caller, tool and cost an `explain` query asks about, resolved as a call would be:

@@ -575,35 +575,45 @@ pub(crate) fn above(
         }
         return Err(refuse(plan, now, f));
     }
-    let tool = plan.tool;
     let t = tool_level(plan, b, tool_state);
     b.levels[0] = t;
 
     // 3. Concurrency, before any rate is looked at: the tool's cap, then the caller's.
-    if let Some(cap) = tool.max_concurrency {
-        if t.state.in_flight + 1.0 > cap as f64 {
-            return Err(refuse(
-                plan,
-                now,
-                Fail {
-                    reason: Reason::ConcurrencyExceeded,
-                    scope: Scope::Tool,
-                    wait: 1_000_000.0,
-                    window: Label::Word("in_flight"),
-                    window_secs: None,
-                    limit: cap as f64,
-                    used: t.state.in_flight,
-                    reset_at: None,
-                    sure_wait: 0.0,
-                },
-            ));
-        }
-    }
-    if let Some(f) = b.concurrency {
+    if let Some(f) = tool_cap_full(plan, &t).or(b.concurrency) {
         return Err(refuse(plan, now, f));
     }
-
     // 4. Budgets, the tool's first; 5. the tool's part of the walk.
+    let takes = tool_draw(plan, b, tool_state).map_err(|f| refuse(plan, now, f))?;
+    // 6. Commit the tool.
+    commit_tool(plan, b, takes, tool_state, top);
+    Ok(())
+}
+
+/// Step 3 of [`above`]: the tool's concurrency cap, if it is full.
+fn tool_cap_full(plan: &Plan<'_>, t: &Level<'_>) -> Option<Fail> {
+    let cap = plan.tool.max_concurrency?;
+    (t.state.in_flight + 1.0 > cap as f64).then_some(Fail {
+        reason: Reason::ConcurrencyExceeded,
+        scope: Scope::Tool,
+        wait: 1_000_000.0,
+        window: Label::Word("in_flight"),
+        window_secs: None,
+        limit: cap as f64,
+        used: t.state.in_flight,
+        reset_at: None,
+        sure_wait: 0.0,
+    })
+}
+
+/// Steps 4 and 5 of [`above`]: every budget (the tool's first), then the tool's part of the
+/// walk (share first, else floor first): the units each level takes, or the worst failure
+/// with the time the call surely cannot pass before.
+fn tool_draw(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    tool_state: &NodeState,
+) -> Result<[[f64; 3]; 3], Fail> {
+    let tool = plan.tool;
     let mut worst = None;
     budget_fails(
         plan,
@@ -622,8 +632,8 @@ pub(crate) fn above(
         levels: &b.levels[..b.n],
         banks: b.banks,
         cost: plan.cost,
-        period,
-        now,
+        period: b.period,
+        now: b.now,
         next_window: b.next_window,
         tool_period: tool.period,
     };
@@ -646,13 +656,24 @@ pub(crate) fn above(
             }
         },
     };
-    if let Some(mut f) = worst {
-        f.sure_wait = sure_wait;
-        return Err(refuse(plan, now, f));
+    match worst {
+        Some(mut f) => {
+            f.sure_wait = sure_wait;
+            Err(f)
+        }
+        None => Ok(takes),
     }
+}
 
-    // 6. Commit the tool (its charge record is written by `commit_below`, where the answer
-    // holds it).
+/// Step 6 of [`above`]: the tool's draw written to its state, and what the answer needs of it
+/// (its charge record is written by [`commit_below`], where the answer holds it).
+fn commit_tool(
+    plan: &Plan<'_>,
+    b: &mut Below<'_>,
+    takes: [[f64; 3]; 3],
+    tool_state: &mut NodeState,
+    top: &mut Top,
+) {
     let mut expires = commit_level(plan, b, 0, takes[0], tool_state);
     // The tool counts every floor unit drawn below it, for the window report.
     let mut floor_units = 0.0;
@@ -663,7 +684,7 @@ pub(crate) fn above(
     s.floor_used += floor_units - takes[0][0];
     if plan.tenant.policy.template {
         template::count_child(s, b.standing[0], b.window);
-        expires = expires.max(template::counts_until(s, period));
+        expires = expires.max(template::counts_until(s, b.period));
     }
     s.write(tool_state);
     // Written where the store keeps it (not returned: a moved record is read back by wide
@@ -671,7 +692,6 @@ pub(crate) fn above(
     top.takes = takes;
     top.expires = expires;
     top.slack = b.levels[0].state.ceiling;
-    Ok(())
 }
 
 impl Top {

@@ -154,20 +154,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     let raw_default_ceiling = raw.default_ceiling;
     let limit_path = format!("{path}.rate.limit");
     let capacity = cx.units(&limit_path, raw.rate.limit);
-    let period = match Period::parse(&raw.rate.per) {
-        Ok(p) if p.as_micros() > MAX_PERIOD_MICROS => {
-            cx.err(
-                format!("{path}.rate.per"),
-                Problem::PeriodTooLong(raw.rate.per.clone()),
-            );
-            Period::from_micros(MAX_PERIOD_MICROS)
-        }
-        Ok(p) => p,
-        Err(e) => {
-            cx.err(format!("{path}.rate.per"), Problem::BadPeriod(e));
-            Period::from_micros(60_000_000)
-        }
-    };
+    let period = period_of(cx, &raw.rate.per, path);
     if capacity < 1.0 {
         cx.err(
             &limit_path,
@@ -181,15 +168,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         Some(b) => cx.burst(&format!("{path}.burst"), b),
         None => default_burst(capacity),
     };
-    let tiers = match (raw.tier, raw.tiers) {
-        (Some(_), Some(_)) => {
-            cx.err(format!("{path}.tiers"), Problem::TierAndTiers);
-            Vec::new()
-        }
-        (Some(t), None) => vec![t],
-        (None, Some(ts)) => ts,
-        (None, None) => Vec::new(),
-    };
+    let tiers = tiers_of(cx, raw.tier, raw.tiers, path);
     let require_tenant = raw.require_tenant.unwrap_or(true);
     if !require_tenant && raw.default_tenant.is_none() {
         cx.err(
@@ -201,15 +180,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         .max_concurrency
         .map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
     let budgets = cx.budgets(path, &raw.budgets);
-    let lease_max = match &raw.lease {
-        None => 0.0,
-        Some(RawLease::Word(w)) if w == "off" => 0.0,
-        Some(RawLease::Word(w)) => {
-            cx.err(format!("{path}.lease"), Problem::BadLease(w.clone()));
-            0.0
-        }
-        Some(RawLease::Max(m)) => cx.units(&format!("{path}.lease.max"), *m),
-    };
+    let lease_max = lease_of(cx, raw.lease.as_ref(), path);
 
     // First pass: each tenant's own numbers.
     let mut tenants = Vec::new();
@@ -233,23 +204,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         .as_ref()
         .map_or(0.0, |t| t.reserved_floor * t.max_tracked as f64);
     let reserved_floors = configured_floor + template_floor;
-    if reserved_floors > capacity * (1.0 + 1e-12) {
-        cx.err(
-            format!("{path}.tenants"),
-            Problem::FloorsExceedCapacity {
-                sum: reserved_floors,
-                capacity,
-            },
-        );
-    } else if reserved_floors > 0.7 * capacity {
-        cx.warnings.push(Warning {
-            path: format!("{path}.tenants"),
-            message: format!(
-                "floors reserve {:.0} % of the capacity: above 70 % one busy caller saturates the tool and there is little left to lend",
-                100.0 * reserved_floors / capacity
-            ),
-        });
-    }
+    check_reserved_floors(cx, path, reserved_floors, capacity);
 
     let configured_weight: f64 = tenants.iter().map(|t| t.weight).sum();
     let template_weight = default_tenant.as_ref().map_or(0.0, |t| t.weight);
@@ -265,153 +220,31 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     // A caller without a ceiling of its own: its nominal allocation, or (`default_ceiling =
     // "capacity"`) everything not reserved for others.
     let open = raw_default_ceiling == Some(DefaultCeiling::Capacity);
-    let finish = |cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str| {
-        t.borrow_threshold = borrow_threshold(t.weight, max_weight);
-        // Default bursts, bottom-up: each caller's own portion of its parent's lending room,
-        // plus the banks of its children, so a parent can always hold every child's bank.
-        let portion = if t.explicit_burst {
-            t.burst
-        } else {
-            portion_of_burst(burst, t.weight, weight_once)
-        };
-        let inner_weight_once =
-            t.configured_child_weight + t.default_child.as_ref().map_or(0.0, |d| d.weight);
-        for c in t.children.iter_mut().chain(t.default_child.as_deref_mut()) {
-            if !c.explicit_burst {
-                c.burst = portion_of_burst(portion, c.weight, inner_weight_once);
-            }
-        }
-        t.configured_child_burst = t.children.iter().map(|c| c.burst).sum();
-        let banks = t.configured_child_burst + t.default_child.as_ref().map_or(0.0, |d| d.burst);
-        if !t.explicit_burst {
-            t.burst = if t.has_instances() {
-                portion + banks
-            } else {
-                portion
-            };
-        } else if t.has_instances() && t.burst < banks + 1.0 {
-            cx.warnings.push(Warning {
-                path: format!("{tpath}.burst"),
-                message: format!(
-                    "burst {} leaves no lending room above its instances' bursts ({banks}): instances cannot borrow each other's idle share",
-                    t.burst
-                ),
-            });
-        }
-        floor_within_budgets(cx, tpath, t.floor, period, &t.budgets);
-        for c in t.children.iter().chain(t.default_child.as_deref()) {
-            let cpath = if c.template {
-                format!("{tpath}.default_instance")
-            } else {
-                format!("{tpath}.instances.{}", c.name)
-            };
-            floor_within_budgets(cx, &cpath, c.floor, period, &c.budgets);
-        }
-        let share = share_of(spare, t.weight, weight_once);
-        let nominal = t.floor + share;
-        if let Some(c) = t.ceiling {
-            check_ceiling(cx, tpath, c, t.reserved_floor, capacity);
-        }
-        if t.children_floor > nominal * (1.0 + 1e-12) {
-            cx.err(
-                format!("{tpath}.instances"),
-                Problem::FloorsExceedCapacity {
-                    sum: t.children_floor,
-                    capacity: nominal,
-                },
-            );
-        } else if t.children_floor > t.floor {
-            cx.warnings.push(Warning {
-                path: format!("{tpath}.instances"),
-                message: format!(
-                    "instance floors add up to {} above the tenant floor {}: the difference is reserved out of the tenant's share",
-                    t.children_floor, t.floor
-                ),
-            });
-        }
-        if open && t.ceiling.is_none() {
-            t.ceiling = Some((t.reserved_floor + spare).min(capacity));
-        }
-        let tenant_capacity = t.ceiling.unwrap_or(nominal);
-        let inner_spare = (tenant_capacity - t.children_floor).max(0.0);
-        let max_child = t.max_child_weight;
-        let mut kids = std::mem::take(&mut t.children);
-        for c in kids.iter_mut() {
-            c.borrow_threshold = borrow_threshold(c.weight, max_child);
-            if open && c.ceiling.is_none() {
-                c.ceiling = Some(c.floor + inner_spare);
-            }
-            if let Some(ceil) = c.ceiling {
-                check_ceiling(
-                    cx,
-                    &format!("{tpath}.instances.{}", c.name),
-                    ceil,
-                    c.floor,
-                    tenant_capacity,
-                );
-            }
-        }
-        t.children = kids;
-        if let Some(d) = t.default_child.as_mut() {
-            d.borrow_threshold = borrow_threshold(d.weight, max_child);
-            if open && d.ceiling.is_none() {
-                d.ceiling = Some(d.floor + inner_spare);
-            }
-            if let Some(ceil) = d.ceiling {
-                check_ceiling(
-                    cx,
-                    &format!("{tpath}.default_instance"),
-                    ceil,
-                    d.floor,
-                    tenant_capacity,
-                );
-            }
-        }
+    let shares = Shares {
+        max_weight,
+        burst,
+        weight_once,
+        period,
+        spare,
+        capacity,
+        open,
     };
     for t in tenants.iter_mut() {
         let tpath = format!("{path}.tenants.{}", t.name);
-        finish(cx, t, &tpath);
+        finish_tenant(cx, t, &tpath, &shares);
     }
     let mut default_tenant = default_tenant;
     if let Some(t) = default_tenant.as_mut() {
-        finish(cx, t, &format!("{path}.default_tenant"));
+        finish_tenant(cx, t, &format!("{path}.default_tenant"), &shares);
     }
 
     let configured_tenant_burst: f64 = tenants.iter().map(|t| t.burst).sum();
     let banks = configured_tenant_burst + default_tenant.as_ref().map_or(0.0, |t| t.burst);
-    let burst = if raw.burst.is_some() {
-        if banks + 1.0 > burst {
-            cx.warnings.push(Warning {
-                path: format!("{path}.burst"),
-                message: format!(
-                    "burst {burst} leaves no lending room above the tenants' bursts ({banks}): idle share cannot be lent; raise it or leave it unset"
-                ),
-            });
-        }
-        burst
-    } else {
-        burst + banks
-    };
+    let burst = tool_burst(cx, path, burst, raw.burst.is_some(), banks);
 
     floor_within_budgets(cx, path, reserved_floors, period, &budgets);
 
-    // Budgets split across tenants with (almost) nothing left unallocated.
-    for b in &budgets {
-        let split: f64 = tenants
-            .iter()
-            .filter_map(|t| t.budgets.iter().find(|x| x.period == b.period))
-            .map(|x| x.max)
-            .sum();
-        if split > 0.95 * b.max {
-            cx.warnings.push(Warning {
-                path: format!("{path}.budgets"),
-                message: format!(
-                    "tenant {} budgets add up to {split} of the tool's {}: leave 5-10 % unallocated so one team's overrun cannot eat another's headroom",
-                    b.period, b.max
-                ),
-            });
-        }
-    }
+    budgets_split(cx, path, &budgets, &tenants);
 
     ToolPolicy {
         name: Arc::from(raw.name),
@@ -689,4 +522,254 @@ fn instance(
         ("max_instances", "default_instance", DEFAULT_MAX_INSTANCES),
     );
     i
+}
+
+/// A tool's `rate.per`, within the longest period allowed (a bad one is an error, and a
+/// minute stands in for it so the rest can still be checked).
+fn period_of(cx: &mut Ctx, per: &str, path: &str) -> Period {
+    match Period::parse(per) {
+        Ok(p) if p.as_micros() > MAX_PERIOD_MICROS => {
+            cx.err(
+                format!("{path}.rate.per"),
+                Problem::PeriodTooLong(per.to_owned()),
+            );
+            Period::from_micros(MAX_PERIOD_MICROS)
+        }
+        Ok(p) => p,
+        Err(e) => {
+            cx.err(format!("{path}.rate.per"), Problem::BadPeriod(e));
+            Period::from_micros(60_000_000)
+        }
+    }
+}
+
+/// The tiers a tool admits: `tier` or `tiers`, not both.
+fn tiers_of(
+    cx: &mut Ctx,
+    tier: Option<String>,
+    tiers: Option<Vec<String>>,
+    path: &str,
+) -> Vec<String> {
+    match (tier, tiers) {
+        (Some(_), Some(_)) => {
+            cx.err(format!("{path}.tiers"), Problem::TierAndTiers);
+            Vec::new()
+        }
+        (Some(t), None) => vec![t],
+        (None, Some(ts)) => ts,
+        (None, None) => Vec::new(),
+    }
+}
+
+/// A tool's lease `max` (0: off).
+fn lease_of(cx: &mut Ctx, lease: Option<&RawLease>, path: &str) -> f64 {
+    match lease {
+        None => 0.0,
+        Some(RawLease::Word(w)) if w == "off" => 0.0,
+        Some(RawLease::Word(w)) => {
+            cx.err(format!("{path}.lease"), Problem::BadLease(w.clone()));
+            0.0
+        }
+        Some(RawLease::Max(m)) => cx.units(&format!("{path}.lease.max"), *m),
+    }
+}
+
+/// The floors a tool reserves (its template's for every caller it may track) within its
+/// capacity, and a warning above 70 % of it.
+fn check_reserved_floors(cx: &mut Ctx, path: &str, reserved_floors: f64, capacity: f64) {
+    if reserved_floors > capacity * (1.0 + 1e-12) {
+        cx.err(
+            format!("{path}.tenants"),
+            Problem::FloorsExceedCapacity {
+                sum: reserved_floors,
+                capacity,
+            },
+        );
+    } else if reserved_floors > 0.7 * capacity {
+        cx.warnings.push(Warning {
+            path: format!("{path}.tenants"),
+            message: format!(
+                "floors reserve {:.0} % of the capacity: above 70 % one busy caller saturates the tool and there is little left to lend",
+                100.0 * reserved_floors / capacity
+            ),
+        });
+    }
+}
+
+/// The tool's burst: as written (with a warning when it leaves no lending room above the
+/// tenants' `banks`), or by default its own portion plus the banks.
+fn tool_burst(cx: &mut Ctx, path: &str, burst: f64, explicit: bool, banks: f64) -> f64 {
+    if !explicit {
+        return burst + banks;
+    }
+    if banks + 1.0 > burst {
+        cx.warnings.push(Warning {
+            path: format!("{path}.burst"),
+            message: format!(
+                "burst {burst} leaves no lending room above the tenants' bursts ({banks}): idle share cannot be lent; raise it or leave it unset"
+            ),
+        });
+    }
+    burst
+}
+
+/// A warning for each tool budget its tenants' budgets split with (almost) nothing left
+/// unallocated.
+fn budgets_split(cx: &mut Ctx, path: &str, budgets: &[Budget], tenants: &[LevelPolicy]) {
+    for b in budgets {
+        let split: f64 = tenants
+            .iter()
+            .filter_map(|t| t.budgets.iter().find(|x| x.period == b.period))
+            .map(|x| x.max)
+            .sum();
+        if split > 0.95 * b.max {
+            cx.warnings.push(Warning {
+                path: format!("{path}.budgets"),
+                message: format!(
+                    "tenant {} budgets add up to {split} of the tool's {}: leave 5-10 % unallocated so one team's overrun cannot eat another's headroom",
+                    b.period, b.max
+                ),
+            });
+        }
+    }
+}
+
+/// What the second pass over a tool's tenants needs of the tool.
+struct Shares {
+    /// The heaviest tenant's weight (the borrowing order).
+    max_weight: f64,
+    /// The tool's burst.
+    burst: f64,
+    /// Σ weights, the template once.
+    weight_once: f64,
+    period: Period,
+    /// Capacity less the reserved floors.
+    spare: f64,
+    capacity: f64,
+    /// `default_ceiling = "capacity"`.
+    open: bool,
+}
+
+/// The second pass over tenant `t` (at `tpath`): its bursts and its instances', the checks of
+/// its floors and ceiling, then its own and its instances' ceilings.
+fn finish_tenant(cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str, sh: &Shares) {
+    default_bursts(cx, t, tpath, sh);
+    let nominal = check_tenant_floors(cx, t, tpath, sh);
+    ceilings(cx, t, tpath, sh, nominal);
+}
+
+/// Default bursts, bottom-up, and the borrowing threshold of tenant `t`.
+fn default_bursts(cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str, sh: &Shares) {
+    t.borrow_threshold = borrow_threshold(t.weight, sh.max_weight);
+    // Default bursts, bottom-up: each caller's own portion of its parent's lending room,
+    // plus the banks of its children, so a parent can always hold every child's bank.
+    let portion = if t.explicit_burst {
+        t.burst
+    } else {
+        portion_of_burst(sh.burst, t.weight, sh.weight_once)
+    };
+    let inner_weight_once =
+        t.configured_child_weight + t.default_child.as_ref().map_or(0.0, |d| d.weight);
+    for c in t.children.iter_mut().chain(t.default_child.as_deref_mut()) {
+        if !c.explicit_burst {
+            c.burst = portion_of_burst(portion, c.weight, inner_weight_once);
+        }
+    }
+    t.configured_child_burst = t.children.iter().map(|c| c.burst).sum();
+    let banks = t.configured_child_burst + t.default_child.as_ref().map_or(0.0, |d| d.burst);
+    if !t.explicit_burst {
+        t.burst = if t.has_instances() {
+            portion + banks
+        } else {
+            portion
+        };
+    } else if t.has_instances() && t.burst < banks + 1.0 {
+        cx.warnings.push(Warning {
+            path: format!("{tpath}.burst"),
+            message: format!(
+                "burst {} leaves no lending room above its instances' bursts ({banks}): instances cannot borrow each other's idle share",
+                t.burst
+            ),
+        });
+    }
+}
+
+/// The floors of tenant `t` and its instances within their budgets and its nominal
+/// allocation, and its ceiling within the tool; its nominal allocation (floor + share).
+fn check_tenant_floors(cx: &mut Ctx, t: &LevelPolicy, tpath: &str, sh: &Shares) -> f64 {
+    floor_within_budgets(cx, tpath, t.floor, sh.period, &t.budgets);
+    for c in t.children.iter().chain(t.default_child.as_deref()) {
+        let cpath = if c.template {
+            format!("{tpath}.default_instance")
+        } else {
+            format!("{tpath}.instances.{}", c.name)
+        };
+        floor_within_budgets(cx, &cpath, c.floor, sh.period, &c.budgets);
+    }
+    let share = share_of(sh.spare, t.weight, sh.weight_once);
+    let nominal = t.floor + share;
+    if let Some(c) = t.ceiling {
+        check_ceiling(cx, tpath, c, t.reserved_floor, sh.capacity);
+    }
+    if t.children_floor > nominal * (1.0 + 1e-12) {
+        cx.err(
+            format!("{tpath}.instances"),
+            Problem::FloorsExceedCapacity {
+                sum: t.children_floor,
+                capacity: nominal,
+            },
+        );
+    } else if t.children_floor > t.floor {
+        cx.warnings.push(Warning {
+            path: format!("{tpath}.instances"),
+            message: format!(
+                "instance floors add up to {} above the tenant floor {}: the difference is reserved out of the tenant's share",
+                t.children_floor, t.floor
+            ),
+        });
+    }
+    nominal
+}
+
+/// The ceilings of tenant `t` (with `default_ceiling = "capacity"`) and of its instances,
+/// and their borrowing thresholds, given its nominal allocation.
+fn ceilings(cx: &mut Ctx, t: &mut LevelPolicy, tpath: &str, sh: &Shares, nominal: f64) {
+    if sh.open && t.ceiling.is_none() {
+        t.ceiling = Some((t.reserved_floor + sh.spare).min(sh.capacity));
+    }
+    let tenant_capacity = t.ceiling.unwrap_or(nominal);
+    let inner_spare = (tenant_capacity - t.children_floor).max(0.0);
+    let max_child = t.max_child_weight;
+    let mut kids = std::mem::take(&mut t.children);
+    for c in kids.iter_mut() {
+        c.borrow_threshold = borrow_threshold(c.weight, max_child);
+        if sh.open && c.ceiling.is_none() {
+            c.ceiling = Some(c.floor + inner_spare);
+        }
+        if let Some(ceil) = c.ceiling {
+            check_ceiling(
+                cx,
+                &format!("{tpath}.instances.{}", c.name),
+                ceil,
+                c.floor,
+                tenant_capacity,
+            );
+        }
+    }
+    t.children = kids;
+    if let Some(d) = t.default_child.as_mut() {
+        d.borrow_threshold = borrow_threshold(d.weight, max_child);
+        if sh.open && d.ceiling.is_none() {
+            d.ceiling = Some(d.floor + inner_spare);
+        }
+        if let Some(ceil) = d.ceiling {
+            check_ceiling(
+                cx,
+                &format!("{tpath}.default_instance"),
+                ceil,
+                d.floor,
+                tenant_capacity,
+            );
+        }
+    }
 }
