@@ -28,14 +28,24 @@ fn info_refusals(log: &str) -> usize {
         .count()
 }
 
-#[test]
-fn a_runaway_at_a_thousand_refusals_a_second_writes_a_line_a_window() {
-    let policy = Policy::from_toml_str(POLICY).unwrap();
+/// A limiter on [`POLICY`] over a manual clock, and a runtime to drive it.
+fn harness() -> (
+    Limiter<MemoryStore, ManualClock>,
+    ManualClock,
+    tokio::runtime::Runtime,
+) {
     let clock = ManualClock::new(EPOCH);
+    let policy = Policy::from_toml_str(POLICY).unwrap();
     let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    (limiter, clock, rt)
+}
+
+#[test]
+fn a_runaway_at_a_thousand_refusals_a_second_writes_a_line_a_window() {
+    let (limiter, clock, rt) = harness();
     let runaway = Caller::new("runaway");
     let mut refused = 0;
     // 20 s at 1,000 calls a second: two windows of the tool's 10 s period.
@@ -67,12 +77,7 @@ fn a_runaway_at_a_thousand_refusals_a_second_writes_a_line_a_window() {
 
 #[test]
 fn a_flood_of_identities_writes_a_few_lines_a_second() {
-    let policy = Policy::from_toml_str(POLICY).unwrap();
-    let clock = ManualClock::new(EPOCH);
-    let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
+    let (limiter, clock, rt) = harness();
     // 5 s, each millisecond a new identity's eighth call (past its ceiling of 6 + burst).
     let log = logs::logged(|| {
         rt.block_on(async {
