@@ -19,14 +19,20 @@ const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_6
 use tower_fairshare::store::RedisStore;
 use tower_fairshare::{Caller, Cost, Limiter, ManualClock, Policy, Store, SystemClock, Timestamp};
 
+/// One cluster per test function; every case starts from an empty key space of its own (a
+/// namespace, not a flush: a store of an earlier case whose background work is still running
+/// would otherwise write into the next case's keys).
 struct Cluster {
     cluster: RedisCluster,
+    /// The namespace of the current case, and how many cases there were.
+    case: Mutex<(String, u64)>,
 }
 
 impl Cluster {
     fn new() -> Self {
         Cluster {
             cluster: RedisCluster::start(),
+            case: Mutex::new((String::new(), 0)),
         }
     }
 }
@@ -37,21 +43,29 @@ impl conformance::Factory for Cluster {
         unreachable!("a RedisStore is made inside the runtime that drives it: store_in")
     }
     fn store_in(&self, rt: &tokio::runtime::Runtime) -> RedisStore {
-        self.cluster.flushall();
+        let namespace = {
+            let mut case = self.case.lock().unwrap();
+            case.1 += 1;
+            case.0 = format!("case{}:", case.1);
+            case.0.clone()
+        };
         rt.block_on(
             RedisStore::cluster_builder(self.cluster.urls())
                 .injected_clock()
+                .namespace(namespace)
                 .timeout(Duration::from_secs(10))
                 .connect(),
         )
         .expect("connect to the cluster")
     }
     fn count_states(&self, _store: &RedisStore) -> usize {
-        self.cluster.state_keys()
+        let namespace = self.case.lock().unwrap().0.clone();
+        self.cluster.state_keys_in(&namespace)
     }
     fn expire(&self, _store: &RedisStore, now: Timestamp) {
         // Sweep each master through a store connected to it alone, from a runtime of our own.
         let urls = self.cluster.urls();
+        let namespace = self.case.lock().unwrap().0.clone();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -61,6 +75,7 @@ impl conformance::Factory for Cluster {
                 for url in urls {
                     let node = RedisStore::builder(url)
                         .injected_clock()
+                        .namespace(namespace.clone())
                         .connect()
                         .await
                         .unwrap();

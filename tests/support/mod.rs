@@ -230,6 +230,11 @@ impl RedisCluster {
         self.nodes.iter().map(|n| n.state_keys()).sum()
     }
 
+    /// Keys holding callers' state under `namespace` over every master.
+    pub fn state_keys_in(&self, namespace: &str) -> usize {
+        self.nodes.iter().map(|n| n.state_keys_in(namespace)).sum()
+    }
+
     pub fn flushall(&self) {
         for n in &self.nodes {
             n.flushall();
