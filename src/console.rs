@@ -835,9 +835,10 @@ impl<S: Store, C: Clock> Console<S, C> {
     }
 
     /// The caller, tool and cost an `explain` query asks about, resolved as a call would be:
-    /// from `api_key=` through the key resolver, or from `tenant=`, `instance=` and `tier=`. A
-    /// question that leaves out what the answer depends on (the tier of a tool that admits
-    /// only some tiers) is answered with what to add, not for a different caller.
+    /// from `api_key=` through the key resolver, or from `tenant=`, `instance=`, `tier=` and
+    /// `plan=`. A question that leaves out what the answer depends on (the tier of a tool that
+    /// admits only some tiers, the plan of an unlisted tenant of a tool with plans) is
+    /// answered with what to add, not for a different caller.
     fn question<'q>(
         &self,
         q: &'q HashMap<String, String>,
@@ -872,21 +873,41 @@ impl<S: Store, C: Clock> Console<S, C> {
         if let Some(i) = q.get("instance") {
             caller = caller.with_instance(i.as_str());
         }
+        let policy = self.limiter.policy();
+        let tp = policy.tool(tool);
         match q.get("tier") {
             Some(t) => caller = caller.with_tier(t.as_str()),
             None => {
-                let policy = self.limiter.policy();
-                if let Some(tiers) = policy
-                    .tool(tool)
-                    .map(|tp| tp.tiers())
-                    .filter(|t| !t.is_empty())
-                {
+                if let Some(tiers) = tp.map(|tp| tp.tiers()).filter(|t| !t.is_empty()) {
                     return Err(problem(
                         StatusCode::BAD_REQUEST,
                         &format!(
                             "tool `{}` admits only callers of tier {}: the answer depends on the caller's tier; add tier= (or api_key=)",
                             crate::admission::echoed(tool),
                             tiers.iter().map(|t| format!("`{t}`")).collect::<Vec<_>>().join(" or ")
+                        ),
+                    ));
+                }
+            }
+        }
+        match q.get("plan") {
+            Some(p) => caller = caller.with_plan(p.as_str()),
+            None => {
+                // An unlisted tenant's template is its plan's (an untenanted caller has none).
+                let unlisted = |tp: &crate::policy::ToolPolicy| {
+                    caller
+                        .tenant()
+                        .and_then(|t| tp.tenant(t))
+                        .is_some_and(|p| p.template)
+                };
+                if let Some(tp) = tp.filter(|tp| tp.plans().next().is_some() && unlisted(tp)) {
+                    let plans: Vec<String> = tp.plans().map(|(n, _)| format!("`{n}`")).collect();
+                    return Err(problem(
+                        StatusCode::BAD_REQUEST,
+                        &format!(
+                            "tool `{}` governs unlisted tenants by plan ({}): the answer depends on the caller's plan; add plan= (or api_key=)",
+                            crate::admission::echoed(tool),
+                            plans.join(", ")
                         ),
                     ));
                 }

@@ -18,6 +18,7 @@ pub struct Caller {
     tenant: Option<Arc<str>>,
     instance: Option<Arc<str>>,
     tier: Option<Arc<str>>,
+    plan: Option<Arc<str>>,
 }
 
 impl Caller {
@@ -27,6 +28,7 @@ impl Caller {
             tenant: Some(tenant.into()),
             instance: None,
             tier: None,
+            plan: None,
         }
     }
 
@@ -48,6 +50,19 @@ impl Caller {
         self
     }
 
+    /// Sets the caller's plan (e.g. from its token): an unlisted tenant is governed by the
+    /// tool's `[tool.plans.<plan>]` template. A tenant the policy lists is governed by its
+    /// own entry whatever its plan.
+    pub fn with_plan(mut self, plan: impl Into<Arc<str>>) -> Self {
+        self.plan = Some(plan.into());
+        self
+    }
+
+    /// The plan, if any.
+    pub fn plan(&self) -> Option<&str> {
+        self.plan.as_deref()
+    }
+
     /// The tenant, if any.
     pub fn tenant(&self) -> Option<&str> {
         self.tenant.as_deref()
@@ -65,6 +80,10 @@ impl Caller {
 
     pub(crate) fn tier_arc(&self) -> Option<&Arc<str>> {
         self.tier.as_ref()
+    }
+
+    pub(crate) fn plan_arc(&self) -> Option<&Arc<str>> {
+        self.plan.as_ref()
     }
 
     pub(crate) fn tenant_arc(&self) -> Option<&Arc<str>> {

@@ -140,6 +140,9 @@ pub(crate) struct Known {
     pub(crate) version: u64,
     /// The tier of the caller that was granted the lease (a tool may allow some tiers only).
     pub(crate) tier: Option<Arc<str>>,
+    /// The plan the caller granted the lease carried (an unlisted tenant's template is its
+    /// plan's).
+    pub(crate) caller_plan: Option<Arc<str>>,
     /// Whether the caller's tenant limits its instances: a call of another instance is
     /// charged at its own instance then, not from this lease.
     instances_limited: bool,
@@ -150,14 +153,15 @@ pub(crate) struct Known {
 }
 
 impl Known {
-    pub(crate) fn new(version: u64, tier: Option<Arc<str>>, plan: &Plan<'_>) -> Self {
+    pub(crate) fn new(version: u64, caller: &Caller, plan: &Plan<'_>) -> Self {
         let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
         if let Some(i) = plan.instance {
             burst = burst.min(i.policy.burst);
         }
         Known {
             version,
-            tier,
+            tier: caller.tier_arc().cloned(),
+            caller_plan: caller.plan_arc().cloned(),
             instances_limited: !plan.untenanted && plan.tenant.policy.has_instances(),
             burst,
             window_secs: plan.tool.period().as_secs_ceil(),
@@ -420,7 +424,12 @@ impl Leases {
                 untenanted: true,
             },
         };
-        let valid = |l: &Lease| l.known.version == version && l.known.tier.as_deref() == tier;
+        let caller_plan = caller.plan();
+        let valid = |l: &Lease| {
+            l.known.version == version
+                && l.known.tier.as_deref() == tier
+                && l.known.caller_plan.as_deref() == caller_plan
+        };
         let hash = hash_path(self.seed, path);
         // The clock is read once the path is hashed: the counter's latency and the hash's
         // overlap.
@@ -1012,7 +1021,11 @@ mod tests {
         };
         let leases = Leases::new();
         let g = grant(now, 500_000.0);
-        let known = Known::new(3, tier.map(Arc::from), &plan);
+        let caller = match tier {
+            Some(t) => Caller::new("a").with_tier(t),
+            None => Caller::new("a"),
+        };
+        let known = Known::new(3, &caller, &plan);
         let mut back = Vec::new();
         let call = leases.granted(&plan, &g.keys, known, Arc::new(g.clone()), 10.0, &mut back);
         assert!(call.is_ok() && back.is_empty());

@@ -105,7 +105,7 @@ pub use layer::{
 pub use limiter::{Limiter, Ticket};
 pub use policy::{
     BudgetPeriod, InstanceBuilder, OnStoreError, Period, Policy, PolicyBuilder, PolicyError,
-    TenantBuilder, ToolBuilder, Unit,
+    TenantBuilder, ToolBuilder, Unit, UnknownPlan, MAX_PLANS,
 };
 #[cfg(feature = "redis")]
 pub use store::RedisStore;

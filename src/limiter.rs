@@ -1043,7 +1043,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             };
         };
         let tenant_policy = match caller.tenant() {
-            Some(t) => tp.tenant(t),
+            Some(t) => tp.tenant_on(t, caller.plan()).ok(),
             None if !tp.require_tenant() => tp.default_tenant(),
             None => None,
         };
@@ -1137,7 +1137,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let (Some(tp), Some(tenant)) = (policy.tool(tool), caller.tenant_arc()) else {
             return;
         };
-        let Some(tenant_policy) = tp.tenant(tenant) else {
+        let Ok(tenant_policy) = tp.tenant_on(tenant, caller.plan()) else {
             return;
         };
         let secs = self.inner.clock.now().as_micros() / 1_000_000;
@@ -1514,7 +1514,7 @@ impl Prepared<'_> {
 
     /// What a lease granted to this call knows of the policy.
     fn known(&self) -> lease::Known {
-        lease::Known::new(self.version, self.caller.tier_arc().cloned(), &self.plan)
+        lease::Known::new(self.version, &self.caller, &self.plan)
     }
 
     /// The store keys of the call.
@@ -1560,16 +1560,9 @@ fn resolve<'p>(
         return Err(denial(Reason::PermissionDenied, tool, caller, "tier"));
     }
     let (tenant_name, untenanted, tenant_policy) = match caller.tenant_arc() {
-        Some(t) => match tp.tenant(t) {
-            Some(p) => (t, false, p),
-            None => {
-                return Err(denial(
-                    Reason::PermissionDenied,
-                    tool,
-                    caller,
-                    "unlisted_tenant",
-                ))
-            }
+        Some(t) => match tp.tenant_on(t, caller.plan()) {
+            Ok(p) => (t, false, p),
+            Err(why) => return Err(denial(Reason::PermissionDenied, tool, caller, why)),
         },
         None if tp.require_tenant() => {
             return Err(denial(

@@ -453,11 +453,7 @@ fn check(path: &Path) -> ExitCode {
             "tenant / instance", "floor", "weight", "share", "ceiling", "burst"
         );
         for r in &t.tenants {
-            let name = if r.name == "*" {
-                "(default tenant)".to_owned()
-            } else {
-                r.name.clone()
-            };
+            let name = tenant_label(r);
             println!(
                 "  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8} {}",
                 name,
@@ -506,27 +502,29 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
         .tenants
         .iter()
         .map(|r| {
-            let name = if r.name == "*" {
-                "(default tenant)"
-            } else {
-                r.name.as_str()
-            };
             format!(
-                "{name} {} ({} unused)",
+                "{} {} ({} unused)",
+                tenant_label(r),
                 num(r.alone_ceiling),
                 num((t.capacity - r.alone_ceiling).max(0.0))
             )
         })
         .collect();
-    if let Some(template) = t.tenants.iter().find(|r| r.name == "*") {
+    let templates: Vec<String> = t
+        .tenants
+        .iter()
+        .filter(|r| r.name == "*")
+        .map(|r| format!("{} (weight {})", tenant_label(r), num(r.weight)))
+        .collect();
+    if !templates.is_empty() {
         let without: Vec<String> = listed()
             .filter(|r| r.alone_ceiling != r.ceiling)
             .map(|r| format!("{} {}", r.name, num(r.alone_ceiling)))
             .collect();
         if !without.is_empty() {
             println!(
-                "  shares and ceilings above count one (default tenant) caller active (weight {}); each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
-                num(template.weight),
+                "  shares and ceilings above count one caller active of {}; each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
+                templates.join(", "),
                 without.join(", ")
             );
         }
@@ -542,6 +540,16 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
             num(t.capacity - ceilings),
             num(ceilings)
         );
+    }
+}
+
+/// How `check` names a row of the allocation table: a listed tenant by name, a template by
+/// what it governs.
+fn tenant_label(r: &tower_fairshare::policy::TenantAllocation) -> String {
+    match (&*r.name, &r.plan) {
+        ("*", Some(plan)) => format!("(plan {plan})"),
+        ("*", None) => "(default tenant)".to_owned(),
+        (name, _) => name.to_owned(),
     }
 }
 

@@ -82,6 +82,9 @@ pub struct ScenarioCaller {
     /// Tier.
     #[serde(default)]
     pub tier: Option<String>,
+    /// Plan: an unlisted tenant is governed by the tool's template for it.
+    #[serde(default)]
+    pub plan: Option<String>,
     /// Calls offered per `per`.
     pub rate: f64,
     /// The period of `rate`, e.g. `"1m"`.
@@ -353,16 +356,24 @@ pub async fn simulate_with<S: Store>(
         if let Some(tier) = &c.tier {
             caller = caller.with_tier(tier.as_str());
         }
+        if let Some(plan) = &c.plan {
+            caller = caller.with_plan(plan.as_str());
+        }
         // What the allocation table says this caller is owed (templates: one active caller).
         let owed = c
             .tenant
             .as_deref()
             .and_then(|t| {
-                alloc
-                    .tenants
-                    .iter()
-                    .find(|r| r.name == t)
-                    .or_else(|| alloc.tenants.iter().find(|r| r.name == "*"))
+                alloc.tenants.iter().find(|r| r.name == t).or_else(|| {
+                    let template = |plan: Option<&String>| {
+                        let mut rows = alloc.tenants.iter();
+                        rows.find(|r| r.name == "*" && r.plan.as_ref() == plan)
+                    };
+                    c.plan
+                        .as_ref()
+                        .and_then(|p| template(Some(p)))
+                        .or_else(|| template(None))
+                })
             })
             .map(|t| {
                 let inst = c.instance.as_deref().and_then(|i| {

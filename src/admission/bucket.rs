@@ -57,21 +57,7 @@ pub(super) fn roll_window(s: &mut Scalars, window: f64) {
         s.non_floor = 0.0;
         s.floor_used = 0.0;
     }
-    if s.template_window != window && (s.template_counted != 0.0 || s.template_in_window != 0.0) {
-        let (in_window, counted) = super::template::counts(
-            s.template_window,
-            s.template_in_window,
-            s.template_counted,
-            window,
-        );
-        s.template_in_window = in_window;
-        s.template_counted = counted;
-        s.template_window = if counted != 0.0 || in_window != 0.0 {
-            window
-        } else {
-            0.0
-        };
-    }
+    super::template::roll(s, window);
 }
 
 #[inline]

@@ -221,13 +221,13 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     Explained { verdict, levels }
 }
 
-/// The template tenants counted at the tool now, from the tool's stored state: what [`below`]
+/// The unlisted tenants counted at the tool now, per template, from the tool's stored state: what [`below`]
 /// takes.
 #[inline]
-fn tenants_counted(plan: &Plan<'_>, tool_state: &NodeState) -> u64 {
+fn tenants_counted(plan: &Plan<'_>, tool_state: &NodeState) -> template::Counted {
     let window = aligned_window(
         plan.now.as_micros() as f64,
         plan.tool.period.as_micros() as f64,
     );
-    template::counted_at(tool_state, window)
+    template::counted_per_slot(tool_state, window, plan.tool.plans.len())
 }

@@ -16,10 +16,10 @@
 pub use super::adjust::{adjust, count_in_window, release};
 pub use super::decide::{decide, decided_at, Admitted, LevelRef, Plan, Snapshot, Verdict};
 pub use super::state::{
-    BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+    BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts,
 };
 
 pub(crate) use super::bucket::aligned_window;
 pub(crate) use super::decide::explain;
 pub(crate) use super::phases::{above, below, commit_below, Below, Report, Top};
-pub(crate) use super::template::counts as template_counts;
+pub(crate) use super::template::{counts as template_counts, Counted};

@@ -9,7 +9,7 @@ use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::decide::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState, Scalars};
-use super::template::{self, Standing};
+use super::template::{self, Counted, Standing};
 use super::walk::{Fail, Label, Level, PathCtx, Walk};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
@@ -29,8 +29,8 @@ pub(crate) struct Below<'a> {
     /// How the tenant and the instance stood among their parent's template children before
     /// this call (for template callers only).
     standing: [Standing; 2],
-    /// The template tenants counted at the tool, as assumed.
-    tenants_counted: u64,
+    /// The unlisted tenants counted at the tool per template, as assumed.
+    tenants_counted: Counted,
     /// A refusal for too many template callers (decided before anything else).
     callers: Option<Fail>,
     /// The first of the tenant's and the instance's concurrency caps that is full.
@@ -94,7 +94,7 @@ impl Below<'_> {
             window: 0.0,
             next_window: 0.0,
             standing: [Standing::NotCounted; 2],
-            tenants_counted: 0,
+            tenants_counted: Counted::default(),
             callers: None,
             concurrency: None,
             budgets: None,
@@ -112,7 +112,7 @@ pub(crate) fn below<'a>(
     plan: &Plan<'a>,
     tenant_state: &NodeState,
     instance_state: Option<&NodeState>,
-    tenants_counted: u64,
+    tenants_counted: Counted,
 ) {
     let tool = plan.tool;
     let now = plan.now.as_micros() as f64;
@@ -192,8 +192,8 @@ fn count_callers(
     plan: &Plan<'_>,
     tenant_state: &NodeState,
     instance_state: Option<&NodeState>,
-    tenants_counted: u64,
-) -> Option<(u64, u64)> {
+    tenants_counted: Counted,
+) -> Option<(Counted, u64)> {
     let (now, period, window, next_window) = (b.now, b.period, b.window, b.next_window);
     b.standing = [Standing::NotCounted; 2];
     b.tenants_counted = tenants_counted;
@@ -202,16 +202,17 @@ fn count_callers(
     if t_pol.template {
         b.standing[0] = template::standing(tenant_state, window);
         if !b.standing[0].counted() {
-            if n_tenants >= t_pol.max_tracked {
+            let n = n_tenants.get(t_pol.slot);
+            if n >= t_pol.max_tracked {
                 b.callers = Some(too_many(
                     Scope::Tenant,
                     t_pol.max_tracked,
-                    n_tenants,
+                    n,
                     next_window - now,
                 ));
                 return None;
             }
-            n_tenants += 1;
+            n_tenants.bump(t_pol.slot);
         }
     }
     let mut n_instances = template::counted_at(tenant_state, window);
@@ -220,7 +221,7 @@ fn count_callers(
             b.standing[1] = template::standing(s, window);
             if !b.standing[1].counted() {
                 if n_instances >= i.policy.max_tracked {
-                    let wait = template::until_one_leaves(tenant_state, window, period) - now;
+                    let wait = template::until_one_leaves(tenant_state, 0, window, period) - now;
                     b.callers = Some(too_many(
                         Scope::Instance,
                         i.policy.max_tracked,
@@ -271,24 +272,28 @@ fn levels<'a>(
     plan: &Plan<'a>,
     tenant_state: &NodeState,
     instance_state: Option<&NodeState>,
-    n_tenants: u64,
+    n_tenants: Counted,
     n_instances: u64,
 ) {
     let tool = plan.tool;
     let t_pol = plan.tenant.policy;
     let (c, now, period, window) = (plan.cost, b.now, b.period, b.window);
     let spare = tool.spare();
-    let tn = level_numbers(
-        t_pol,
-        spare,
-        tool.configured_weight
-            + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_tenants as f64,
-    );
+    // The unlisted tenants counted, by template: (its burst, how many) for `banks`.
+    let mut templates = [(0.0, 0u64); 1 + crate::policy::MAX_PLANS];
+    let mut weight = tool.configured_weight;
+    for (slot, t) in templates.iter_mut().enumerate().take(1 + tool.plans.len()) {
+        if let Some(p) = tool.template(slot) {
+            let n = n_tenants.get(slot);
+            weight += p.weight * n as f64;
+            *t = (p.burst, n);
+        }
+    }
+    let tn = level_numbers(t_pol, spare, weight);
     let (tool_banks, tenant_bank) = banks(
         tool.burst,
         tool.configured_tenant_burst,
-        tool.default_tenant.as_ref().map_or(0.0, |d| d.burst),
-        n_tenants,
+        &templates[..1 + tool.plans.len()],
         t_pol.burst,
         c,
     );
@@ -311,8 +316,10 @@ fn levels<'a>(
         let (instance_banks, instance_bank) = banks(
             t_pol.burst,
             t_pol.configured_child_burst,
-            t_pol.default_child.as_ref().map_or(0.0, |d| d.burst),
-            n_instances,
+            &[(
+                t_pol.default_child.as_ref().map_or(0.0, |d| d.burst),
+                n_instances,
+            )],
             i.policy.burst,
             c,
         );
@@ -346,8 +353,9 @@ fn levels<'a>(
 }
 
 /// The share banks under a parent whose lending bucket is `depth` deep: (what its children's
-/// banks hold together, the calling child's bank), given the configured children's bursts, a
-/// template child's burst, the template children counted and the calling child's burst.
+/// banks hold together, the calling child's bank), given the configured children's bursts,
+/// each template's child burst with how many of its children are counted, and the calling
+/// child's burst.
 ///
 /// While the banks fit in the parent's bucket they are the children's bursts; once more
 /// template children are counted than it holds banks for, each bank shrinks in proportion
@@ -355,24 +363,21 @@ fn levels<'a>(
 /// not counted yet starts with only what is left beyond the others' banks (see `below`).
 /// So the parent holds (nearly) every banked share token, and a caller under its share is
 /// not crowded out by the others' banked bursts, whatever the order they call in.
-fn banks(
-    depth: f64,
-    configured: f64,
-    template: f64,
-    counted: u64,
-    own: f64,
-    cost: f64,
-) -> (f64, f64) {
-    let all = configured + template * counted as f64;
+fn banks(depth: f64, configured: f64, templates: &[(f64, u64)], own: f64, cost: f64) -> (f64, f64) {
+    let all = templates
+        .iter()
+        .fold(configured, |sum, &(burst, n)| sum + burst * n as f64);
     if all <= depth || all <= 0.0 {
         return (all, own);
     }
     let scale = depth / all;
     let least = |burst: f64| (burst * scale).max(burst.min(2.0 * cost));
-    (
-        configured * scale + least(template) * counted as f64,
-        least(own),
-    )
+    let held = templates
+        .iter()
+        .fold(configured * scale, |sum, &(burst, n)| {
+            sum + least(burst) * n as f64
+        });
+    (held, least(own))
 }
 
 /// The refusal for a template caller over `max_tracked`; `wait` is until a counted one stops
@@ -571,7 +576,8 @@ pub(crate) fn above(
     if let Some(mut f) = b.callers {
         if f.scope == Scope::Tenant {
             // Exact now that the tool's counts are at hand.
-            f.wait = template::until_one_leaves(tool_state, b.window, period) - now;
+            let slot = plan.tenant.policy.slot;
+            f.wait = template::until_one_leaves(tool_state, slot, b.window, period) - now;
         }
         return Err(refuse(plan, now, f));
     }
@@ -683,7 +689,7 @@ fn commit_tool(
     let s = &mut b.levels[0].state;
     s.floor_used += floor_units - takes[0][0];
     if plan.tenant.policy.template {
-        template::count_child(s, b.standing[0], b.window);
+        template::count_child(s, plan.tenant.policy.slot, b.standing[0], b.window);
         expires = expires.max(template::counts_until(s, b.period));
     }
     s.write(tool_state);
@@ -702,15 +708,15 @@ impl Top {
 }
 
 impl Below<'_> {
-    /// The template tenants counted at the tool this half was worked out for.
-    pub(crate) fn tenants_counted(&self) -> u64 {
+    /// The unlisted tenants counted at the tool this half was worked out for.
+    pub(crate) fn tenants_counted(&self) -> Counted {
         self.tenants_counted
     }
 
-    /// The template tenants counted in `tool_state` in this half's window.
+    /// The unlisted tenants counted in `tool_state` in this half's window, for `plan`'s tool.
     #[inline]
-    pub(crate) fn tenants_counted_in(&self, tool_state: &NodeState) -> u64 {
-        template::counted_at(tool_state, self.window)
+    pub(crate) fn tenants_counted_in(&self, plan: &Plan<'_>, tool_state: &NodeState) -> Counted {
+        template::counted_per_slot(tool_state, self.window, plan.tool.plans.len())
     }
 }
 
@@ -843,7 +849,7 @@ pub(crate) fn commit_below(
     let instance_template = n == 3 && plan.instance.is_some_and(|i| i.policy.template);
     if instance_template {
         let s = &mut b.levels[1].state;
-        template::count_child(s, b.standing[1], b.window);
+        template::count_child(s, 0, b.standing[1], b.window);
         e1 = e1.max(template::counts_until(s, b.period));
     }
     if plan.tenant.policy.template {

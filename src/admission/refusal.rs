@@ -124,7 +124,8 @@ pub struct RefusalDetails {
     /// no identity).
     pub retryable: bool,
     /// For refusals that are not about a window, what was wrong: `missing_tenant`, `tier`,
-    /// `unknown_tool`, `unlisted_tenant`, `unlisted_instance`, `invalid_cost`, `store`.
+    /// `unknown_tool`, `unlisted_tenant`, `unknown_plan`, `unlisted_instance`, `invalid_cost`,
+    /// `store`.
     pub detail: Option<&'static str>,
     /// A wait the same call surely cannot pass before (`retry_after` is the engine's estimate
     /// and may be later): what a store may remember the refusal for. Absent when any moment

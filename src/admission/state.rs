@@ -1,7 +1,7 @@
 //! What a store keeps per level and what an admitted call charged: the records the engine
 //! reads and writes.
 
-use crate::policy::BudgetPeriod;
+use crate::policy::{BudgetPeriod, MAX_PLANS};
 
 /// A budget counter: units used in the window that starts at `start` (µs).
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -44,8 +44,42 @@ pub struct NodeState {
     pub template_in_window: f64,
     /// Template children admitted in that window or the one before: the ones counted.
     pub template_counted: f64,
+    /// For a tool with plans: the same two counts for the unlisted tenants of each plan
+    /// (the two above count those of `default_tenant`), as of the same window.
+    pub plans: PlanCounts,
     /// Calendar budget counters.
     pub budgets: Budgets,
+}
+
+/// A tool's counts of unlisted tenants per plan, in the policy's plan order: for each,
+/// (admitted in the tool's `template_window`, counted), as [`NodeState::template_in_window`]
+/// and [`NodeState::template_counted`] are for `default_tenant`. All zero for a tool without
+/// plans, and for every tenant and instance.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlanCounts([[u32; 2]; MAX_PLANS]);
+
+impl PlanCounts {
+    /// Plan `i`'s counts (its place among the tool's plans): (admitted in the window,
+    /// counted).
+    pub fn get(&self, i: usize) -> (u32, u32) {
+        let [a, b] = self.0[i];
+        (a, b)
+    }
+    /// Sets plan `i`'s counts.
+    pub fn set(&mut self, i: usize, in_window: u32, counted: u32) {
+        self.0[i] = [in_window, counted];
+    }
+    /// How many plans' counts are held: one past the last plan with a count that is not zero.
+    pub fn len(&self) -> usize {
+        self.0
+            .iter()
+            .rposition(|c| *c != [0, 0])
+            .map_or(0, |i| i + 1)
+    }
+    /// Whether every count is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A level's calendar budget counters, held inline: at most one per period (hour, day,
@@ -272,6 +306,7 @@ pub(super) struct Scalars {
     pub(super) template_window: f64,
     pub(super) template_in_window: f64,
     pub(super) template_counted: f64,
+    pub(super) plans: PlanCounts,
 }
 
 impl Scalars {
@@ -291,6 +326,7 @@ impl Scalars {
             template_window: s.template_window,
             template_in_window: s.template_in_window,
             template_counted: s.template_counted,
+            plans: s.plans,
         }
     }
 
@@ -309,6 +345,7 @@ impl Scalars {
         s.template_window = self.template_window;
         s.template_in_window = self.template_in_window;
         s.template_counted = self.template_counted;
+        s.plans = self.plans;
     }
 }
 

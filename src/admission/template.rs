@@ -9,6 +9,7 @@
 //! no index, and is the same on every store.
 
 use super::state::{NodeState, Scalars};
+use crate::policy::MAX_PLANS;
 
 /// How a template child stands at window `k`: last admitted in `k`, in `k − 1`, or earlier
 /// (or never): not counted.
@@ -53,7 +54,8 @@ pub(crate) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64,
     }
 }
 
-/// The template children counted at `s`'s level at window `k`.
+/// The template children counted at `s`'s level at window `k` (for a tool: the tenants of
+/// `default_tenant`).
 #[inline]
 pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
     counts(
@@ -65,15 +67,100 @@ pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
     .1 as u64
 }
 
-/// Counts a child, standing as `before`, admitted at window `k`.
+/// How many unlisted tenants count at a tool, per template slot (0: `default_tenant`, then
+/// each plan's).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counted([u32; SLOTS]);
+
+/// Slot 0 for `default_tenant`, one for each plan.
+pub(crate) const SLOTS: usize = MAX_PLANS + 1;
+
+impl Counted {
+    /// The tenants counted in `slot`.
+    #[inline]
+    pub(crate) fn get(&self, slot: usize) -> u64 {
+        u64::from(self.0[slot])
+    }
+    /// One more tenant counted in `slot`.
+    #[inline]
+    pub(super) fn bump(&mut self, slot: usize) {
+        self.0[slot] = self.0[slot].saturating_add(1);
+    }
+    /// The counts, slot by slot, of the first `n` slots.
+    pub(crate) fn of(counts: &[u32]) -> Counted {
+        let mut c = Counted::default();
+        c.0[..counts.len()].copy_from_slice(counts);
+        c
+    }
+    /// The first `n` slots' counts.
+    pub(crate) fn slots(&self, n: usize) -> &[u32] {
+        &self.0[..n.min(SLOTS)]
+    }
+}
+
+/// The tenants counted at tool state `s` at window `k`, per slot, for a tool with `plans`
+/// plans.
 #[inline]
-pub(super) fn count_child(parent: &mut Scalars, before: Standing, k: f64) {
-    let (mut in_window, mut counted) = counts(
-        parent.template_window,
-        parent.template_in_window,
-        parent.template_counted,
-        k,
-    );
+pub(crate) fn counted_per_slot(s: &NodeState, k: f64, plans: usize) -> Counted {
+    let mut out = Counted::default();
+    out.0[0] = counted_at(s, k) as u32;
+    for p in 0..plans.min(MAX_PLANS) {
+        let (iw, c) = s.plans.get(p);
+        out.0[p + 1] = counts(s.template_window, f64::from(iw), f64::from(c), k).1 as u32;
+    }
+    out
+}
+
+/// Slot `slot`'s counts as stored: (admitted in the parent's template window, counted).
+#[inline]
+fn stored(parent: &Scalars, slot: usize) -> (f64, f64) {
+    match slot {
+        0 => (parent.template_in_window, parent.template_counted),
+        p => {
+            let (iw, c) = parent.plans.get(p - 1);
+            (f64::from(iw), f64::from(c))
+        }
+    }
+}
+
+#[inline]
+fn store(parent: &mut Scalars, slot: usize, in_window: f64, counted: f64) {
+    match slot {
+        0 => {
+            parent.template_in_window = in_window;
+            parent.template_counted = counted;
+        }
+        p => parent.plans.set(p - 1, in_window as u32, counted as u32),
+    }
+}
+
+/// Brings every slot's counts to window `k` (they share the parent's window): equal counts
+/// are stored alike on every store (the window they are kept for is `k` when any is not
+/// zero, else 0).
+#[inline]
+pub(super) fn roll(parent: &mut Scalars, k: f64) {
+    if parent.template_window == k {
+        return;
+    }
+    let slots = 1 + parent.plans.len();
+    let mut any = false;
+    for sl in 0..slots {
+        let (iw, c) = stored(parent, sl);
+        if iw != 0.0 || c != 0.0 {
+            let (iw, c) = counts(parent.template_window, iw, c, k);
+            store(parent, sl, iw, c);
+            any |= iw != 0.0 || c != 0.0;
+        }
+    }
+    parent.template_window = if any { k } else { 0.0 };
+}
+
+/// Counts a child of template `slot`, standing as `before`, admitted at window `k`.
+#[inline]
+pub(super) fn count_child(parent: &mut Scalars, slot: usize, before: Standing, k: f64) {
+    roll(parent, k);
+    parent.template_window = k;
+    let (mut in_window, mut counted) = stored(parent, slot);
     match before {
         Standing::ThisWindow => {}
         Standing::LastWindow => in_window += 1.0,
@@ -82,11 +169,9 @@ pub(super) fn count_child(parent: &mut Scalars, before: Standing, k: f64) {
             counted += 1.0;
         }
     }
-    parent.template_window = k;
-    parent.template_in_window = in_window;
     // Never fewer counted than admitted in this window, even after one of the two states was
     // lost (an evicted record): the counts heal within two windows.
-    parent.template_counted = counted.max(in_window);
+    store(parent, slot, in_window, counted.max(in_window));
 }
 
 /// Until when (µs) a template child admitted at window `k` counts: the end of the next window.
@@ -98,26 +183,29 @@ pub(super) fn counted_until(k: f64, period: f64) -> f64 {
 /// Until when (µs) a parent's counts are not all zero (0: they are).
 #[inline]
 pub(super) fn counts_until(parent: &Scalars, period: f64) -> f64 {
-    if parent.template_in_window > 0.0 {
+    let slots = 1 + parent.plans.len();
+    let (mut any_in_window, mut any_counted) = (false, false);
+    for sl in 0..slots {
+        let (iw, c) = stored(parent, sl);
+        any_in_window |= iw > 0.0;
+        any_counted |= c > 0.0;
+    }
+    if any_in_window {
         counted_until(parent.template_window, period)
-    } else if parent.template_counted > 0.0 {
+    } else if any_counted {
         (parent.template_window + 1.0) * period
     } else {
         0.0
     }
 }
 
-/// When (µs) the first template child counted at `s`'s level at window `k` stops counting:
-/// the end of this window if one was last admitted in the window before, else the end of the
-/// next.
+/// When (µs) the first template child of `slot` counted at `s`'s level at window `k` stops
+/// counting: the end of this window if one was last admitted in the window before, else the
+/// end of the next.
 #[inline]
-pub(super) fn until_one_leaves(s: &NodeState, k: f64, period: f64) -> f64 {
-    let (in_window, counted) = counts(
-        s.template_window,
-        s.template_in_window,
-        s.template_counted,
-        k,
-    );
+pub(super) fn until_one_leaves(s: &NodeState, slot: usize, k: f64, period: f64) -> f64 {
+    let (iw, c) = stored(&Scalars::of(s), slot);
+    let (in_window, counted) = counts(s.template_window, iw, c, k);
     if counted > in_window {
         (k + 1.0) * period
     } else {
@@ -143,16 +231,16 @@ mod tests {
     fn a_child_counts_from_its_call_to_the_end_of_the_next_window() {
         let mut parent = Scalars::default();
         // Window 10: a and b are admitted (a twice).
-        count_child(&mut parent, standing(&NodeState::default(), 10.0), 10.0);
-        count_child(&mut parent, standing(&child(10.0), 10.0), 10.0);
-        count_child(&mut parent, standing(&NodeState::default(), 10.0), 10.0);
+        count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
+        count_child(&mut parent, 0, standing(&child(10.0), 10.0), 10.0);
+        count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
         let mut s = NodeState::default();
         parent.write(&mut s);
         assert_eq!(counted_at(&s, 10.0), 2);
         // Window 11: both still count; c joins; a calls again (counted once).
         assert_eq!(counted_at(&s, 11.0), 2);
-        count_child(&mut parent, standing(&NodeState::default(), 11.0), 11.0);
-        count_child(&mut parent, standing(&child(10.0), 11.0), 11.0);
+        count_child(&mut parent, 0, standing(&NodeState::default(), 11.0), 11.0);
+        count_child(&mut parent, 0, standing(&child(10.0), 11.0), 11.0);
         parent.write(&mut s);
         assert_eq!(counted_at(&s, 11.0), 3);
         // Window 12: b (last in 10) no longer counts; a and c (in 11) do.

@@ -252,12 +252,7 @@ impl PathCtx<'_, '_> {
                 return 0.0;
             };
             let n_t = if fewest[0] { 1.0 } else { 0.0 };
-            let tn = level_numbers(
-                t,
-                tool.spare(),
-                tool.configured_weight
-                    + tool.default_tenant.as_ref().map_or(0.0, |d| d.weight) * n_t,
-            );
+            let tn = level_numbers(t, tool.spare(), tool.configured_weight + t.weight * n_t);
             let mut rate = tn.ceiling_rate;
             burst += t.burst;
             if at == 2 {

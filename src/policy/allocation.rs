@@ -31,7 +31,8 @@ pub struct ToolAllocation {
     pub spare: f64,
     /// The tool's own budgets as `(period, max)`.
     pub budgets: Vec<(String, f64)>,
-    /// Configured tenants, then the template (`*`) if any.
+    /// Configured tenants, then the template (`*`) if any, then each plan's template (`*`
+    /// with its [`plan`](TenantAllocation::plan)).
     pub tenants: Vec<TenantAllocation>,
 }
 
@@ -39,8 +40,11 @@ pub struct ToolAllocation {
 #[derive(Clone, Debug, Serialize)]
 #[non_exhaustive]
 pub struct TenantAllocation {
-    /// Tenant name, `*` for the template.
+    /// Tenant name, `*` for a template.
     pub name: String,
+    /// For a plan's template, the plan.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<String>,
     /// Floor per period as written.
     pub floor: f64,
     /// Floor held back at the tool (≥ floor when instance floors add up to more).
@@ -97,13 +101,22 @@ pub(super) fn compute(policy: &Policy) -> Allocation {
 
 fn tool(t: &ToolPolicy) -> ToolAllocation {
     let spare = t.spare();
-    let weight = t.configured_weight + t.default_tenant.as_ref().map_or(0.0, |d| d.weight);
+    // One active caller of each template.
+    let templates = t
+        .default_tenant
+        .iter()
+        .chain(t.plans.iter().map(|(_, p)| p));
+    let weight = t.configured_weight + templates.map(|d| d.weight).sum::<f64>();
     let listed = t.tenants.iter().map(|l| TenantAllocation {
         alone_ceiling: level_numbers(l, spare, t.configured_weight).ceiling,
         ..tenant(l, spare, weight)
     });
     let template = t.default_tenant.iter().map(|d| tenant(d, spare, weight));
-    let tenants = listed.chain(template).collect();
+    let plans = t.plans.iter().map(|(name, p)| TenantAllocation {
+        plan: Some(name.to_string()),
+        ..tenant(p, spare, weight)
+    });
+    let tenants = listed.chain(template).chain(plans).collect();
     ToolAllocation {
         name: t.name.to_string(),
         unit: t.unit.as_str(),
@@ -141,6 +154,7 @@ fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
         .collect();
     TenantAllocation {
         name: l.name.to_string(),
+        plan: None,
         floor: l.floor,
         reserved_floor: l.reserved_floor,
         weight: l.weight,

@@ -65,6 +65,8 @@ impl ToolBuilder {
                 default_ceiling: None,
                 lease: None,
                 default_tenant: None,
+                plans: Default::default(),
+                unknown_plan: None,
                 tenants: Default::default(),
             },
         }
@@ -121,6 +123,17 @@ impl ToolBuilder {
     /// The template for unlisted tenants.
     pub fn default_tenant(mut self, t: TenantBuilder) -> Self {
         self.raw.default_tenant = Some(t.raw);
+        self
+    }
+    /// Adds a plan: the template for unlisted tenants whose caller carries it
+    /// ([`Caller::with_plan`](crate::Caller::with_plan)).
+    pub fn plan(mut self, name: impl Into<String>, t: TenantBuilder) -> Self {
+        self.raw.plans.0.push((name.into(), t.raw));
+        self
+    }
+    /// What to do with a caller whose plan this tool does not list.
+    pub fn unknown_plan(mut self, what: super::UnknownPlan) -> Self {
+        self.raw.unknown_plan = Some(what);
         self
     }
     /// Adds a named tenant.

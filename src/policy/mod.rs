@@ -147,6 +147,22 @@ pub enum OnStoreError {
     Allow,
 }
 
+/// What a tool with plans does with a caller whose plan it does not list
+/// (`unknown_plan`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum UnknownPlan {
+    /// Govern it by `default_tenant` (refused when there is none). The default.
+    #[default]
+    Default,
+    /// Refuse it with `permission_denied` (`unknown_plan`).
+    Refuse,
+}
+
+/// The most plans one tool may list: a tool keeps a count of the unlisted tenants of each.
+pub const MAX_PLANS: usize = 7;
+
 /// A calendar budget: at most `max` units per UTC `period`.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct Budget {
@@ -197,6 +213,10 @@ pub struct ToolPolicy {
     pub(crate) tenants: Vec<LevelPolicy>,
     pub(crate) tenant_index: NameIndex,
     pub(crate) default_tenant: Option<LevelPolicy>,
+    /// Templates for unlisted tenants by plan, in file order (a plan's `slot` is its place
+    /// here plus one: slot 0 is `default_tenant`).
+    pub(crate) plans: Vec<(Arc<str>, LevelPolicy)>,
+    pub(crate) unknown_plan: UnknownPlan,
     /// Σ of the tenants' reserved floors (templates counted `max_tenants` times).
     pub(crate) reserved_floors: f64,
     pub(crate) configured_weight: f64,
@@ -233,6 +253,9 @@ pub struct LevelPolicy {
     pub(crate) budgets: Vec<Budget>,
     /// For a template: how many distinct callers may count at once.
     pub(crate) max_tracked: u64,
+    /// For a tenant template: which of the tool's counts of unlisted tenants it is counted
+    /// in (0: `default_tenant`; a plan's place among the plans plus one).
+    pub(crate) slot: usize,
     pub(crate) children: Vec<LevelPolicy>,
     pub(crate) child_index: NameIndex,
     pub(crate) default_child: Option<Box<LevelPolicy>>,
@@ -370,12 +393,48 @@ impl ToolPolicy {
     pub fn default_tenant(&self) -> Option<&LevelPolicy> {
         self.default_tenant.as_ref()
     }
-    /// The policy that applies to `tenant`: its own entry, or the template.
+    /// The policy that applies to `tenant` when its caller carries no plan: its own entry,
+    /// or the template.
     pub fn tenant(&self, tenant: &str) -> Option<&LevelPolicy> {
-        match self.tenant_index.get(tenant) {
-            Some(&i) => Some(&self.tenants[i]),
-            None => self.default_tenant.as_ref(),
+        self.tenant_on(tenant, None).ok()
+    }
+    /// The policy that applies to `tenant` whose caller carries `plan`: its own entry, the
+    /// plan's template, or `default_tenant` (for a caller without a plan, and for one whose
+    /// plan is not listed unless `unknown_plan = "refuse"`). Otherwise why not: what a
+    /// refusal names (`unlisted_tenant`, `unknown_plan`).
+    pub fn tenant_on(
+        &self,
+        tenant: &str,
+        plan: Option<&str>,
+    ) -> Result<&LevelPolicy, &'static str> {
+        if let Some(&i) = self.tenant_index.get(tenant) {
+            return Ok(&self.tenants[i]);
         }
+        match plan {
+            Some(p) if !self.plans.is_empty() => match self.plans.iter().find(|(n, _)| &**n == p) {
+                Some((_, t)) => return Ok(t),
+                None if self.unknown_plan == UnknownPlan::Refuse => return Err("unknown_plan"),
+                None => {}
+            },
+            _ => {}
+        }
+        self.default_tenant.as_ref().ok_or("unlisted_tenant")
+    }
+    /// The plans for unlisted tenants (`[tool.plans.<name>]`), in file order.
+    pub fn plans(&self) -> impl Iterator<Item = (&str, &LevelPolicy)> {
+        self.plans.iter().map(|(n, t)| (&**n, t))
+    }
+    /// The tenant template counted in `slot` (see [`LevelPolicy`]'s slot): `default_tenant`
+    /// for 0, a plan's otherwise.
+    pub(crate) fn template(&self, slot: usize) -> Option<&LevelPolicy> {
+        match slot {
+            0 => self.default_tenant.as_ref(),
+            s => self.plans.get(s - 1).map(|(_, t)| t),
+        }
+    }
+    /// Whether unlisted tenants are governed by a template (the default one or a plan's).
+    pub(crate) fn has_templates(&self) -> bool {
+        self.default_tenant.is_some() || !self.plans.is_empty()
     }
     /// Whether the caller's tier may call this tool.
     pub fn allows_tier(&self, tier: Option<&str>) -> bool {
@@ -638,6 +697,9 @@ pub enum Problem {
     /// Untenanted callers allowed but nothing says how to limit them.
     #[error("`require_tenant = false` needs a `[tool.default_tenant]` to say how callers without a tenant are limited")]
     UntenantedNeedsTemplate,
+    /// More plans than a tool keeps counts for.
+    #[error("{0} plans: a tool may list at most 7 (merge plans that share the same numbers)")]
+    TooManyPlans(usize),
 }
 
 /// Something allowed but probably unwise, with where it is.

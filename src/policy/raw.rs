@@ -8,12 +8,18 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-use super::{BudgetPeriod, OnStoreError, Unit};
+use super::{BudgetPeriod, OnStoreError, Unit, UnknownPlan};
 
 /// A map that keeps file order and refuses duplicate names (JSON objects would silently keep
 /// the last one otherwise).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub(crate) struct UniqueMap<T>(pub(crate) Vec<(String, T)>);
+
+impl<T> UniqueMap<T> {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
 
 impl<'de, T: Deserialize<'de>> Deserialize<'de> for UniqueMap<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -107,6 +113,11 @@ pub(crate) struct RawTool {
     pub(crate) lease: Option<RawLease>,
     #[serde(default)]
     pub(crate) default_tenant: Option<RawTenant>,
+    /// Templates for unlisted tenants by the plan their caller carries.
+    #[serde(default, skip_serializing_if = "UniqueMap::is_empty")]
+    pub(crate) plans: UniqueMap<RawTenant>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) unknown_plan: Option<UnknownPlan>,
     #[serde(default)]
     pub(crate) tenants: UniqueMap<RawTenant>,
 }
@@ -179,7 +190,7 @@ pub(crate) struct RawTenant {
     pub(crate) max_concurrency: Option<f64>,
     #[serde(default)]
     pub(crate) budgets: Vec<RawBudget>,
-    /// Only in `default_tenant`.
+    /// Only in `default_tenant` and plans.
     #[serde(default)]
     pub(crate) max_tenants: Option<f64>,
     #[serde(default)]

@@ -197,21 +197,23 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         .default_tenant
         .as_ref()
         .map(|t| tenant(cx, "*", t, &format!("{path}.default_tenant"), burst, true));
+    let mut plans = plans_of(cx, &raw.plans, raw.unknown_plan, path, burst);
 
     // Floors against capacity.
     let configured_floor: f64 = tenants.iter().map(|t| t.reserved_floor).sum();
-    let template_floor = default_tenant
-        .as_ref()
-        .map_or(0.0, |t| t.reserved_floor * t.max_tracked as f64);
+    let templates = || default_tenant.iter().chain(plans.iter().map(|(_, t)| t));
+    let template_floor: f64 = templates()
+        .map(|t| t.reserved_floor * t.max_tracked as f64)
+        .sum();
     let reserved_floors = configured_floor + template_floor;
     check_reserved_floors(cx, path, reserved_floors, capacity);
 
     let configured_weight: f64 = tenants.iter().map(|t| t.weight).sum();
-    let template_weight = default_tenant.as_ref().map_or(0.0, |t| t.weight);
+    let template_weight: f64 = templates().map(|t| t.weight).sum();
     let max_weight = tenants
         .iter()
+        .chain(templates())
         .map(|t| t.weight)
-        .chain(default_tenant.as_ref().map(|t| t.weight))
         .fold(0.0, f64::max);
     let spare = (capacity - reserved_floors).max(0.0);
     let weight_once = configured_weight + template_weight;
@@ -237,9 +239,17 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     if let Some(t) = default_tenant.as_mut() {
         finish_tenant(cx, t, &format!("{path}.default_tenant"), &shares);
     }
+    for (name, t) in plans.iter_mut() {
+        finish_tenant(cx, t, &format!("{path}.plans.{name}"), &shares);
+    }
 
     let configured_tenant_burst: f64 = tenants.iter().map(|t| t.burst).sum();
-    let banks = configured_tenant_burst + default_tenant.as_ref().map_or(0.0, |t| t.burst);
+    let banks = configured_tenant_burst
+        + default_tenant
+            .iter()
+            .chain(plans.iter().map(|(_, t)| t))
+            .map(|t| t.burst)
+            .sum::<f64>();
     let burst = tool_burst(cx, path, burst, raw.burst.is_some(), banks);
 
     floor_within_budgets(cx, path, reserved_floors, period, &budgets);
@@ -263,10 +273,44 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         tenants,
         tenant_index,
         default_tenant,
+        plans,
+        unknown_plan: raw.unknown_plan.unwrap_or_default(),
         reserved_floors,
         configured_weight,
         configured_tenant_burst,
     }
+}
+
+/// The templates of a tool's plans (`[tool.plans.<name>]`), each in its slot; at most
+/// [`MAX_PLANS`](super::MAX_PLANS) of them.
+fn plans_of(
+    cx: &mut Ctx,
+    raw: &super::raw::UniqueMap<RawTenant>,
+    unknown: Option<super::UnknownPlan>,
+    path: &str,
+    burst: f64,
+) -> Vec<(Arc<str>, LevelPolicy)> {
+    if raw.0.len() > super::MAX_PLANS {
+        cx.err(format!("{path}.plans"), Problem::TooManyPlans(raw.0.len()));
+    }
+    let mut plans = Vec::new();
+    for (name, t) in raw.0.iter().take(super::MAX_PLANS) {
+        let ppath = format!("{path}.plans.{name}");
+        cx.name(&ppath, name);
+        let mut level = tenant(cx, "*", t, &ppath, burst, true);
+        level.slot = plans.len() + 1;
+        plans.push((Arc::from(name.as_str()), level));
+    }
+    if unknown == Some(super::UnknownPlan::Refuse) && plans.is_empty() {
+        cx.err(
+            format!("{path}.unknown_plan"),
+            Problem::Misplaced {
+                field: "unknown_plan",
+                place: "a tool with `[tool.plans.<name>]`",
+            },
+        );
+    }
+    plans
 }
 
 /// Warns when a budget is smaller than what the floor guarantees over its window (the
@@ -394,6 +438,7 @@ fn common(
         max_concurrency,
         budgets,
         max_tracked: 0,
+        slot: 0,
         children: Vec::new(),
         child_index: super::NameIndex::default(),
         default_child: None,
@@ -457,7 +502,11 @@ fn tenant(
         &mut t,
         raw.max_tenants,
         path,
-        ("max_tenants", "default_tenant", DEFAULT_MAX_TENANTS),
+        (
+            "max_tenants",
+            "default_tenant or a plan",
+            DEFAULT_MAX_TENANTS,
+        ),
     );
     for (iname, i) in &raw.instances.0 {
         let ipath = format!("{path}.instances.{iname}");

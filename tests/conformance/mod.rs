@@ -109,6 +109,14 @@ macro_rules! suite {
             conformance::newcomers_share(&$factory)
         }
         #[test]
+        fn tenants_on_plans_get_their_plans_share() {
+            conformance::plans_share(&$factory)
+        }
+        #[test]
+        fn plans_count_their_own_tenants() {
+            conformance::plans_count_their_own_tenants(&$factory)
+        }
+        #[test]
         fn active_template_callers_share_with_listed_callers() {
             conformance::templates_share_with_listed(&$factory)
         }
@@ -1173,6 +1181,167 @@ pub fn newcomers_share<F: Factory>(f: &F) {
             Ok(())
         })
         .unwrap();
+}
+
+/// Plans: unlisted tenants on three plans (each its weight, floor and `max_tenants`) and on
+/// `default_tenant` (those without a plan, and one whose plan the tool does not list) beside
+/// a listed tenant, all offering 3× their share in a random order. From the second window
+/// every tenant gets its plan's nominal share within ±2 %: its floor plus the spare (capacity
+/// less every reserved floor) split by weight over the tenants active, each counted in its
+/// own plan.
+pub fn plans_share<F: Factory>(f: &F) {
+    let rt = runtime();
+    const C: f64 = 1200.0;
+    // (name, weight, floor, max_tenants) of each plan, then the default template.
+    const PLANS: [(&str, f64, f64, u64); 3] = [
+        ("free", 1.0, 0.0, 40),
+        ("pro", 3.0, 10.0, 12),
+        ("team", 6.0, 20.0, 6),
+    ];
+    const L: (f64, f64) = (4.0, 60.0);
+    let strat = (
+        prop::collection::vec(1usize..6, 4),
+        prop::collection::vec(0.0f64..1.0, 64),
+    );
+    runner((f.cases() / 3).max(4))
+        .run(&strat, |(counts, phases)| {
+            let mut toml = format!(
+                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {C}, per = \"1s\" }}\n\
+                 [tool.tenants.L]\nweight = {}\nfloor = {}\n[tool.default_tenant]\nweight = 1\n",
+                L.0, L.1
+            );
+            for (name, w, floor, max) in PLANS {
+                toml += &format!(
+                    "[tool.plans.{name}]\nweight = {w}\nfloor = {floor}\nmax_tenants = {max}\n"
+                );
+            }
+            let policy = policy_of(f, &toml).expect("valid");
+            let reserved = L.1 + PLANS.iter().map(|p| p.2 * p.3 as f64).sum::<f64>();
+            let spare = C - reserved;
+            // Who calls: (caller, weight, floor) per tenant; the last group has no plan, its
+            // first tenant a plan the tool does not list.
+            let mut tenants = vec![(Caller::new("L"), L.0, L.1)];
+            for (g, &n) in counts.iter().enumerate() {
+                for k in 0..n {
+                    let c = Caller::new(format!("g{g}-{k}"));
+                    tenants.push(match PLANS.get(g) {
+                        Some(&(plan, w, floor, _)) => (c.with_plan(plan), w, floor),
+                        None if k == 0 => (c.with_plan("legacy"), 1.0, 0.0),
+                        None => (c, 1.0, 0.0),
+                    });
+                }
+            }
+            let weights: f64 = tenants.iter().map(|t| t.1).sum();
+            let nominal = |w: f64, floor: f64| floor + spare * w / weights;
+            let loads: Vec<Load> = tenants
+                .iter()
+                .zip(&phases)
+                .map(|((c, w, floor), phase)| Load {
+                    caller: c.clone(),
+                    per_period: 3.0 * nominal(*w, *floor),
+                    phase: *phase,
+                    cost: 1.0,
+                    start: 0,
+                })
+                .collect();
+            let (limiter, clock) = harness(&policy, f.store_in(&rt));
+            let events = rt.block_on(drive(&limiter, &clock, "t", &loads, SECOND, 5));
+            for w in 1..5 {
+                for (i, (c, weight, floor)) in tenants.iter().enumerate() {
+                    let got = events
+                        .iter()
+                        .filter(|e| e.source == i && e.admitted && e.at / SECOND == w)
+                        .count() as f64;
+                    let owed = nominal(*weight, *floor);
+                    check((got - owed).abs() <= 0.02 * owed + 1.0, || {
+                        format!(
+                            "{} (plan {:?}) got {got} in window {w}, its nominal share {owed:.1}",
+                            c.tenant().unwrap_or(""),
+                            c.plan()
+                        )
+                    })?;
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Each plan counts its own unlisted tenants against its own `max_tenants`: a plan that is
+/// full refuses one more tenant (naming its bound) while the other plans and `default_tenant`
+/// still admit new ones; a listed tenant is governed by its own entry whatever its plan; a
+/// plan the tool does not list is refused when the tool says so.
+pub fn plans_count_their_own_tenants<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = policy_of(
+        f,
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 1000, per = "1s" }
+        unknown_plan = "refuse"
+        [tool.tenants.acme]
+        weight = 2
+        [tool.default_tenant]
+        max_tenants = 3
+        [tool.plans.pro]
+        weight = 4
+        max_tenants = 2
+        [tool.plans.free]
+        max_tenants = 3
+        "#,
+    )
+    .unwrap();
+    let (limiter, _clock) = harness(&policy, f.store_in(&rt));
+    rt.block_on(async {
+        let admit = |c: Caller| {
+            let limiter = &limiter;
+            async move { limiter.admit(&c, "t", Cost(1.0)).await }
+        };
+        for t in ["p1", "p2"] {
+            admit(Caller::new(t).with_plan("pro"))
+                .await
+                .expect("room on pro");
+        }
+        let r = admit(Caller::new("p3").with_plan("pro"))
+            .await
+            .expect_err("pro is full");
+        assert_eq!(r.reason, Reason::CapExceeded);
+        assert_eq!(
+            (r.scope, r.limit, r.used),
+            (Some(Scope::Tenant), Some(2.0), Some(2.0))
+        );
+        // The others still count their own.
+        for t in ["f1", "f2", "f3"] {
+            admit(Caller::new(t).with_plan("free"))
+                .await
+                .expect("room on free");
+        }
+        admit(Caller::new("d1"))
+            .await
+            .expect("room on the default template");
+        // A listed tenant is not counted on its plan; a tenant already counted is not again.
+        admit(Caller::new("acme").with_plan("pro"))
+            .await
+            .expect("listed");
+        admit(Caller::new("p1").with_plan("pro"))
+            .await
+            .expect("already counted");
+        let r = admit(Caller::new("x").with_plan("gold"))
+            .await
+            .expect_err("unknown plan");
+        assert_eq!(r.reason, Reason::PermissionDenied);
+        assert_eq!(r.detail, Some("unknown_plan"));
+        // The share counts each plan's tenants at its own weight: acme 2 of
+        // 2 + 4×2 (pro) + 1×3 (free) + 1×1 (default) = 14.
+        let t = admit(Caller::new("acme")).await.expect("admitted");
+        let quota = t.admission().expect("an admission").quota;
+        assert!(
+            (quota - 1000.0 * 2.0 / 14.0).abs() < 1e-6,
+            "acme's quota {quota}"
+        );
+    });
 }
 
 /// Budgets: calendar budgets AND across levels; a refusal names window, limit, used and

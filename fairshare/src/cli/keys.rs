@@ -25,6 +25,9 @@ struct RawKey {
     tenant: Option<String>,
     instance: Option<String>,
     tier: Option<String>,
+    /// The caller's plan (an unlisted tenant's template).
+    #[serde(default)]
+    plan: Option<String>,
 }
 
 /// A keys file that cannot be used, and why.
@@ -85,6 +88,7 @@ impl Keys {
                 (".tenant", &k.tenant),
                 (".instance", &k.instance),
                 (".tier", &k.tier),
+                (".plan", &k.plan),
             ] {
                 if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
                     return Err(KeysError::Invalid {
@@ -110,6 +114,9 @@ impl Keys {
             }
             if let Some(t) = k.tier {
                 caller = caller.with_tier(t);
+            }
+            if let Some(p) = k.plan {
+                caller = caller.with_plan(p);
             }
             callers.insert(key, caller);
         }

@@ -3,7 +3,7 @@
 use std::future::{ready, Future};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{
-    AtomicU64,
+    AtomicU32, AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -87,7 +87,7 @@ struct ToolCell {
     /// The count of template tenants (kept in the tool's state), published after each
     /// decision under the lock, read without it as a first guess. On its own line: the lock's
     /// line moves between threads on every decision, this one only when the count changes.
-    published: Line<AtomicU64>,
+    published: Line<[AtomicU32; 1 + crate::policy::MAX_PLANS]>,
     /// The tool's period (µs, as `f64` bits) as of the last decision: a packed state's window
     /// is worked out with it when it is read outside a decision.
     period: AtomicU64,
@@ -260,7 +260,7 @@ impl MemoryStore {
         }
         let cell = Arc::new(ToolCell {
             name: Arc::from(tool),
-            published: Line(AtomicU64::new(0)),
+            published: Line(Default::default()),
             period: AtomicU64::new(1f64.to_bits()),
             given_back: AtomicU64::new(0),
             inner: Line(Mutex::new(ToolEntry::default())),
@@ -286,10 +286,26 @@ fn sweep_shard(s: &mut Shard, now: u64) {
 
 /// Publishes the tool's count of template tenants; written only when it moved, so the cache
 /// line is not dirtied on every decision.
-fn publish(cell: &ToolCell, count: u64) {
-    if cell.published.load(Relaxed) != count {
-        cell.published.store(count, Relaxed);
+fn publish(cell: &ToolCell, plan: &Plan<'_>, counted: engine::Counted) {
+    for (p, &n) in cell
+        .published
+        .iter()
+        .zip(counted.slots(1 + plan.tool.plans.len()))
+    {
+        if p.load(Relaxed) != n {
+            p.store(n, Relaxed);
+        }
     }
+}
+
+/// The counts [`publish`] last published for `plan`'s tool.
+fn published(cell: &ToolCell, plan: &Plan<'_>) -> engine::Counted {
+    let mut counts = [0u32; 1 + crate::policy::MAX_PLANS];
+    let n = 1 + plan.tool.plans.len();
+    for (c, p) in counts[..n].iter_mut().zip(cell.published.iter()) {
+        *c = p.load(Relaxed);
+    }
+    engine::Counted::of(&counts[..n])
 }
 
 /// `x` µs rounded up; `u64::MAX` (never) past some 285,000 years, or when not a number.
@@ -381,11 +397,11 @@ fn decide_on(
     // the first half redone in the rare case it moved. The tool's lock is held only for the
     // tool's own part.
     // Every tenant's share depends on how many template tenants count (listed ones too).
-    let templates = plan.tool.default_tenant.is_some();
+    let templates = plan.tool.has_templates();
     let guess = if templates {
-        cell.published.load(Relaxed)
+        published(cell, plan)
     } else {
-        0
+        engine::Counted::default()
     };
     // Never at a time before the states' own (see `engine::decided_at`).
     let below_states: &[&NodeState] = match inst_state.as_deref() {
@@ -410,7 +426,7 @@ fn decide_on(
         engine::below(&mut below, plan, tenant_state, inst_state.as_deref(), guess);
     }
     if templates {
-        let actual = below.tenants_counted_in(tool_state);
+        let actual = below.tenants_counted_in(plan, tool_state);
         if actual != guess {
             engine::below(
                 &mut below,
@@ -424,13 +440,13 @@ fn decide_on(
     let mut top = engine::Top::default();
     if let Err(r) = engine::above(plan, &mut below, tool_state, &mut top) {
         if templates {
-            publish(cell, below.tenants_counted());
+            publish(cell, plan, below.tenants_counted());
         }
         return Err(r);
     }
     *tool_expires = micros_ceil(top.expires());
     if templates {
-        publish(cell, below.tenants_counted_in(tool_state));
+        publish(cell, plan, below.tenants_counted_in(plan, tool_state));
     }
     drop(tool);
     // The answer, filled in below (a fresh record: nothing else holds it, so no copy).

@@ -59,12 +59,13 @@ const TURN_WAIT: Duration = Duration::from_millis(1);
 #[derive(Copy, Clone, Debug)]
 enum Pick {
     Listed(usize),
-    Template,
+    /// A template, in its slot (a tenant's: `default_tenant` or a plan's).
+    Template(usize),
 }
 
 fn pick(p: &LevelPolicy) -> Pick {
     if p.template {
-        Pick::Template
+        Pick::Template(p.slot)
     } else {
         Pick::Listed(p.position)
     }
@@ -98,13 +99,13 @@ impl OwnedPlan {
         let tool = &self.tool;
         let tenant = match self.tenant {
             Pick::Listed(i) => &tool.tenants[i],
-            Pick::Template => tool.default_tenant.as_ref().expect("a template tenant"),
+            Pick::Template(slot) => tool.template(slot).expect("a template tenant"),
         };
         let instance = self.instance.map(|p| LevelRef {
             name: keys.instance.as_ref().expect("an instance key"),
             policy: match p {
                 Pick::Listed(i) => &tenant.children[i],
-                Pick::Template => tenant.default_child.as_deref().expect("a template"),
+                Pick::Template(_) => tenant.default_child.as_deref().expect("a template"),
             },
         });
         Plan {

@@ -6,9 +6,11 @@
 //! clock: the state is equivalent to a fresh one from then on, template counts included), t,
 //! floor, share, ceiling, window, total, non_floor, floor_used, in_flight, template_window,
 //! template_in_window, template_counted, the number of budget counters, and per counter its
-//! period code, start and used.
+//! period code, start and used; then, only for a tool whose tenants on plans are counted, the
+//! number of plans counted and per plan its two counts (a record without it is read as
+//! counting none: records written before plans existed read unchanged).
 
-use crate::admission::engine::{BudgetCounter, Budgets, NodeState};
+use crate::admission::engine::{BudgetCounter, Budgets, NodeState, PlanCounts};
 use crate::policy::BudgetPeriod;
 use crate::store::StoreError;
 
@@ -62,13 +64,55 @@ impl Record {
                 out.extend_from_slice(&x.to_le_bytes());
             }
         }
+        let plans = s.plans.len();
+        if plans > 0 {
+            out.extend_from_slice(&(plans as f64).to_le_bytes());
+            for p in 0..plans {
+                let (in_window, counted) = s.plans.get(p);
+                for x in [in_window, counted] {
+                    out.extend_from_slice(&f64::from(x).to_le_bytes());
+                }
+            }
+        }
         out
+    }
+
+    /// The plans' counts after `at`, the end of the budget counters: none, or their number
+    /// and two counts each.
+    fn plans(bytes: &[u8], at: usize) -> Result<PlanCounts, StoreError> {
+        let bad = |what: &str| StoreError::Protocol(format!("a stored state is {what}"));
+        let mut plans = PlanCounts::default();
+        let rest = &bytes[at..];
+        if rest.is_empty() {
+            return Ok(plans);
+        }
+        let f = |i: usize| {
+            rest.get(8 * i..8 * i + 8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        };
+        let n = f(0).ok_or_else(|| bad("cut short"))?;
+        if !(1.0..=crate::policy::MAX_PLANS as f64).contains(&n) || n.fract() != 0.0 {
+            return Err(bad("counting an impossible number of plans"));
+        }
+        let n = n as usize;
+        if rest.len() != 8 + 16 * n {
+            return Err(bad("not a record of this layout"));
+        }
+        let count = |x: f64| (x >= 0.0 && x <= f64::from(u32::MAX)).then_some(x as u32);
+        for p in 0..n {
+            let (a, b) = (f(1 + 2 * p), f(2 + 2 * p));
+            match (a.and_then(count), b.and_then(count)) {
+                (Some(a), Some(b)) => plans.set(p, a, b),
+                _ => return Err(bad("holding a plan count that is not a count")),
+            }
+        }
+        Ok(plans)
     }
 
     /// `None` for a missing key; an error for bytes that are not a record.
     pub(super) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
         let bad = |what: &str| StoreError::Protocol(format!("a stored state is {what}"));
-        if bytes.len() < FIXED || !(bytes.len() - FIXED).is_multiple_of(24) {
+        if bytes.len() < FIXED {
             return Err(bad("not a record of this layout"));
         }
         let f = |i: usize| {
@@ -76,12 +120,14 @@ impl Record {
             f64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
         };
         let nb = f(13);
-        if nb < 0.0 || (bytes.len() - FIXED) / 24 != nb as usize {
-            return Err(bad("cut short"));
-        }
-        if nb > 3.0 {
+        if !(0.0..=3.0).contains(&nb) {
             return Err(bad("holding more than one budget counter per period"));
         }
+        let budgets_end = FIXED + 24 * nb as usize;
+        if bytes.len() < budgets_end {
+            return Err(bad("cut short"));
+        }
+        let plans = Self::plans(bytes, budgets_end)?;
         let mut budgets = Budgets::default();
         for k in 0..nb as usize {
             let g = |j: usize| f(14 + 3 * k + j);
@@ -108,6 +154,7 @@ impl Record {
                 template_window: f(10),
                 template_in_window: f(11),
                 template_counted: f(12),
+                plans,
                 budgets,
             },
         })
@@ -126,6 +173,7 @@ mod tests {
             version in any::<u64>(),
             xs in prop::collection::vec(any::<f64>(), 13),
             budgets in prop::collection::vec((0usize..3, any::<f64>(), any::<f64>()), 0..4),
+            plans in prop::collection::vec((any::<u32>(), any::<u32>()), 0..=crate::policy::MAX_PLANS),
         ) {
             let periods = [BudgetPeriod::Hour, BudgetPeriod::Day, BudgetPeriod::Month];
             let r = Record {
@@ -137,6 +185,13 @@ mod tests {
                     total: xs[6], non_floor: xs[7], floor_used: xs[8], in_flight: xs[9],
                     template_window: xs[10], template_in_window: xs[11],
                     template_counted: xs[12],
+                    plans: {
+                        let mut p = PlanCounts::default();
+                        for (i, &(a, b)) in plans.iter().enumerate() {
+                            p.set(i, a, b);
+                        }
+                        p
+                    },
                     budgets: budgets
                         .iter()
                         .map(|&(p, start, used)| BudgetCounter { period: periods[p], start, used })
@@ -145,6 +200,33 @@ mod tests {
             };
             let back = Record::decode(&r.encode()).unwrap();
             prop_assert_eq!(back.encode(), r.encode());
+            prop_assert_eq!(back.state.plans, r.state.plans);
+        }
+
+        /// A record of a level without plan counts is written as before plans existed, byte
+        /// for byte (the layout every earlier version reads), and one written so is read
+        /// with every number kept and no plan counted.
+        #[test]
+        fn a_record_without_plans_keeps_the_earlier_layout(
+            xs in prop::collection::vec(any::<f64>(), 13),
+            budgets in prop::collection::vec((0usize..3, -1e9f64..1e9, -1e9f64..1e9), 0..4),
+        ) {
+            // The earlier layout, written out field by field.
+            let mut old = 7u64.to_le_bytes().to_vec();
+            let nb = budgets.iter().map(|b| b.0).collect::<std::collections::BTreeSet<_>>();
+            for x in xs.iter().chain([nb.len() as f64].iter()) {
+                old.extend_from_slice(&x.to_le_bytes());
+            }
+            for &p in &nb {
+                let (_, start, used) = budgets.iter().find(|b| b.0 == p).copied().unwrap();
+                for x in [(p + 1) as f64, start, used] {
+                    old.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            let r = Record::decode(&old).unwrap();
+            prop_assert!(r.state.plans.is_empty());
+            prop_assert_eq!(r.state.budgets.len(), nb.len());
+            prop_assert_eq!(r.encode(), old);
         }
 
         #[test]
