@@ -1514,7 +1514,7 @@ impl Prepared<'_> {
 
     /// What a lease granted to this call knows of the policy.
     fn known(&self) -> lease::Known {
-        lease::Known::new(self.version, &self.caller, &self.plan)
+        lease::Known::new(self.version, self.caller, &self.plan)
     }
 
     /// The store keys of the call.

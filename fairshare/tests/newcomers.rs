@@ -44,6 +44,7 @@ fn caller(tenant: &str, rate: f64, start: u64) -> ScenarioCaller {
         tenant: Some(tenant.into()),
         instance: None,
         tier: None,
+        plan: None,
         rate,
         per: "1m".into(),
         start: Some(format!("{start}s")),
