@@ -523,7 +523,7 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
             .collect();
         if !without.is_empty() {
             println!(
-                "  shares and ceilings above count one caller active of {}; each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
+                "  shares and ceilings above count one active tenant of each template: {}; each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
                 templates.join(", "),
                 without.join(", ")
             );

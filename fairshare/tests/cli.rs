@@ -172,7 +172,7 @@ fn check_says_which_callers_its_ceilings_count() {
         .collect();
     assert_eq!(heavy_row[4], "98.3", "{out}");
     assert!(
-        out.contains("count one (default tenant) caller active")
+        out.contains("count one active tenant of each template: (default tenant) (weight 1)")
             && out.contains("with none active the ceilings are heavy 107.5, quiet 42.5"),
         "{out}"
     );
