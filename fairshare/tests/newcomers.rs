@@ -73,6 +73,21 @@ fn check(report: &Report, joining: bool) {
     let last_join = (0..100).map(|i| start(i, joining)).max().unwrap();
     for (k, period) in report.periods.iter().enumerate() {
         let minute = k as u64 * 60;
+        let (mut least, mut big) = (f64::MAX, 0.0);
+        for row in &period.callers {
+            let got = row.admitted as f64 / row.ceiling;
+            match row.tenant.as_deref() {
+                Some("big") => big = got,
+                Some(t) if start(t[1..].parse().unwrap(), joining) <= minute => {
+                    least = least.min(got)
+                }
+                _ => {}
+            }
+        }
+        println!(
+            "minute {}: least template tenant {least:.3} of its share, big {big:.3} of its ceiling",
+            k + 1
+        );
         for row in &period.callers {
             let tenant = row.tenant.as_deref().unwrap();
             let got = row.admitted as f64 / row.ceiling;

@@ -105,7 +105,17 @@ pub(crate) fn router_with<S: Store, C: Clock>(
     limits: Limits,
 ) -> Router {
     let keys = Arc::new(keys);
-    let mut app = Router::new().route("/tools/{name}", any(tool));
+    // Only `/tools/{name}` itself is a tool, and only it passes the fair-share layer: the
+    // console, `/metrics` and a path the router does not serve (404) are never charged, nor
+    // warned about as requests that name no tool.
+    let mut app = Router::new().route("/tools/{name}", any(tool)).route_layer(
+        FairShareLayer::new(limiter.clone())
+            .tool_with(|head| {
+                let name = head.uri.path().strip_prefix(TOOLS)?;
+                (!name.is_empty() && !name.contains('/')).then(|| Arc::from(name))
+            })
+            .headers(true),
+    );
     // `explain` can be asked by a gateway API key (`api_key=`): the caller it authenticates.
     let explained = keys.clone();
     let console_of = move |limiter: &Limiter<S, C>| {
@@ -165,23 +175,13 @@ pub(crate) fn router_with<S: Store, C: Clock>(
             }),
         );
     }
-    // Only `/tools/{name}` itself is a tool: any other path (`/metrics`, `/tools/x/extra`)
-    // passes the fair-share layer unmetered, so a path the router does not serve (404) is
-    // never charged.
-    app.layer(
-        FairShareLayer::new(limiter)
-            .tool_with(|head| {
-                let name = head.uri.path().strip_prefix(TOOLS)?;
-                (!name.is_empty() && !name.contains('/')).then(|| Arc::from(name))
-            })
-            .headers(true),
-    )
-    // Outermost: the caller is known before the fair-share layer looks for it.
-    .layer(middleware::from_fn_with_state(keys, authenticate))
-    .layer(middleware::from_fn_with_state(
-        limits.request_timeout,
-        time_limit,
-    ))
+    app
+        // Outermost: the caller is known before the fair-share layer looks for it.
+        .layer(middleware::from_fn_with_state(keys, authenticate))
+        .layer(middleware::from_fn_with_state(
+            limits.request_timeout,
+            time_limit,
+        ))
 }
 
 /// `a == b`, in a time that does not depend on where they first differ (a key check).
