@@ -64,11 +64,21 @@ enum Command {
         /// Where to listen (port 0: any free port; the bound address is printed).
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
-        /// Keep state in Redis at this URL (shared by every replica) instead of in process.
-        /// The gateway starts even while Redis is down: each tool's `on_store_error` applies
-        /// until Redis answers.
+        /// Keep state in Redis at this URL (shared by every replica) instead of in process:
+        /// `redis://host:6379/`, `rediss://` for TLS, `redis://user:password@host` for ACL
+        /// credentials (also read from FAIRSHARE_REDIS_URL). The gateway starts even while Redis
+        /// is down: each tool's `on_store_error` applies until Redis answers.
         #[arg(long, value_name = "URL")]
         redis: Option<String>,
+        /// With `rediss://`: trust this CA certificate (PEM) instead of the system's roots.
+        #[arg(long, value_name = "FILE")]
+        redis_ca: Option<PathBuf>,
+        /// With `rediss://`: present this client certificate (PEM; needs --redis-key).
+        #[arg(long, value_name = "FILE", requires = "redis_key")]
+        redis_cert: Option<PathBuf>,
+        /// The private key (PEM) of --redis-cert.
+        #[arg(long, value_name = "FILE", requires = "redis_cert")]
+        redis_key: Option<PathBuf>,
         /// Serve `/metrics` on a listener of its own (e.g. one only the scraper can reach),
         /// not on the gateway's.
         #[arg(long, value_name = "ADDR")]
@@ -110,6 +120,30 @@ enum Command {
     },
 }
 
+/// The certificate files `fairshare serve` gives a `rediss://` connection.
+struct RedisTls {
+    ca: Option<PathBuf>,
+    cert: Option<(PathBuf, PathBuf)>,
+}
+
+impl RedisTls {
+    /// `builder` with the certificates read from their files, or which file could not be read.
+    fn apply(
+        &self,
+        mut builder: tower_fairshare::store::redis::RedisStoreBuilder,
+    ) -> Result<tower_fairshare::store::redis::RedisStoreBuilder, String> {
+        let read =
+            |p: &PathBuf| std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+        if let Some(ca) = &self.ca {
+            builder = builder.ca_certificate_pem(read(ca)?);
+        }
+        if let Some((cert, key)) = &self.cert {
+            builder = builder.client_certificate_pem(read(cert)?, read(key)?);
+        }
+        Ok(builder)
+    }
+}
+
 fn parse_duration(text: &str) -> Result<Duration, String> {
     Period::parse(text).map(|p| Duration::from_micros(p.as_micros()))
 }
@@ -130,6 +164,9 @@ fn main() -> ExitCode {
             keys,
             listen,
             redis,
+            redis_ca,
+            redis_cert,
+            redis_key,
             metrics_listen,
             metrics_key,
             header_timeout,
@@ -140,7 +177,13 @@ fn main() -> ExitCode {
             init_logging(log_decisions);
             let options = ServeOptions {
                 listen,
-                redis,
+                redis: redis
+                    .or_else(|| std::env::var("FAIRSHARE_REDIS_URL").ok())
+                    .filter(|u| !u.trim().is_empty()),
+                redis_tls: RedisTls {
+                    ca: redis_ca,
+                    cert: redis_cert.zip(redis_key),
+                },
                 metrics_listen,
                 metrics_key: metrics_key
                     .or_else(|| std::env::var("FAIRSHARE_METRICS_KEY").ok())
@@ -194,6 +237,7 @@ fn init_logging(decisions: bool) {
 struct ServeOptions {
     listen: SocketAddr,
     redis: Option<String>,
+    redis_tls: RedisTls,
     metrics_listen: Option<SocketAddr>,
     metrics_key: Option<String>,
     limits: cli::serve::Limits,
@@ -267,7 +311,14 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             }
             Some(url) => {
                 // Lazily: a replica starts while Redis is down, and connects when it is back.
-                let store = match tower_fairshare::store::RedisStore::builder(url.as_str()).connect_lazy() {
+                let builder = match o.redis_tls.apply(tower_fairshare::store::RedisStore::builder(url.as_str())) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                let store = match builder.connect_lazy() {
                     Ok(s) => s,
                     Err(e) => {
                         eprintln!("error: cannot use Redis at {url}: {e}");

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 pub const REDIS_SERVER: &str = "/usr/bin/redis-server";
 pub const REDIS_CLI: &str = "/usr/bin/redis-cli";
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
+pub mod tls;
+
+pub(crate) static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A free loopback port (and, for a cluster node, its bus port +10000 free too).
 pub fn free_port(with_bus: bool) -> u16 {

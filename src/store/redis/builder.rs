@@ -46,6 +46,41 @@ pub struct RedisStoreBuilder {
     pub(super) permit_ttl: Duration,
     pub(super) upkeep_every: Duration,
     pub(super) namespace: String,
+    /// ACL user (or none: `default`) and password, over what the URL says.
+    pub(super) credentials: Option<(Option<String>, String)>,
+    /// Certificates for `rediss://`: a CA to trust instead of the system's, a client's.
+    #[cfg(feature = "redis-tls")]
+    pub(super) tls: Tls,
+    /// A connection the application made itself, used as it is.
+    pub(super) given: Option<Backend>,
+}
+
+/// The certificates a TLS connection uses (PEM), when given.
+#[cfg(feature = "redis-tls")]
+#[derive(Clone, Debug, Default)]
+pub(super) struct Tls {
+    ca: Option<Vec<u8>>,
+    client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[cfg(feature = "redis-tls")]
+impl Tls {
+    fn given(&self) -> bool {
+        self.ca.is_some() || self.client.is_some()
+    }
+
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig {
+                    client_cert: cert.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.ca.clone(),
+        }
+    }
 }
 
 impl RedisStoreBuilder {
@@ -60,7 +95,52 @@ impl RedisStoreBuilder {
             permit_ttl: Duration::from_secs(30),
             upkeep_every: Duration::from_secs(10),
             namespace: String::new(),
+            credentials: None,
+            #[cfg(feature = "redis-tls")]
+            tls: Tls::default(),
+            given: None,
         }
+    }
+
+    /// A builder over a connection the application already made (its own TLS, credentials,
+    /// timeouts, DNS): the store uses it as it is and reconnects through it. See
+    /// [`RedisStore::from_connection`].
+    pub(super) fn with_backend(backend: Backend) -> Self {
+        let mut b = RedisStoreBuilder::new(String::new());
+        if backend.is_cluster() {
+            b.connection = Connection::Cluster(Vec::new());
+        }
+        b.given = Some(backend);
+        b
+    }
+
+    /// Authenticates as ACL `username` with `password` (Redis 6 and later), over anything
+    /// the URL says. `username` `None` authenticates the `default` user with a password
+    /// (`requirepass`). The URL can carry them too: `redis://user:password@host:6379`.
+    pub fn credentials(mut self, username: Option<&str>, password: &str) -> Self {
+        self.credentials = Some((username.map(str::to_owned), password.to_owned()));
+        self
+    }
+
+    /// Trusts the certificate authority in `pem` (PEM, one or more certificates) for a
+    /// `rediss://` connection, instead of the system's roots: a managed Redis whose CA is
+    /// not public, or a server with a self-signed certificate.
+    #[cfg(feature = "redis-tls")]
+    pub fn ca_certificate_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.ca = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate and its private key (PEM) on a `rediss://`
+    /// connection, for a server that authenticates clients (`tls-auth-clients yes`).
+    #[cfg(feature = "redis-tls")]
+    pub fn client_certificate_pem(
+        mut self,
+        certificate: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls.client = Some((certificate.into(), key.into()));
+        self
     }
 
     /// Per-call timeout (default 250 ms): past it a call fails with [`StoreError::Timeout`].
@@ -143,7 +223,89 @@ impl RedisStoreBuilder {
                 self.namespace
             )));
         }
+        if self.given.is_some() {
+            return Ok(());
+        }
+        let urls = match &self.connection {
+            Connection::Cluster(nodes) => nodes.clone(),
+            _ => vec![self.url.clone()],
+        };
+        for url in &urls {
+            let tls = url.starts_with("rediss://");
+            if tls && !cfg!(feature = "redis-tls") {
+                return Err(StoreError::Unavailable(format!(
+                    "`{}` asks for TLS: enable tower-fairshare's `redis-tls` feature",
+                    redacted(url)
+                )));
+            }
+            #[cfg(feature = "redis-tls")]
+            if !tls && self.tls.given() {
+                return Err(StoreError::Unavailable(format!(
+                    "TLS certificates were given but `{}` is not a TLS address: use `rediss://`",
+                    redacted(url)
+                )));
+            }
+        }
+        #[cfg(feature = "redis-bb8")]
+        if matches!(self.connection, Connection::Pool(_))
+            && (self.credentials.is_some() || cfg!(feature = "redis-tls") && self.tls_given())
+        {
+            return Err(StoreError::Unavailable(
+                "the bb8 pool takes credentials and TLS from its URL only: put them in the URL, or use the multiplexed connection".into(),
+            ));
+        }
         Ok(())
+    }
+
+    #[cfg(feature = "redis-bb8")]
+    fn tls_given(&self) -> bool {
+        #[cfg(feature = "redis-tls")]
+        return self.tls.given();
+        #[cfg(not(feature = "redis-tls"))]
+        false
+    }
+
+    /// The client of the single server at the URL, with the credentials and certificates
+    /// given.
+    fn client(&self) -> Result<redis::Client, RedisError> {
+        use redis::IntoConnectionInfo;
+        let mut info = self.url.as_str().into_connection_info()?;
+        if let Some((user, password)) = &self.credentials {
+            let mut settings = info.redis_settings().clone().set_password(password);
+            if let Some(user) = user {
+                settings = settings.set_username(user);
+            }
+            info = info.set_redis_settings(settings);
+        }
+        #[cfg(feature = "redis-tls")]
+        if self.tls.given() {
+            return redis::Client::build_with_tls(info, self.tls.certificates());
+        }
+        redis::Client::open(info)
+    }
+
+    /// The client of the cluster reachable through `nodes`, likewise.
+    fn cluster_client(
+        &self,
+        nodes: &[String],
+    ) -> Result<redis::cluster::ClusterClient, RedisError> {
+        let mut b = redis::cluster::ClusterClient::builder(nodes.to_vec())
+            .connection_timeout(self.timeout.max(Duration::from_millis(100)))
+            .response_timeout(self.timeout.max(Duration::from_millis(100)))
+            .retries(2)
+            .min_retry_wait(10)
+            .max_retry_wait(200);
+        if let Some((user, password)) = &self.credentials {
+            b = b.password(password);
+            if let Some(user) = user {
+                b = b.username(user);
+            }
+        }
+        #[cfg(feature = "redis-tls")]
+        if self.tls.given() {
+            b = b.certs(self.tls.certificates());
+        }
+        b.build()
     }
 
     /// Connects, and fails if Redis cannot be reached now. Must run inside the tokio runtime
@@ -163,10 +325,11 @@ impl RedisStoreBuilder {
     /// decisions go to Redis. Must run inside the tokio runtime that will drive the store.
     pub fn connect_lazy(self) -> Result<RedisStore, StoreError> {
         self.check()?;
-        let unavailable = |e: RedisError| StoreError::Unavailable(e.to_string());
+        let unavailable = |e: RedisError| connect_error(e);
         let backend = match &self.connection {
+            _ if self.given.is_some() => self.given.clone(),
             Connection::Multiplexed => {
-                let client = redis::Client::open(self.url.as_str()).map_err(unavailable)?;
+                let client = self.client().map_err(unavailable)?;
                 Some(Backend::Multiplexed(
                     ConnectionManager::new_lazy_with_config(client, manager_config(&self))
                         .map_err(unavailable)?,
@@ -204,11 +367,14 @@ fn manager_config(b: &RedisStoreBuilder) -> ConnectionManagerConfig {
 
 /// Opens the connection now (or fails).
 pub(super) async fn connect_now(b: &RedisStoreBuilder) -> Result<Backend, StoreError> {
-    let unavailable = |e: RedisError| StoreError::Unavailable(e.to_string());
+    let unavailable = connect_error;
     let within = b.timeout.max(Duration::from_secs(2));
+    if let Some(given) = &b.given {
+        return Ok(given.clone());
+    }
     Ok(match &b.connection {
         Connection::Multiplexed => {
-            let client = redis::Client::open(b.url.as_str()).map_err(unavailable)?;
+            let client = b.client().map_err(unavailable)?;
             let manager = tokio::time::timeout(
                 within,
                 ConnectionManager::new_with_config(client, manager_config(b)),
@@ -219,14 +385,7 @@ pub(super) async fn connect_now(b: &RedisStoreBuilder) -> Result<Backend, StoreE
             Backend::Multiplexed(manager)
         }
         Connection::Cluster(nodes) => {
-            let client = redis::cluster::ClusterClient::builder(nodes.clone())
-                .connection_timeout(b.timeout.max(Duration::from_millis(100)))
-                .response_timeout(b.timeout.max(Duration::from_millis(100)))
-                .retries(2)
-                .min_retry_wait(10)
-                .max_retry_wait(200)
-                .build()
-                .map_err(unavailable)?;
+            let client = b.cluster_client(nodes).map_err(unavailable)?;
             let conn = tokio::time::timeout(within, client.get_async_connection())
                 .await
                 .map_err(|_| StoreError::Timeout(within))?
@@ -341,6 +500,42 @@ pub(super) async fn connect_in_background(shared: &std::sync::Weak<Shared>) -> b
             }
         }
     }
+}
+
+/// `url` with its password, if any, left out: for error messages.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://…@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// A failed connection, said so that a user knows what to change: TLS and authentication
+/// failures name their cause.
+pub(super) fn connect_error(e: RedisError) -> StoreError {
+    let text = e.to_string();
+    let lower = text.to_lowercase();
+    let hint = if lower.contains("certificaterequired") {
+        Some("Redis asks for a client certificate: give one with its key (`RedisStoreBuilder::client_certificate_pem`)")
+    } else if lower.contains("unknownissuer") || lower.contains("invalid peer certificate") {
+        Some("Redis's TLS certificate is not signed by a trusted authority: give the CA that signed it (`RedisStoreBuilder::ca_certificate_pem`), or check the host name in the URL")
+    } else if lower.contains("wrongpass")
+        || lower.contains("noauth")
+        || lower.contains("authentication")
+    {
+        Some("Redis refused the credentials: check the ACL user and password (`RedisStoreBuilder::credentials`, or `redis://user:password@host` in the URL)")
+    } else if lower.contains("certificate") || lower.contains("tls") || lower.contains("handshake")
+    {
+        Some("the TLS handshake with Redis failed: check the certificates, that the server speaks TLS on this port, and that the URL is `rediss://`")
+    } else {
+        None
+    };
+    StoreError::Unavailable(match hint {
+        Some(hint) => format!("{hint} ({text})"),
+        None => text,
+    })
 }
 
 pub(super) fn map_error(e: RedisError, timeout: Duration) -> StoreError {

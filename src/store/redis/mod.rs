@@ -410,6 +410,28 @@ impl RedisStore {
         b
     }
 
+    /// A builder for a store over a connection the application already made — its own TLS
+    /// setup, credentials, timeouts, DNS — used as it is (it reconnects by itself).
+    ///
+    /// ```no_run
+    /// use tower_fairshare::store::RedisStore;
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::Client::open("redis://app:secret@127.0.0.1:6379/")?;
+    /// let connection = redis::aio::ConnectionManager::new(client).await?;
+    /// let store = RedisStore::from_connection(connection).connect().await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn from_connection(connection: redis::aio::ConnectionManager) -> RedisStoreBuilder {
+        RedisStoreBuilder::with_backend(Backend::Multiplexed(connection))
+    }
+
+    /// A builder for a store over a Redis Cluster connection the application already made.
+    pub fn from_cluster_connection(
+        connection: redis::cluster_async::ClusterConnection,
+    ) -> RedisStoreBuilder {
+        RedisStoreBuilder::with_backend(Backend::Cluster(connection))
+    }
+
     /// A store on the Redis server at `url` with the defaults: multiplexed connection, Redis
     /// `TIME`, 250 ms timeout, refusal cache on.
     pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
