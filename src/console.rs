@@ -626,6 +626,46 @@ struct ToolView {
     tenants: Vec<Row>,
     /// The busiest unlisted tenants and instances (a bounded top-K; see `telemetry::busiest`).
     busiest: Busy,
+    /// The policy this replica enforces for the tool, and whether the replicas sharing its
+    /// store agree.
+    policy: PolicyView,
+}
+
+#[derive(Serialize)]
+struct PolicyView {
+    /// This replica's fingerprint of the tool's policy, in hex.
+    fingerprint: String,
+    /// When the replicas sharing the store enforce different policies for the tool: each
+    /// fingerprint (`null`: replicas without the tool) with how many replicas, for how long
+    /// (s), and whether that is past the grace time of a rolling reload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    disagreement: Option<DisagreementView>,
+}
+
+#[derive(Serialize)]
+struct DisagreementView {
+    replicas: Vec<(Option<String>, usize)>,
+    for_secs: u64,
+    past_grace: bool,
+}
+
+impl PolicyView {
+    fn of(tp: &ToolPolicy, disagreements: &[crate::store::PolicyDisagreement]) -> Self {
+        PolicyView {
+            fingerprint: format!("{:016x}", tp.fingerprint()),
+            disagreement: disagreements.iter().find(|d| d.tool == tp.name()).map(|d| {
+                DisagreementView {
+                    replicas: d
+                        .replicas
+                        .iter()
+                        .map(|(f, n)| (f.map(|f| format!("{f:016x}")), *n))
+                        .collect(),
+                    for_secs: d.for_how_long.as_secs(),
+                    past_grace: d.past_grace,
+                }
+            }),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -797,6 +837,7 @@ impl<S: Store, C: Clock> Console<S, C> {
                 tenants: busy_tenants,
                 instances: busy_instances,
             },
+            policy: PolicyView::of(tp, &limiter.store().policy_disagreements()),
         })
     }
 

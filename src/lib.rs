@@ -109,4 +109,4 @@ pub use policy::{
 };
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
-pub use store::{MemoryStore, Store, StoreError};
+pub use store::{MemoryStore, PolicyDisagreement, Store, StoreError};

@@ -256,6 +256,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A limiter over `store`, reading time from `clock`.
     pub fn with_store(mut policy: Policy, store: S, clock: C) -> Self {
         policy.version = 0;
+        store.policy_in_force(&policy);
         Limiter {
             inner: Arc::new(Inner {
                 policy: ArcSwap::from_pointee(policy),
@@ -330,6 +331,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.inner
                 .busiest
                 .retain(|tool| policy.tool(tool).is_some());
+            self.inner.store.policy_in_force(&policy);
             self.inner.policy.store(policy);
             self.inner.version.store(version, Release);
         }

@@ -222,6 +222,8 @@ pub struct ToolPolicy {
     pub(crate) configured_weight: f64,
     /// Σ of the configured tenants' bursts (their share banks).
     pub(crate) configured_tenant_burst: f64,
+    /// See [`ToolPolicy::fingerprint`].
+    pub(crate) fingerprint: u64,
 }
 
 /// A tenant or an instance, validated: its floor, weight, ceiling, burst, caps and, for a
@@ -384,6 +386,12 @@ impl ToolPolicy {
     /// N }`); `None` when every call is decided at the store (`lease = "off"`, the default).
     pub fn lease_max(&self) -> Option<f64> {
         (self.lease_max > 1.0).then_some(self.lease_max)
+    }
+    /// A fingerprint of this tool's policy as written: replicas that enforce the same
+    /// policy for the tool have the same one. Replicas sharing a Redis store publish theirs
+    /// and report a difference (see [`Store::policy_disagreements`](crate::Store::policy_disagreements)).
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
     /// The configured tenants, in file order.
     pub fn tenants(&self) -> &[LevelPolicy] {

@@ -151,6 +151,7 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
 
 fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     cx.name(format!("{path}.name"), &raw.name);
+    let fingerprint = fingerprint(&raw);
     let raw_default_ceiling = raw.default_ceiling;
     let limit_path = format!("{path}.rate.limit");
     let capacity = cx.units(&limit_path, raw.rate.limit);
@@ -278,7 +279,18 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         reserved_floors,
         configured_weight,
         configured_tenant_burst,
+        fingerprint,
     }
+}
+
+/// A tool's fingerprint: 64-bit FNV-1a of its policy as written, serialized as JSON (numbers
+/// as read, so `600` and `600.0` are alike). The same on every replica and every version of
+/// the crate that writes the policy the same way.
+fn fingerprint(raw: &RawTool) -> u64 {
+    let bytes = serde_json::to_vec(raw).expect("a policy serializes");
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The templates of a tool's plans (`[tool.plans.<name>]`), each in its slot; at most

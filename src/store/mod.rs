@@ -223,6 +223,20 @@ pub trait Store: Send + Sync + 'static {
         self.inspect(keys)
     }
 
+    /// Told the policy this process enforces, when the limiter is made and at every reload.
+    /// A store shared by replicas publishes each tool's [fingerprint](crate::policy::ToolPolicy::fingerprint)
+    /// so that replicas enforcing different policies are found (see
+    /// [`policy_disagreements`](Self::policy_disagreements)). The default does nothing.
+    fn policy_in_force(&self, policy: &crate::Policy) {
+        let _ = policy;
+    }
+
+    /// The tools whose policy the live replicas sharing this store enforce differently, as
+    /// last checked (a store of one process, the default, has none).
+    fn policy_disagreements(&self) -> Vec<PolicyDisagreement> {
+        Vec::new()
+    }
+
     /// Waits until the work this store finishes in the background is done — permits of calls
     /// that ended given back, charges of callers that left refunded — for a graceful shutdown
     /// ([`Limiter::shutdown`](crate::Limiter::shutdown)). The default has none to wait for.
@@ -286,4 +300,29 @@ impl<S: Store> Store for Arc<S> {
     fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
         (**self).flush()
     }
+    fn policy_in_force(&self, policy: &crate::Policy) {
+        (**self).policy_in_force(policy)
+    }
+    fn policy_disagreements(&self) -> Vec<PolicyDisagreement> {
+        (**self).policy_disagreements()
+    }
+}
+
+/// Replicas sharing a store that enforce different policies for one tool: during a rolling
+/// reload for a moment, for good when one replica was given another file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PolicyDisagreement {
+    /// The tool.
+    pub tool: String,
+    /// This replica's fingerprint of the tool's policy; `None` when its policy has no such
+    /// tool.
+    pub fingerprint: Option<u64>,
+    /// Each fingerprint the live replicas enforce (`None`: they have no such tool) with how
+    /// many replicas, this one included.
+    pub replicas: Vec<(Option<u64>, usize)>,
+    /// How long this replica has seen them disagree.
+    pub for_how_long: std::time::Duration,
+    /// Whether that is longer than the grace time a rolling reload is given.
+    pub past_grace: bool,
 }

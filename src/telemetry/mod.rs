@@ -15,6 +15,7 @@
 //! | [`LEASE_GRANTED_UNITS`] `fairshare_lease_granted_units_total` | counter | units | `tool`: units those grants charged |
 //! | [`LEASE_RETURNED_UNITS`] `fairshare_lease_returned_units_total` | counter | units | `tool`: units given back to the store unspent (idle callers, ended windows, reloads, shutdown) |
 //! | [`LEASE_HELD_UNITS`] `fairshare_lease_held_units` | gauge | units | `tool`: units charged and not yet spent, held in this process's leases |
+//! | [`POLICY_MISMATCH`] `fairshare_policy_mismatch` | gauge | 0/1 | `tool`: 1 while the replicas sharing a Redis store enforce different policies for the tool |
 //!
 //! The `instance` label is off by default: label cardinality is a production hazard, and a
 //! tool with a `default_instance` template may see thousands. Turn it on with
@@ -68,6 +69,10 @@ pub const STORE_STATE_LOST: &str = "fairshare_store_state_lost_total";
 /// Gauge: 1 while the store's server is configured so that it can lose state (`risk`:
 /// `eviction`, `no_persistence`), 0 otherwise.
 pub const STORE_RISK: &str = "fairshare_store_risk";
+
+/// Gauge: 1 while the replicas sharing a store enforce different policies for `tool` (their
+/// fingerprints differ), 0 once they agree.
+pub const POLICY_MISMATCH: &str = "fairshare_policy_mismatch";
 
 /// Registers the descriptions and units of every metric with the installed recorder. Call
 /// once after installing it (e.g. a Prometheus exporter).
@@ -140,6 +145,10 @@ pub fn describe_metrics() {
         describe_gauge!(
             STORE_RISK,
             "1 while the store's server can lose state (eviction policy, persistence off)."
+        );
+        describe_gauge!(
+            POLICY_MISMATCH,
+            "1 while the replicas sharing the store enforce different policies for the tool."
         );
     }
 }
@@ -327,3 +336,17 @@ pub(crate) fn store_risk(store: &'static str, risk: &'static str, at_risk: bool)
 #[cfg(not(feature = "metrics"))]
 #[allow(dead_code)]
 pub(crate) fn store_risk(_: &'static str, _: &'static str, _: bool) {}
+
+#[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn policy_mismatch(tool: &str, mismatch: bool) {
+    metrics::gauge!(POLICY_MISMATCH, "tool" => tool.to_owned()).set(if mismatch {
+        1.0
+    } else {
+        0.0
+    });
+}
+
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code)]
+pub(crate) fn policy_mismatch(_: &str, _: bool) {}

@@ -1463,7 +1463,7 @@ async fn run_cycle(
     read: bool,
 ) -> Result<Cycle, StoreError> {
     let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, keys, args)).await?;
-    parse_cycle(reply, read)
+    parse_cycle(reply, read, sh.config.formats[1])
 }
 
 /// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
@@ -1513,7 +1513,7 @@ fn cycle_args(
         for &i in &writes {
             let rec = d.records[i].as_ref().expect("a written record");
             write_args.push((i + 1).to_string().into_bytes());
-            write_args.push(rec.encode());
+            write_args.push(rec.encode(sh.replicas.write_format()));
             write_args.push(if d.decided[i] {
                 let mut keep = rec.expires;
                 if d.holds[i] {
@@ -1595,7 +1595,8 @@ async fn within<T>(
     }
 }
 
-fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
+/// The script's answer; records in formats up to `newest` are read.
+fn parse_cycle(reply: Value, read: bool, newest: u8) -> Result<Cycle, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("the batch script answered {what}"));
     let Value::Array(items) = reply else {
         return Err(bad("something other than an array"));
@@ -1638,7 +1639,7 @@ fn parse_cycle(reply: Value, read: bool) -> Result<Cycle, StoreError> {
     for r in raw {
         match r {
             Some(bytes) => {
-                let rec = Record::decode(&bytes)?;
+                let rec = Record::decode(&bytes, newest)?;
                 versions.push(rec.version.to_le_bytes().to_vec());
                 records.push(Some(rec));
             }

@@ -53,6 +53,10 @@ pub struct RedisStoreBuilder {
     pub(super) tls: Tls,
     /// A connection the application made itself, used as it is.
     pub(super) given: Option<Backend>,
+    /// How long replicas may enforce different policies for a tool before it is an error.
+    pub(super) policy_grace: Duration,
+    /// The record formats this store reads and writes (oldest, newest).
+    pub(super) formats: [u8; 2],
 }
 
 /// The certificates a TLS connection uses (PEM), when given.
@@ -99,7 +103,25 @@ impl RedisStoreBuilder {
             #[cfg(feature = "redis-tls")]
             tls: Tls::default(),
             given: None,
+            policy_grace: Duration::from_secs(60),
+            formats: super::replicas::FORMATS,
         }
+    }
+
+    /// How long the replicas sharing this store may enforce different policies for a tool
+    /// (each replica's fingerprint of it, published every second) before it is logged as an
+    /// error rather than a warning (default 60 s: a rolling reload is over by then).
+    pub fn policy_grace(mut self, grace: Duration) -> Self {
+        self.policy_grace = grace;
+        self
+    }
+
+    /// A store that reads and writes the record formats `oldest..=newest`: what the migration
+    /// tests make an older and a newer version of this store with.
+    #[cfg(test)]
+    pub(super) fn formats(mut self, oldest: u8, newest: u8) -> Self {
+        self.formats = [oldest, newest];
+        self
     }
 
     /// A builder over a connection the application already made (its own TLS, credentials,

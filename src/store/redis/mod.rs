@@ -48,6 +48,8 @@
 //! | `fs5{<tool>}t<tenant>!` | zset | the tenant's permits |
 //! | `fs5{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
 //!
+//! | `fs{replicas}` | hash | one entry per live replica: the record formats it reads and writes, its policy's fingerprint per tool (see *Replicas and upgrades*) |
+//!
 //! A record is its version (8 bytes) and little-endian doubles: when the state is equivalent to
 //! a fresh one, then the engine's `NodeState` (template counts included) and its budget
 //! counters. Rust alone writes and reads them. Every key carries a TTL: a record until its
@@ -83,6 +85,36 @@
 //! tool's whole budget is exact. The flip side: one tool's traffic is served by one master.
 //! Load spreads over a cluster **by tool**, not by tenant. Split a hot tool into several tools
 //! (e.g. per region) if one master is not enough.
+//!
+//! # Replicas and upgrades
+//!
+//! Every replica writes an entry in `fs{replicas}` each second and reads the others'
+//! ([`RedisStore::check_replicas`] does it at once): an entry not renewed for 5 s belongs to
+//! a replica that is gone.
+//!
+//! **The policy.** Each entry carries the replica's [fingerprint](crate::policy::ToolPolicy::fingerprint)
+//! of every tool's policy. When the live replicas' fingerprints of a tool differ — two
+//! replicas given different files, or a rolling reload under way — each replica logs a
+//! warning naming the tool and the fingerprints, sets the `fairshare_policy_mismatch` gauge,
+//! shows it in the console (`policy.disagreement`) and in [`Store::policy_disagreements`];
+//! past the [grace time](RedisStoreBuilder::policy_grace) (60 s) it logs an error, again every
+//! grace time, until they agree.
+//!
+//! **The record format.** The key names (`fs5…`) no longer change between versions; each
+//! record says its format instead. A replica reads every format it knows and writes the
+//! newest one that *every live replica* reads (and, until it has read the others' entries
+//! once, the oldest it writes). So a rolling upgrade that changes the layout needs nothing
+//! from the operator: while an old replica is alive, the new ones write the old format, and
+//! all of them count in the same records — two versions side by side admit what one would.
+//! Once the last old replica is gone, each record is rewritten in the new format the next
+//! time it is written, with every counter, budget and template count carried over (permits
+//! are entries of their own and do not change). A replica that meets a format it cannot read
+//! (an old version started after the new format was written: a rollback) fails that call as
+//! a store error — the tool's `on_store_error` applies, `deny` by default — and never admits
+//! on a record it cannot count. To roll back across a format change, stop the new replicas
+//! first, or run old and new side by side until the old ones have announced themselves.
+//! This version writes format 1, the layout every earlier version wrote since the keys were
+//! `fs5`: it runs side by side with them (which announce nothing).
 //!
 //! # Cancellation
 //!
@@ -176,6 +208,9 @@ mod builder;
 mod cache;
 mod ledger;
 mod record;
+mod replicas;
+#[cfg(test)]
+mod upgrade;
 mod upkeep;
 mod wire;
 
@@ -382,6 +417,8 @@ struct Shared {
     /// Each tool's queue of decisions and corrections (see `batch`).
     queues: Mutex<HashMap<Arc<str>, tokio::sync::mpsc::UnboundedSender<batch::Job>>>,
     health: upkeep::HealthState,
+    /// What this replica tells the others, and what it last read of theirs.
+    replicas: replicas::Replicas,
 }
 
 /// Keeps admission state in Redis (or Redis Cluster), shared by every replica. See the
@@ -443,6 +480,8 @@ impl RedisStore {
         if let Some(b) = backend {
             let _ = slot.set(b);
         }
+        let ids = CallIds::new();
+        let replicas = replicas::Replicas::new(ids.prefix, config.formats, config.policy_grace);
         RedisStore {
             shared: Arc::new(Shared {
                 cache: config
@@ -456,7 +495,8 @@ impl RedisStore {
                 cached_refusals: AtomicU64::new(0),
                 abandoned: AtomicU64::new(0),
                 breaker: Breaker::new(),
-                ids: CallIds::new(),
+                ids,
+                replicas,
                 held: Mutex::new(HashMap::new()),
                 pending: Pending::default(),
                 queues: Mutex::new(HashMap::new()),
@@ -506,6 +546,17 @@ impl RedisStore {
     /// runs this by itself in the background.
     pub async fn check_health(&self) -> Result<StoreHealth, StoreError> {
         self.shared.check_health().await
+    }
+
+    /// Announces this replica to the others sharing the store and reads theirs now (the
+    /// store does this every second by itself): which record format every live replica reads
+    /// (see the module docs, *Upgrades*) and whether they enforce the same policy for each
+    /// tool. Returns the tools they disagree on, as [`Store::policy_disagreements`] does.
+    pub async fn check_replicas(
+        &self,
+    ) -> Result<Vec<crate::store::PolicyDisagreement>, StoreError> {
+        self.shared.announce().await?;
+        Ok(self.shared.replicas.disagreements())
     }
 
     async fn decide_remote(
@@ -922,6 +973,14 @@ impl Store for RedisStore {
         self.shared.flush().await
     }
 
+    fn policy_in_force(&self, policy: &crate::Policy) {
+        self.shared.replicas.policy_in_force(policy);
+    }
+
+    fn policy_disagreements(&self) -> Vec<crate::store::PolicyDisagreement> {
+        self.shared.replicas.disagreements()
+    }
+
     async fn inspect<'a>(
         &'a self,
         keys: &'a CallKeys,
@@ -971,7 +1030,7 @@ impl Shared {
         let mut out: [Option<NodeState>; 3] = Default::default();
         for (((level, _), value), held) in present.iter().zip(values).zip(held) {
             let state = match value {
-                Some(bytes) => Some(record::Record::decode(&bytes)?.state),
+                Some(bytes) => Some(record::Record::decode(&bytes, self.config.formats[1])?.state),
                 None => None,
             };
             // Calls in flight: the permits that count (see above).

@@ -1,6 +1,13 @@
 //! A level's record in Redis: its version, when it may go, and its `NodeState`. Written and read by Rust only: the scripts compare the
 //! version's 8 bytes and copy whole records, they never look inside.
 //!
+//! **Formats.** The layout below is format 1. Every later format keeps the first 8 bytes (the
+//! version the scripts compare) and ends with an 8-byte trailer, `FSRF` and the format number
+//! as a little-endian `u32`, so a replica tells a format it does not know from a broken record
+//! and says so. Which format a replica writes is agreed among the replicas (`replicas`); a
+//! replica reads every format it knows, so a layout change migrates each record as it is next
+//! written.
+//!
 //! Layout, little-endian: `u64` version (random per write: a record that expired and was
 //! made again never takes an old version back), then doubles: expires (µs, the decisions'
 //! clock: the state is equivalent to a fresh one from then on, template counts included), t,
@@ -15,6 +22,21 @@ use crate::policy::BudgetPeriod;
 use crate::store::StoreError;
 
 const FIXED: usize = 8 + 8 * 14;
+
+/// The newest record format this version writes.
+pub(super) const FORMAT: u8 = 1;
+/// The oldest record format this version reads and writes.
+pub(super) const OLDEST_FORMAT: u8 = 1;
+/// What ends a record of format 2 or later, before its format number.
+const TRAILER: &[u8; 4] = b"FSRF";
+
+/// The format of a record: its trailer's, or 1 without one.
+fn format_of(bytes: &[u8]) -> u32 {
+    match bytes.len().checked_sub(8).map(|at| &bytes[at..]) {
+        Some(t) if t[..4] == *TRAILER => u32::from_le_bytes(t[4..].try_into().expect("4 bytes")),
+        _ => 1,
+    }
+}
 
 /// A level's record.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -37,7 +59,20 @@ fn period_of(code: f64) -> Option<BudgetPeriod> {
 }
 
 impl Record {
-    pub(super) fn encode(&self) -> Vec<u8> {
+    /// The record's bytes in `format` (see the module docs).
+    pub(super) fn encode(&self, format: u8) -> Vec<u8> {
+        #[cfg(test)]
+        if format == tests::NEXT {
+            let mut out = self.encode_v1();
+            out.extend_from_slice(TRAILER);
+            out.extend_from_slice(&u32::from(format).to_le_bytes());
+            return out;
+        }
+        debug_assert_eq!(format, FORMAT, "only format 1 exists");
+        self.encode_v1()
+    }
+
+    fn encode_v1(&self) -> Vec<u8> {
         let s = &self.state;
         let mut out = Vec::with_capacity(FIXED + 24 * s.budgets.len());
         out.extend_from_slice(&self.version.to_le_bytes());
@@ -109,8 +144,22 @@ impl Record {
         Ok(plans)
     }
 
-    /// `None` for a missing key; an error for bytes that are not a record.
-    pub(super) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
+    /// The record in `bytes`, in any format up to `newest` this version reads; an error for
+    /// bytes that are not a record, and for a format it does not read.
+    pub(super) fn decode(bytes: &[u8], newest: u8) -> Result<Record, StoreError> {
+        match format_of(bytes) {
+            1 => Self::decode_v1(bytes),
+            #[cfg(test)]
+            f if f == u32::from(tests::NEXT) && newest >= tests::NEXT => {
+                Self::decode_v1(&bytes[..bytes.len() - 8])
+            }
+            f => Err(StoreError::Protocol(format!(
+                "a stored state is in record format {f}, and this replica reads formats up to {newest}: a newer replica wrote it while this one was not announced; upgrade this replica"
+            ))),
+        }
+    }
+
+    fn decode_v1(bytes: &[u8]) -> Result<Record, StoreError> {
         let bad = |what: &str| StoreError::Protocol(format!("a stored state is {what}"));
         if bytes.len() < FIXED {
             return Err(bad("not a record of this layout"));
@@ -162,10 +211,14 @@ impl Record {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// A record format the tests write and read, one past the newest real one: what the
+    /// migration tests bump the layout to (format 1 with a trailer).
+    pub(crate) const NEXT: u8 = FORMAT + 1;
 
     proptest! {
         #[test]
@@ -198,8 +251,10 @@ mod tests {
                         .collect(),
                 },
             };
-            let back = Record::decode(&r.encode()).unwrap();
-            prop_assert_eq!(back.encode(), r.encode());
+            let back = Record::decode(&r.encode(FORMAT), FORMAT).unwrap();
+            prop_assert_eq!(back.encode(FORMAT), r.encode(FORMAT));
+            let next = Record::decode(&r.encode(NEXT), NEXT).unwrap();
+            prop_assert_eq!(next.encode(FORMAT), r.encode(FORMAT));
             prop_assert_eq!(back.state.plans, r.state.plans);
         }
 
@@ -223,15 +278,25 @@ mod tests {
                     old.extend_from_slice(&x.to_le_bytes());
                 }
             }
-            let r = Record::decode(&old).unwrap();
+            let r = Record::decode(&old, FORMAT).unwrap();
             prop_assert!(r.state.plans.is_empty());
             prop_assert_eq!(r.state.budgets.len(), nb.len());
-            prop_assert_eq!(r.encode(), old);
+            prop_assert_eq!(r.encode(FORMAT), old);
+        }
+
+        /// A format this version does not know is an error that says so.
+        #[test]
+        fn an_unknown_format_is_named(format in (NEXT as u32 + 1)..1000) {
+            let mut bytes = Record::default().encode(FORMAT);
+            bytes.extend_from_slice(TRAILER);
+            bytes.extend_from_slice(&format.to_le_bytes());
+            let e = Record::decode(&bytes, NEXT).unwrap_err().to_string();
+            prop_assert!(e.contains(&format!("record format {format}")), "{}", e);
         }
 
         #[test]
         fn anything_else_is_an_error_not_a_panic(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
-            let _ = Record::decode(&bytes);
+            let _ = Record::decode(&bytes, NEXT);
         }
     }
 }

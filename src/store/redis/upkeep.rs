@@ -118,8 +118,15 @@ impl Shared {
             }
             let mut last_check: Option<Instant> = None;
             let mut last_epochs = Instant::now();
+            let mut last_announced: Option<Instant> = None;
             loop {
                 let Some(sh) = weak.upgrade() else { return };
+                if last_announced.is_none_or(|t| t.elapsed() >= super::replicas::ANNOUNCE_EVERY) {
+                    last_announced = Some(Instant::now());
+                    if let Err(e) = sh.announce().await {
+                        tracing::debug!(store = "redis", error = %e, "could not announce this replica");
+                    }
+                }
                 let every = sh.config.upkeep_every;
                 if !every.is_zero() && last_check.is_none_or(|t| t.elapsed() >= every) {
                     last_check = Some(Instant::now());
@@ -142,7 +149,7 @@ impl Shared {
                         tracing::warn!(store = "redis", error = %e, "could not renew permits; they lapse after the permit TTL unless renewed");
                     }
                 }
-                let mut tick = sh.config.permit_ttl / 3;
+                let mut tick = (sh.config.permit_ttl / 3).min(super::replicas::ANNOUNCE_EVERY);
                 if !every.is_zero() {
                     tick = tick.min(every).min(EPOCH_CHECK_EVERY);
                 }
