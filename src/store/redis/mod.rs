@@ -48,7 +48,7 @@
 //! | `fs5{<tool>}t<tenant>!` | zset | the tenant's permits |
 //! | `fs5{<tool>}i<tenant><instance>` / `!` | string / zset | an instance's record / its permits |
 //!
-//! | `fs{replicas}` | hash | one entry per live replica: the record formats it reads and writes, its policy's fingerprint per tool (see *Replicas and upgrades*) |
+//! | `fs{replicas}@` | hash | one entry per live replica: the record formats it reads and writes, its policy's fingerprint per tool (see *Replicas and upgrades*) |
 //!
 //! A record is its version (8 bytes) and little-endian doubles: when the state is equivalent to
 //! a fresh one, then the engine's `NodeState` (template counts included) and its budget
@@ -88,7 +88,7 @@
 //!
 //! # Replicas and upgrades
 //!
-//! Every replica writes an entry in `fs{replicas}` each second and reads the others'
+//! Every replica writes an entry in `fs{replicas}@` each second and reads the others'
 //! ([`RedisStore::check_replicas`] does it at once): an entry not renewed for 5 s belongs to
 //! a replica that is gone.
 //!

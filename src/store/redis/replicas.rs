@@ -1,7 +1,7 @@
 //! What the replicas sharing a Redis store tell each other: which record formats each can
 //! read and write, and a fingerprint of the policy each enforces per tool.
 //!
-//! Every replica writes an entry in one hash (`fs{replicas}` behind the namespace, a key no
+//! Every replica writes an entry in one hash (`fs{replicas}@` behind the namespace, a key no
 //! version of the store ever renames) every second and reads the others': an entry is the
 //! Redis time it was written and a JSON object. An entry not renewed for
 //! [`STALE`] belongs to a replica that is gone, and whoever reads it deletes it.
@@ -219,7 +219,7 @@ fn described(d: &PolicyDisagreement) -> String {
 impl Shared {
     /// The key of the replicas' entries.
     fn replicas_key(&self) -> String {
-        format!("{}fs{{replicas}}", self.config.namespace)
+        format!("{}fs{{replicas}}@", self.config.namespace)
     }
 
     /// Writes this replica's entry, reads the others' (deleting those gone stale) and acts on

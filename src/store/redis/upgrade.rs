@@ -101,7 +101,7 @@ async fn gone(server: &Server, namespace: &str, l: &Limiter<RedisStore, ManualCl
         .await
         .unwrap();
     let _: i64 = redis::cmd("HDEL")
-        .arg(format!("{namespace}fs{{replicas}}"))
+        .arg(format!("{namespace}fs{{replicas}}@"))
         .arg(&l.store().shared.replicas.id)
         .query_async(&mut c)
         .await
