@@ -90,6 +90,17 @@ fn with_lease(toml: &str) -> String {
     toml.replace("[[tool]]\n", "[[tool]]\nlease = { max = 64 }\n")
 }
 
+/// Every call decided at the store: leases off.
+fn without_lease(toml: &str) -> String {
+    toml.replace("[[tool]]\n", "[[tool]]\nlease = \"off\"\n")
+}
+
+/// The policies the lease properties hold for: a lease capped at 64 units, and the default
+/// (`lease` left out: sized by itself, no cap of its own), with that cap.
+fn leased_variants(toml: &str) -> [(String, f64); 2] {
+    [(with_lease(toml), 64.0), (toml.to_owned(), f64::INFINITY)]
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, failure_persistence: None, ..Default::default() })]
 
@@ -108,10 +119,13 @@ proptest::proptest! {
         let who: Vec<(Caller, u64)> = fast.iter().map(|(i, g)| (callers[*i].clone(), *g)).collect();
         // Refusals decided every time: a remembered one carries the figures of the first, and
         // leases change which calls are remembered (a grant asks for more than one unit).
-        let (plain, c1) = on_store(&toml, MemoryStore::new().refusal_cache(false));
-        let (leased, c2) = on_store(&with_lease(&toml), MemoryStore::new().refusal_cache(false));
-        let r = same(&run(&plain, &c1, &who), &run(&leased, &c2, &who));
-        proptest::prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+        let (plain, c1) = on_store(&without_lease(&toml), MemoryStore::new().refusal_cache(false));
+        let expected = run(&plain, &c1, &who);
+        for (leased_toml, _) in leased_variants(&toml) {
+            let (leased, c2) = on_store(&leased_toml, MemoryStore::new().refusal_cache(false));
+            let r = same(&expected, &run(&leased, &c2, &who));
+            proptest::prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+        }
     }
 }
 
@@ -271,8 +285,8 @@ burst = 100
 "#;
     let a = Caller::new("a");
     let who: Vec<(Caller, u64)> = (0..6_000).map(|_| (a.clone(), 1_333)).collect();
-    let (plain, c1) = limiter(toml);
-    let (leased, c2) = limiter(&with_lease(toml));
+    let (plain, c1) = limiter(&without_lease(toml));
+    let (leased, c2) = limiter(toml);
     let x = run(&plain, &c1, &who);
     let mut y = Vec::new();
     for w in who.chunks(1) {
@@ -373,9 +387,10 @@ proptest::proptest! {
         let minutes = 2;
         // Refusals decided every time: a remembered one carries the figures of the first, and
         // leases change which calls are remembered (a grant asks for more than one unit).
-        let (plain, c1) = on_store(&toml, MemoryStore::new().refusal_cache(false));
-        let (leased, c2) = on_store(&with_lease(&toml), MemoryStore::new().refusal_cache(false));
+        let (plain, c1) = on_store(&without_lease(&toml), MemoryStore::new().refusal_cache(false));
         let a = drive(&plain, &c1, &offers, minutes);
+        for (leased_toml, max) in leased_variants(&toml) {
+        let (leased, c2) = on_store(&leased_toml, MemoryStore::new().refusal_cache(false));
         let b = drive(&leased, &c2, &offers, minutes);
         let policy = Policy::from_toml_str(&toml).unwrap();
         let tool = policy.tool("t").unwrap();
@@ -383,7 +398,7 @@ proptest::proptest! {
         let held_at_most: f64 = alloc.tools[0]
             .tenants
             .iter()
-            .map(|t| 64f64.min((t.burst.min(tool.burst()) * 0.25).floor()))
+            .map(|t| max.min((t.burst.min(tool.burst()) * 0.25).floor()))
             .sum();
         for w in 0..minutes as usize {
             let total: u64 = b.iter().map(|x| x[w]).sum();
@@ -404,6 +419,7 @@ proptest::proptest! {
                     "T{i} minute {w}: {} unleased, {} leased: {diff} apart, bound {held_at_most}", a[i][w], b[i][w]
                 );
             }
+        }
         }
     }
 }

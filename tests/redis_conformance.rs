@@ -183,7 +183,7 @@ fn policy() -> impl Strategy<Value = String> {
                 move |(limit, per, burst, cap, budgets, untenanted, levels, maxes)| {
                     let (a, b, x, default_instance, default_of_default) = levels;
                     let mut t = format!(
-                        "[[tool]]\nname = \"{name}\"\nunit = \"tokens\"\nrate = {{ limit = {limit}, per = \"{per}\" }}\n{burst}{cap}{budgets}"
+                        "[[tool]]\nname = \"{name}\"\nunit = \"tokens\"\nlease = \"off\"\nrate = {{ limit = {limit}, per = \"{per}\" }}\n{burst}{cap}{budgets}"
                     );
                     if untenanted {
                         t.push_str("require_tenant = false\n");

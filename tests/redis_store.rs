@@ -71,9 +71,11 @@ weight = 1
 max_tenants = 50
 "#;
 
-/// The capacity bound across replicas: 4 stores ("replicas") on one Redis, 64 tasks each, flooding;
-/// the admitted calls (timed by Redis) never exceed C τ/P + burst + Σ floors over any
-/// interval, and the quiet tenant, offering half its floor, gets every call.
+/// The capacity bound across replicas: 4 stores ("replicas") on one Redis, 64 tasks each, flooding,
+/// with the policy's default settings (leases on); the admitted calls (timed by Redis: a call
+/// spent from a lease at its grant's time, when Redis charged it) never exceed
+/// C τ/P + burst + Σ floors over any interval, and the quiet tenant, offering half its floor,
+/// gets every call.
 #[test]
 fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
     let server = RedisServer::start();
@@ -1271,7 +1273,7 @@ fn race(
 }
 
 /// Four replicas (four stores on one Redis, each limiter with its own leases) × 64 tasks flood
-/// one tenant on a leasing tool, on a virtual clock each call moves on: every aligned second
+/// one tenant on a tool with the default (self-sized) leases, on a virtual clock each call moves on: every aligned second
 /// admits at most the tenant's ceiling + burst (nothing admitted that Redis did not charge)
 /// and at least 95 % of it (what leases leave unused is bounded), a quiet tenant beside it
 /// gets every call within its floor, and a replica that dies holding a lease (its units never
@@ -1287,7 +1289,6 @@ name = "t"
 unit = "calls"
 rate = { limit = 10000, per = "1s" }
 burst = 1000
-lease = { max = 64 }
 [tool.tenants.busy]
 ceiling = 3000
 burst = 400

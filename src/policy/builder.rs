@@ -113,11 +113,16 @@ impl ToolBuilder {
         self.raw.default_ceiling = Some(super::raw::DefaultCeiling::Capacity);
         self
     }
-    /// Lets a process hold up to `max` units of a caller's own allocation at a time, charged
-    /// at every level in advance, so most decisions touch no shared state (see the crate's
-    /// notes on leases). `max` ≤ 1 (the default) decides every call at the store.
+    /// Caps what a process may hold of a caller's own allocation at a time (leases: charged
+    /// at every level in advance, so most decisions touch no shared state; see the crate's
+    /// notes on leases). By default leases size themselves with no cap of their own.
     pub fn lease_max(mut self, max: f64) -> Self {
         self.raw.lease = Some(super::raw::RawLease::Max(max));
+        self
+    }
+    /// Decides every call at the store: no leases (`lease = "off"`).
+    pub fn no_leases(mut self) -> Self {
+        self.raw.lease = Some(super::raw::RawLease::Word("off".into()));
         self
     }
     /// The template for unlisted tenants.

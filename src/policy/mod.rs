@@ -382,8 +382,10 @@ impl ToolPolicy {
     pub fn on_store_error(&self) -> OnStoreError {
         self.on_store_error
     }
-    /// The largest lease one caller's path may hold in a process, in units (`lease = { max =
-    /// N }`); `None` when every call is decided at the store (`lease = "off"`, the default).
+    /// The largest lease one caller's path may hold in a process, in units: infinite for
+    /// `lease = "auto"` (the default: only the adaptive grant bounds it), `N` for
+    /// `lease = { max = N }`; `None` when every call is decided at the store
+    /// (`lease = "off"`).
     pub fn lease_max(&self) -> Option<f64> {
         (self.lease_max > 1.0).then_some(self.lease_max)
     }
@@ -608,8 +610,8 @@ impl fmt::Display for Num {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Problem {
-    /// A tool's `lease` is a word other than `"off"`.
-    #[error("`lease = \"{0}\"` is not a setting: write `lease = \"off\"` or `lease = {{ max = 64 }}` (the most units one caller's path may hold in a process)")]
+    /// A tool's `lease` is a word other than `"auto"` or `"off"`.
+    #[error("`lease = \"{0}\"` is not a setting: leave it out (or write `lease = \"auto\"`) for leases sized by themselves, `lease = \"off\"` to decide every call at the store, or `lease = {{ max = 64 }}` to cap what one caller's path may hold in a process")]
     BadLease(String),
     /// A number that must be above zero is not.
     #[error("must be a positive, finite number, not {}", Num(*.0))]

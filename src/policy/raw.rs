@@ -122,10 +122,11 @@ pub(crate) struct RawTool {
     pub(crate) tenants: UniqueMap<RawTenant>,
 }
 
-/// A tool's `lease` setting as written: `"off"`, or `{ max = N }`.
+/// A tool's `lease` setting as written: `"auto"`, `"off"`, or `{ max = N }`.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum RawLease {
-    /// A word: only `"off"` is valid (checked in validation, which names the path).
+    /// A word: only `"auto"` and `"off"` are valid (checked in validation, which names the
+    /// path).
     Word(String),
     /// The largest grant, in the tool's units.
     Max(f64),
@@ -151,7 +152,7 @@ impl<'de> Deserialize<'de> for RawLease {
         impl<'de> Visitor<'de> for V {
             type Value = RawLease;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("\"off\" or a table `{ max = N }`")
+                f.write_str("\"auto\", \"off\" or a table `{ max = N }`")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawLease, E> {
                 Ok(RawLease::Word(v.to_owned()))

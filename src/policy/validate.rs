@@ -622,10 +622,12 @@ fn tiers_of(
     }
 }
 
-/// A tool's lease `max` (0: off).
+/// A tool's lease `max` (0: off; infinite: `"auto"`, the default, where only the adaptive
+/// grant bounds it).
 fn lease_of(cx: &mut Ctx, lease: Option<&RawLease>, path: &str) -> f64 {
     match lease {
-        None => 0.0,
+        None => f64::INFINITY,
+        Some(RawLease::Word(w)) if w == "auto" => f64::INFINITY,
         Some(RawLease::Word(w)) if w == "off" => 0.0,
         Some(RawLease::Word(w)) => {
             cx.err(format!("{path}.lease"), Problem::BadLease(w.clone()));

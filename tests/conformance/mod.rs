@@ -40,19 +40,21 @@ pub trait Factory: Sync {
     fn cases(&self) -> u32 {
         48
     }
-    /// Whether every tool of the suite's policies leases (`lease = { max = 64 }`): the same
-    /// properties, with most calls spent from leases.
+    /// Whether every tool of the suite's policies leases, as tools do by default (`lease`
+    /// left out: grants sized by themselves): the same properties, with most calls spent from
+    /// leases. Otherwise every tool says `lease = "off"`: every call decided at the store.
     fn leased(&self) -> bool {
         false
     }
 }
 
-/// The suite's policy `toml`, with leases on every tool when the factory asks for them.
+/// The suite's policy `toml`: its tools lease by default, or every call is decided at the
+/// store (`lease = "off"`) unless the factory asks for leases.
 pub fn policy_of<F: Factory>(f: &F, toml: &str) -> Result<Policy, tower_fairshare::PolicyError> {
     if f.leased() {
-        Policy::from_toml_str(&toml.replace("[[tool]]\n", "[[tool]]\nlease = { max = 64 }\n"))
-    } else {
         Policy::from_toml_str(toml)
+    } else {
+        Policy::from_toml_str(&toml.replace("[[tool]]\n", "[[tool]]\nlease = \"off\"\n"))
     }
 }
 
