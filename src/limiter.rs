@@ -675,18 +675,31 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Decided::Lease(grant, part)
     }
 
-    /// Gives back what leases returned, at once where the store can, parked where it cannot:
-    /// for the call itself to apply before it answers when it can wait (see
-    /// [`admit`](Self::admit)), for the next call that can otherwise.
+    /// Gives back what leases returned without making the call wait: at once where the store
+    /// can; otherwise by a task of its own on the tokio runtime; with no runtime, parked for
+    /// the next call that can wait (see [`admit`](Self::admit)), which applies them first.
     fn give_back_now(&self, returns: Vec<lease::Return>, now: crate::clock::Timestamp) {
         if returns.is_empty() {
             return;
         }
+        let mut later = Vec::new();
         for r in returns {
             match self.inner.store.adjust_now(&r.grant, r.factor, now) {
                 Some(_) => telemetry::lease_returned(&r.grant.keys.tool, r.units),
-                None => self.inner.leases.park(r),
+                None => later.push(r),
             }
+        }
+        if later.is_empty() {
+            return;
+        }
+        #[cfg(feature = "tokio")]
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let this = self.clone();
+            rt.spawn(async move { this.give_back_waiting(later, now).await });
+            return;
+        }
+        for r in later {
+            self.inner.leases.park(r);
         }
     }
 
@@ -740,8 +753,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 Take::Miss { grant } => self.grant_waiting(p, grant, &mut returns.returns).await,
             },
         };
-        self.give_back_waiting(std::mem::take(&mut returns.returns), p.plan.now)
-            .await;
+        // Not waited for: a leasing call waits for no more than its own decision.
+        self.give_back_now(std::mem::take(&mut returns.returns), p.plan.now);
         decided
     }
 

@@ -295,7 +295,7 @@ async fn an_identity_extractor_can_reject_with_its_own_response() {
 }
 
 #[tokio::test]
-async fn seed_004_tenants_sharing_an_instance_id_are_independent() {
+async fn tenants_sharing_an_instance_id_are_independent() {
     let (limiter, _clock) = limiter();
     let (calls, inner) = counting();
     let mut svc = FairShareLayer::new(limiter).layer(inner);

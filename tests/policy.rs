@@ -144,8 +144,8 @@ fn the_builder_agrees_with_the_file() {
 }
 
 #[test]
-fn seed_000_allocation() {
-    let p = Policy::from_toml_str(include_str!("../examples/seed000/policy.toml")).unwrap();
+fn worked_example_allocation() {
+    let p = Policy::from_toml_str(include_str!("../examples/web_search/policy.toml")).unwrap();
     let a = p.allocation();
     let rows: Vec<(String, f64, f64)> = a.tools[0]
         .tenants

@@ -1,4 +1,4 @@
-//! The seed-000 acceptance tests, through the real limiter over a virtual clock, from the
+//! The acceptance tests, through the real limiter over a virtual clock, from the
 //! example files users run with `fairshare simulate`.
 
 use fairshare::simulate::{simulate, Report, Scenario};
@@ -85,13 +85,13 @@ fn three_part_acceptance() {
     }
 }
 
-/// Seed 000 saturated: every tenant offers 10× its ceiling. Each gets its nominal
+/// The worked example saturated: every tenant offers 10× its ceiling. Each gets its nominal
 /// 328 / 136 / 68 / 68 a minute within 5 %, never more than 600 a minute in all, and the run
 /// is deterministic.
 #[test]
-fn seed_000_saturation_gives_nominal_shares() {
-    let policy = include_str!("../../examples/seed000/policy.toml");
-    let scenario = include_str!("../../examples/seed000/saturation.toml");
+fn saturation_gives_nominal_shares() {
+    let policy = include_str!("../../examples/web_search/policy.toml");
+    let scenario = include_str!("../../examples/web_search/saturation.toml");
     let (_, report) = run(policy, scenario);
     let nominal = [328.0, 136.0, 68.0, 68.0];
     for (k, p) in report.periods.iter().enumerate() {

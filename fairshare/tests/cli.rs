@@ -17,8 +17,8 @@ fn fairshare(args: &[&str]) -> (i32, String, String) {
 }
 
 #[test]
-fn check_prints_the_seed_000_ceilings() {
-    let (code, out, _) = fairshare(&["check", "examples/seed000/policy.toml"]);
+fn check_prints_the_worked_examples_ceilings() {
+    let (code, out, _) = fairshare(&["check", "examples/web_search/policy.toml"]);
     assert_eq!(code, 0);
     for (tenant, ceiling) in [("A", "328"), ("B", "136"), ("C", "68"), ("D", "68")] {
         let row = out
@@ -123,9 +123,9 @@ fn simulate_json_is_deterministic_and_within_capacity() {
         "simulate",
         "--json",
         "--policy",
-        "examples/seed000/policy.toml",
+        "examples/web_search/policy.toml",
         "--scenario",
-        "examples/seed000/saturation.toml",
+        "examples/web_search/saturation.toml",
     ];
     let (code, first, _) = fairshare(&args);
     assert_eq!(code, 0);

@@ -17,7 +17,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 const POLICY: &str = r#"
-# Seed 004: a `3/min, burst 3` allowance per tenant on a tool with plenty of capacity.
+# A `3/min, burst 3` allowance per tenant on a tool with plenty of capacity.
 [[tool]]
 name = "generate_report"
 unit = "calls"
@@ -190,11 +190,11 @@ async fn no_identity_is_401() {
     assert_eq!(a.json, serde_json::json!({ "ok": true }));
 }
 
-/// Seed 004: acme and globex both present instance id `shared-agent`. Acme is refused on its
+/// acme and globex both present instance id `shared-agent`. Acme is refused on its
 /// 4th call of a `3/min, burst 3` allowance; globex's allowance is its own, untouched.
 #[tokio::test]
-async fn seed_004_tenants_sharing_an_instance_id_have_their_own_allowance() {
-    let server = serve("seed004");
+async fn tenants_sharing_an_instance_id_have_their_own_allowance() {
+    let server = serve("shared-id");
     for n in 1..=3 {
         let a = call(&server, "generate_report", Some("sk-acme")).await;
         assert_eq!(a.status, StatusCode::OK, "acme call {n}: {}", a.json);
@@ -733,9 +733,9 @@ fn simulate_on_redis_matches_memory_and_leaves_no_keys() {
             .args([
                 "simulate",
                 "--policy",
-                "examples/seed000/policy.toml",
+                "examples/web_search/policy.toml",
                 "--scenario",
-                "examples/seed000/saturation.toml",
+                "examples/web_search/saturation.toml",
                 "--json",
             ])
             .args(extra)

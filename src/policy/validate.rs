@@ -354,7 +354,7 @@ fn floor_within_budgets(cx: &mut Ctx, path: &str, floor: f64, period: Period, bu
 }
 
 /// The lending room of a tool without an explicit burst: one second's worth of a per-minute
-/// rate (1/60 of the capacity), at least two units. Small, as the seeds advise; the tool's
+/// rate (1/60 of the capacity), at least two units. Small: a big bucket is a giant burst waiting to happen; the tool's
 /// burst is this plus its tenants' bursts.
 pub(crate) fn default_burst(capacity: f64) -> f64 {
     (capacity / 60.0).max(2.0)

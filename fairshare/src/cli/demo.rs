@@ -1,4 +1,4 @@
-//! `fairshare demo`: the seed-000 three-part acceptance test over real loopback HTTP.
+//! `fairshare demo`: the three-part acceptance test over real loopback HTTP.
 //!
 //! Starts the `serve` gateway in this process on `127.0.0.1:0` with the policy and keys of
 //! `fairshare/demo/`, waits for the start of the limiter's next window (windows are aligned to

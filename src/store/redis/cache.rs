@@ -1,5 +1,5 @@
 //! The local refusal cache: after a refusal that names a retry time, the same call on this
-//! replica is refused without a Redis command until then, so a parasite's flood costs no
+//! replica is refused without a Redis command until then, so a runaway caller's flood costs no
 //! round trips.
 
 use std::collections::HashMap;

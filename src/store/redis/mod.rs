@@ -178,7 +178,7 @@
 //!
 //! After a refusal that names a retry time *t* (a rate or a budget), the same caller's calls
 //! (same [`CallKeys`], same cost) on this replica are refused locally until *t*,
-//! without a Redis command: a parasite's flood costs no round trips. Refusals whose retry time
+//! without a Redis command: a runaway caller's flood costs no round trips. Refusals whose retry time
 //! is a guess (concurrency, too many template callers) are not cached, nor are any refusals of
 //! a call that passes a concurrency cap (a slot taken meanwhile would make the true answer
 //! `concurrency_exceeded`, which is checked first); a local refund or a downward correction
