@@ -1,6 +1,27 @@
 //! `fairshare`: check a policy, simulate load against it, serve a reference gateway, run the
 //! acceptance demo over loopback HTTP.
 
+/// Writes to stdout like `print!`; a reader that went away (`fairshare check p.toml | head -1`)
+/// ends the command quietly, as it ends any Unix tool.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = write!(std::io::stdout().lock(), $($arg)*) {
+            $crate::output_failed(e);
+        }
+    }};
+}
+
+/// `say!` with a newline, like `println!`.
+macro_rules! sayln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::output_failed(e);
+        }
+    }};
+}
+
 mod cli;
 
 use std::net::SocketAddr;
@@ -350,7 +371,7 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             _ => None,
         };
         // Scripts and tests read this line to learn the port.
-        println!("fairshare serve: listening on http://{addr}");
+        sayln!("fairshare serve: listening on http://{addr}");
         let metrics_note = match (&metrics_listener, &o.metrics_key) {
             (Some(l), _) => {
                 let a = l.local_addr().expect("a bound socket has an address");
@@ -361,7 +382,7 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
             }
             _ => "no /metrics (--metrics-listen or --metrics-key)".to_owned(),
         };
-        println!(
+        sayln!(
             "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; {metrics_note}",
             tools.join(", "),
             cli::serve::API_KEY
@@ -486,10 +507,10 @@ fn check(path: &Path) -> ExitCode {
         Err(code) => return code,
     };
     for w in policy.warnings() {
-        println!("warning: {w}");
+        sayln!("warning: {w}");
     }
     for t in policy.allocation().tools {
-        println!(
+        sayln!(
             "tool {}: {} {} per {}, burst {}, spare {} split by weight{}",
             t.name,
             num(t.capacity),
@@ -499,13 +520,18 @@ fn check(path: &Path) -> ExitCode {
             num(t.spare),
             budgets(&t.budgets)
         );
-        println!(
+        sayln!(
             "  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8}  budgets",
-            "tenant / instance", "floor", "weight", "share", "ceiling", "burst"
+            "tenant / instance",
+            "floor",
+            "weight",
+            "share",
+            "ceiling",
+            "burst"
         );
         for r in &t.tenants {
             let name = tenant_label(r);
-            println!(
+            sayln!(
                 "  {:<28} {:>8} {:>8} {:>8} {:>8} {:>8} {}",
                 name,
                 num(r.floor),
@@ -521,7 +547,7 @@ fn check(path: &Path) -> ExitCode {
                 } else {
                     i.name.clone()
                 };
-                println!(
+                sayln!(
                     "    {:<26} {:>8} {:>8} {:>8} {:>8} {:>8} {}",
                     name,
                     num(i.floor),
@@ -535,7 +561,7 @@ fn check(path: &Path) -> ExitCode {
         }
         lending(&t);
     }
-    println!("ok: {} is valid", path.display());
+    sayln!("ok: {} is valid", path.display());
     ExitCode::SUCCESS
 }
 
@@ -544,7 +570,7 @@ fn check(path: &Path) -> ExitCode {
 fn lending(t: &tower_fairshare::policy::ToolAllocation) {
     let listed = || t.tenants.iter().filter(|r| r.name != "*");
     let floors: f64 = listed().map(|r| r.floor).sum();
-    println!(
+    sayln!(
         "  unused capacity: {} of {} a period are tenants' floors, kept for them (not lent while they are idle)",
         num(floors),
         num(t.capacity)
@@ -573,20 +599,20 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
             .map(|r| format!("{} {}", r.name, num(r.alone_ceiling)))
             .collect();
         if !without.is_empty() {
-            println!(
+            sayln!(
                 "  shares and ceilings above count one active tenant of each template: {}; each one more lowers the listed tenants' shares, and with none active the ceilings are {}",
                 templates.join(", "),
                 without.join(", ")
             );
         }
     }
-    println!(
+    sayln!(
         "  a tenant calling alone gets at most its ceiling: {}; to lend it more, raise its `ceiling` or set the tool's `default_ceiling = \"capacity\"`",
         alone.join(", ")
     );
     let ceilings: f64 = listed().map(|r| r.ceiling).sum();
     if t.tenants.iter().all(|r| r.name != "*") && ceilings < t.capacity {
-        println!(
+        sayln!(
             "  even with every tenant busy, {} a period go unused: the ceilings add up to {}",
             num(t.capacity - ceilings),
             num(ceilings)
@@ -697,12 +723,21 @@ fn run_simulation(
         }
     }
     if json {
-        println!(
+        sayln!(
             "{}",
             serde_json::to_string(&report).expect("report serializes")
         );
     } else {
-        print!("{}", report.to_table(tool.capacity(), tool.period()));
+        say!("{}", report.to_table(tool.capacity(), tool.period()));
     }
     ExitCode::SUCCESS
+}
+
+/// Stdout failed: a closed pipe ends the command quietly (exit 0), anything else is an error.
+fn output_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("error: cannot write the output: {e}");
+    std::process::exit(1);
 }

@@ -209,3 +209,33 @@ fn check_says_which_callers_its_ceilings_count() {
         "heavy alone was admitted {admitted} in a period, check says 107.5"
     );
 }
+
+/// A reader that goes away (`fairshare check p.toml | head -1`) ends the command quietly: exit
+/// 0, nothing on stderr. (It panicked on the closed pipe.)
+#[test]
+fn a_closed_pipe_ends_the_command_quietly() {
+    for args in [
+        &["check", "examples/web_search/policy.toml"][..],
+        &[
+            "simulate",
+            "--policy",
+            "examples/web_search/policy.toml",
+            "--scenario",
+            "examples/web_search/saturation.toml",
+        ],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+            .args(args)
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("fairshare runs");
+        // The reader goes away before the command writes anything.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    }
+}

@@ -211,19 +211,19 @@ pub(crate) async fn run(
         },
     ));
 
-    println!("fairshare demo: the three-part acceptance test over real HTTP");
-    println!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
-    println!(
+    sayln!("fairshare demo: the three-part acceptance test over real HTTP");
+    sayln!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
+    sayln!(
         "  console  http://{addr}/fairshare/ (live: who is at its floor, its ceiling, why refused)"
     );
-    println!(
+    sayln!(
         "  tool     {TOOL}: {} calls per {}, burst {}",
         num(capacity),
         tool.period(),
         num(alloc.burst)
     );
     for (d, o) in DRIVERS.iter().zip(&owed) {
-        println!(
+        sayln!(
             "  {:<18} offers {:>3} per window, {} (floor {}, nominal {}, ceiling {})",
             d.label,
             d.per_window,
@@ -242,7 +242,7 @@ pub(crate) async fn run(
         .as_micros();
     let p = period.as_micros();
     let wait = Duration::from_micros((now.div_ceil(p) * p - now) as u64);
-    println!(
+    sayln!(
         "  waiting {:.1}s for the limiter's next {} window, then offering load for {} windows ({}s)",
         wait.as_secs_f64(),
         tool.period(),
@@ -335,7 +335,7 @@ pub(crate) async fn run(
                         p.refused.load(Ordering::Relaxed)
                     );
                 }
-                println!("{line}");
+                sayln!("{line}");
             }
         })
     };
@@ -371,7 +371,7 @@ pub(crate) async fn run(
     let _ = stop.send(());
     let _ = server.await;
 
-    print!(
+    say!(
         "{}",
         report(
             &tallies,
@@ -389,7 +389,7 @@ pub(crate) async fn run(
             &tool.period().to_string(),
         );
         match std::fs::write(out, chart) {
-            Ok(()) => println!("chart written to {}", out.display()),
+            Ok(()) => sayln!("chart written to {}", out.display()),
             Err(e) => eprintln!("error: cannot write {}: {e}", out.display()),
         }
     }
@@ -397,10 +397,10 @@ pub(crate) async fn run(
         .iter()
         .all(|v| v.held);
     if all_held {
-        println!("every property held");
+        sayln!("every property held");
         ExitCode::SUCCESS
     } else {
-        println!("some property did NOT hold");
+        sayln!("some property did NOT hold");
         ExitCode::from(1)
     }
 }
