@@ -754,3 +754,78 @@ lease = { max = 64 }
         "more calls than one lease holds before it yielded: {calls}"
     );
 }
+
+/// The memory store, whose corrections never finish: as a remote store whose answers to
+/// them are slow.
+#[derive(Default)]
+struct SlowReturns {
+    inner: MemoryStore,
+}
+
+impl Store for SlowReturns {
+    async fn decide(
+        &self,
+        plan: &tower_fairshare::admission::engine::Plan<'_>,
+        keys: &tower_fairshare::store::CallKeys,
+    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
+        self.inner.decide(plan, keys).await
+    }
+    async fn adjust(
+        &self,
+        _: &tower_fairshare::store::Admission,
+        _: f64,
+        _: Timestamp,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        std::future::pending().await
+    }
+    async fn release(
+        &self,
+        admission: &tower_fairshare::store::Admission,
+    ) -> Result<(), tower_fairshare::StoreError> {
+        self.inner.release(admission).await
+    }
+    async fn inspect(
+        &self,
+        keys: &tower_fairshare::store::CallKeys,
+    ) -> Result<
+        [Option<tower_fairshare::admission::engine::NodeState>; 3],
+        tower_fairshare::StoreError,
+    > {
+        self.inner.inspect(keys).await
+    }
+}
+
+/// A leasing caller never waits longer than an unleased one: a call that finds its lease
+/// ended is answered once its own decision is, while what the lease held goes back to the
+/// store in the background. (It waited for the store to take the units back first: on a
+/// store slow to answer corrections, for as long as that took.)
+#[test]
+fn a_call_does_not_wait_for_a_lease_to_go_back() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let clock = ManualClock::new(EPOCH);
+    let l = Limiter::with_store(
+        Policy::from_toml_str(BUSY).unwrap(),
+        SlowReturns::default(),
+        clock.clone(),
+    );
+    let acme = Caller::new("acme");
+    rt.block_on(async {
+        while l.leased_units() < 8.0 {
+            clock.advance(Duration::from_micros(100));
+            l.admit(&acme, "search", Cost(1.0)).await.unwrap();
+        }
+        // The caller idles past its lease's life: its next call gives the lease back.
+        clock.advance(Duration::from_secs(2));
+        let answered =
+            tokio::time::timeout(Duration::from_secs(5), l.admit(&acme, "search", Cost(1.0))).await;
+        assert!(
+            matches!(answered, Ok(Ok(_))),
+            "the call waited for its lease to go back: {answered:?}"
+        );
+        assert_eq!(l.leased_units(), 0.0, "the old lease is no longer held");
+    });
+}
