@@ -124,6 +124,50 @@ fn threaded(iters: u64, threads: u64, f: impl Fn(usize, usize) + Sync) -> Durati
 // ---------------------------------------------------------------------------------------------
 // 1. One decision in memory.
 
+type Keyed<K> = governor::RateLimiter<
+    K,
+    governor::state::keyed::DefaultKeyedStateStore<K>,
+    governor::clock::DefaultClock,
+>;
+
+/// Three keyed governors chained, as a user limits tool, tenant and instance without a nested
+/// limiter: each call checks the tool's, then the tenant's, then the tenant's instance's.
+struct Chained {
+    tool: Keyed<String>,
+    tenant: Keyed<String>,
+    instance: Keyed<(String, String)>,
+}
+
+/// A caller's keys for [`Chained`]: (tool, tenant, (tenant, instance)).
+type ChainedKey = (String, String, (String, String));
+
+impl Chained {
+    fn new(quota: Quota) -> Self {
+        Chained {
+            tool: RateLimiter::keyed(quota),
+            tenant: RateLimiter::keyed(quota),
+            instance: RateLimiter::keyed(quota),
+        }
+    }
+
+    fn keys(callers: &[Caller]) -> Vec<ChainedKey> {
+        callers
+            .iter()
+            .map(|c| {
+                let tenant = c.tenant().unwrap_or_default().to_owned();
+                let instance = c.instance().unwrap_or_default().to_owned();
+                ("search".to_owned(), tenant.clone(), (tenant, instance))
+            })
+            .collect()
+    }
+
+    fn check(&self, k: &ChainedKey) -> bool {
+        self.tool.check_key(&k.0).is_ok()
+            && self.tenant.check_key(&k.1).is_ok()
+            && self.instance.check_key(&k.2).is_ok()
+    }
+}
+
 fn decisions(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
@@ -164,6 +208,36 @@ fn decisions(c: &mut Criterion) {
             })
         });
     }
+
+    // What a user composes instead of a nested limiter: three keyed governors, one per level
+    // (the tool, the tenant, the tenant and instance), string keys held by the caller.
+    let chained = Chained::new(quota);
+    let keys = Chained::keys(&callers("tenant", 1));
+    g.bench_function("chained governors 1 caller", |b| {
+        b.iter(|| chained.check(black_box(&keys[0])))
+    });
+    let chained = Chained::new(quota);
+    let keys = Chained::keys(&callers("tenant", 10_000));
+    for k in &keys {
+        chained.check(k);
+    }
+    let mut i = 0;
+    g.bench_function("chained governors 10000 callers", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            chained.check(black_box(&keys[i]))
+        })
+    });
+    // The saturated case's 120 callers, in turn (governor admits them all).
+    let chained = Chained::new(quota);
+    let keys = Chained::keys(&saturated().1);
+    let mut i = 0;
+    g.bench_function("chained governors 120 callers", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            chained.check(black_box(&keys[i]))
+        })
+    });
 
     let l = limiter();
     let one = callers("tenant", 1);

@@ -11,11 +11,14 @@ use std::task::{Context, Poll, Waker};
 use tower_fairshare::{Caller, Limiter, MemoryStore, Policy, SystemClock};
 
 /// Tool + tenant + instance + one budget, generous enough that every decision is admitted.
+/// Every tool but `leased` decides every call at the store (`lease = "off"`): what an exact
+/// decision costs.
 pub const POLICY: &str = r#"
 [[tool]]
 name = "search"
 unit = "calls"
 rate = { limit = 1000000000000, per = "1s" }
+lease = "off"
 [tool.default_tenant]
 max_tenants = 2000000
 budgets = [{ period = "day", max = 1e15 }]
@@ -28,18 +31,19 @@ max_instances = 100
 name = "resident"
 unit = "calls"
 rate = { limit = 1000000000000, per = "1h" }
+lease = "off"
 [tool.default_tenant]
 max_tenants = 2000000
 budgets = [{ period = "day", max = 1e15 }]
 [tool.default_tenant.default_instance]
 max_instances = 1000
 
-# As "search", with leases: most decisions are spent from a lease this process holds.
+# As "search", with leases as by default: most decisions are spent from a lease this process
+# holds.
 [[tool]]
 name = "leased"
 unit = "calls"
 rate = { limit = 1000000000000, per = "1s" }
-lease = { max = 64 }
 [tool.default_tenant]
 max_tenants = 2000000
 budgets = [{ period = "day", max = 1e15 }]
@@ -52,6 +56,7 @@ max_instances = 100
 name = "flat"
 unit = "calls"
 rate = { limit = 1000000000000, per = "1s" }
+lease = "off"
 [tool.default_tenant]
 max_tenants = 2000000
 
@@ -59,6 +64,7 @@ max_tenants = 2000000
 name = "exhausted"
 unit = "calls"
 rate = { limit = 60, per = "1m" }
+lease = "off"
 [tool.default_tenant]
 ceiling = 1
 burst = 1
@@ -68,7 +74,7 @@ burst = 1
 /// instances: the shape of a real, busy multi-tenant tool.
 pub fn saturated_policy() -> String {
     let mut p = String::from(
-        "[[tool]]\nname = \"saturated\"\nunit = \"calls\"\nrate = { limit = 6000, per = \"1m\" }\n\
+        "[[tool]]\nname = \"saturated\"\nunit = \"calls\"\nrate = { limit = 6000, per = \"1m\" }\nlease = \"off\"\n\
          budgets = [{ period = \"day\", max = 5000000 }]\n",
     );
     for t in 0..120 {
