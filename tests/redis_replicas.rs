@@ -138,6 +138,14 @@ fn a_tool_only_one_replica_knows_is_a_disagreement_too() {
         )
         .unwrap();
         let b = replica(&server, only_search, Duration::from_secs(60)).await;
+        // A store no limiter has told its policy yet (a replica starting up) is no
+        // disagreement.
+        let starting = RedisStore::builder(server.url())
+            .namespace("replicas:")
+            .connect()
+            .await
+            .unwrap();
+        starting.check_replicas().await.unwrap();
         a.store().check_replicas().await.unwrap();
         let d = b.store().check_replicas().await.unwrap();
         assert_eq!(d.len(), 1, "{d:?}");

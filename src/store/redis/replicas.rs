@@ -42,8 +42,10 @@ const KEY_TTL: Duration = Duration::from_secs(60);
 struct Entry {
     /// The oldest and newest record formats it reads and writes.
     formats: [u8; 2],
-    /// Its policy's fingerprint per tool, in hex.
-    tools: BTreeMap<String, String>,
+    /// Its policy's fingerprint per tool, in hex; `None` before a limiter has told the store
+    /// its policy (such a replica is left out of the comparison).
+    #[serde(default)]
+    tools: Option<BTreeMap<String, String>>,
 }
 
 /// A tool the replicas disagree on, as this replica has followed it.
@@ -75,7 +77,7 @@ impl Replicas {
             grace,
             mine: Mutex::new(Entry {
                 formats,
-                tools: BTreeMap::new(),
+                tools: None,
             }),
             write_format: std::sync::atomic::AtomicU8::new(formats[0]),
             disagreeing: Mutex::new(HashMap::new()),
@@ -89,10 +91,12 @@ impl Replicas {
 
     /// Notes the policy this replica enforces: announced with the next entry.
     pub(super) fn policy_in_force(&self, policy: &crate::Policy) {
-        lock(&self.mine).tools = policy
-            .tools()
-            .map(|t| (t.name().to_owned(), format!("{:016x}", t.fingerprint())))
-            .collect();
+        lock(&self.mine).tools = Some(
+            policy
+                .tools()
+                .map(|t| (t.name().to_owned(), format!("{:016x}", t.fingerprint())))
+                .collect(),
+        );
     }
 
     /// The tools the live replicas disagree on, as last read.
@@ -127,13 +131,18 @@ impl Replicas {
         newest.max(self.formats[0])
     }
 
-    /// The tools whose fingerprints differ among this replica and `others`.
+    /// The tools whose fingerprints differ among this replica and `others` (those that
+    /// announced a policy; none when this one has not).
     fn compare(&self, others: &[Entry]) -> Vec<PolicyDisagreement> {
-        let mine = lock(&self.mine).tools.clone();
+        let Some(mine) = lock(&self.mine).tools.clone() else {
+            return Vec::new();
+        };
+        let others: Vec<&BTreeMap<String, String>> =
+            others.iter().filter_map(|e| e.tools.as_ref()).collect();
         let parse = |hex: Option<&String>| hex.and_then(|h| u64::from_str_radix(h, 16).ok());
         let mut tools: Vec<&String> = mine.keys().collect();
-        for e in others {
-            tools.extend(e.tools.keys());
+        for e in &others {
+            tools.extend(e.keys());
         }
         tools.sort();
         tools.dedup();
@@ -142,8 +151,8 @@ impl Replicas {
             let here = parse(mine.get(tool));
             let mut counts: BTreeMap<Option<u64>, usize> = BTreeMap::new();
             *counts.entry(here).or_default() += 1;
-            for e in others {
-                *counts.entry(parse(e.tools.get(tool))).or_default() += 1;
+            for e in &others {
+                *counts.entry(parse(e.get(tool))).or_default() += 1;
             }
             if counts.len() > 1 {
                 out.push(PolicyDisagreement {
