@@ -1,6 +1,11 @@
-//! Who is calling, and what a call costs.
+//! Who is calling, what a call costs, and who is charged for it under a policy.
 
 use std::sync::Arc;
+
+use crate::admission::engine::{LevelRef, Plan};
+use crate::admission::{Reason, Refusal};
+use crate::clock::Timestamp;
+use crate::policy::Policy;
 
 /// The caller of a tool, as established by the application's own authentication.
 ///
@@ -105,5 +110,78 @@ pub struct Cost(pub f64);
 impl Default for Cost {
     fn default() -> Self {
         Cost(1.0)
+    }
+}
+
+/// The name of an untenanted caller that gave no client id.
+static NO_NAME: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
+
+impl Caller {
+    /// Who is charged for this caller calling `tool` at `now` under `policy`, costing `cost`:
+    /// the identity and tool checks of the order of operations, before any counter is
+    /// touched (unknown tool, missing tenant, tier, plan, unlisted instance, invalid cost).
+    pub(crate) fn charged_as<'p>(
+        &'p self,
+        policy: &'p Policy,
+        tool: &str,
+        cost: Cost,
+        now: Timestamp,
+    ) -> Result<Plan<'p>, Refusal> {
+        let Some(tp) = policy.tool(tool) else {
+            // The name comes from the caller (a URL path, a tool call): echoed cut short.
+            let mut r = Refusal::new(Reason::PermissionDenied, crate::admission::echoed(tool));
+            r.detail = Some("unknown_tool");
+            r.set_caller(self.tenant.clone(), self.instance.clone());
+            return Err(r);
+        };
+        let deny = |reason, what| Err(self.denial(reason, tool, what));
+        // Identity before permission: a caller without one is 401 whatever the tool's tier.
+        if self.tenant.is_none() && (tp.require_tenant() || tp.default_tenant().is_none()) {
+            return deny(Reason::UnidentifiedCaller, "missing_tenant");
+        }
+        if !tp.allows_tier(self.tier()) {
+            return deny(Reason::PermissionDenied, "tier");
+        }
+        let tenant = match &self.tenant {
+            Some(t) => match tp.tenant_on(t, self.plan()) {
+                Ok(p) => LevelRef { name: t, policy: p },
+                Err(why) => return deny(Reason::PermissionDenied, why),
+            },
+            None => LevelRef {
+                name: self.instance.as_ref().unwrap_or(&NO_NAME),
+                policy: tp.default_tenant().expect("checked above"),
+            },
+        };
+        let untenanted = self.tenant.is_none();
+        let instance = match (&self.instance, untenanted) {
+            (Some(i), false) if tenant.policy.has_instances() => match tenant.policy.instance(i) {
+                Some(p) => Some(LevelRef { name: i, policy: p }),
+                None => return deny(Reason::PermissionDenied, "unlisted_instance"),
+            },
+            _ => None,
+        };
+        if !(cost.0.is_finite() && cost.0 >= 0.0) {
+            let mut r = self.denial(Reason::PermissionDenied, tool, "invalid_cost");
+            r.retryable = false;
+            return Err(r);
+        }
+        let (tool, cost) = (tp, cost.0);
+        Ok(Plan {
+            now,
+            cost,
+            tool,
+            tenant,
+            instance,
+            untenanted,
+        })
+    }
+
+    /// A refusal of this caller's call of `tool` for `what` (a `detail`), at the tool.
+    pub(crate) fn denial(&self, reason: Reason, tool: &str, what: &'static str) -> Refusal {
+        let mut r = Refusal::new(reason, tool);
+        r.set_caller(self.tenant.clone(), self.instance.clone());
+        r.scope = Some(crate::Scope::Tool);
+        r.detail = Some(what);
+        r
     }
 }

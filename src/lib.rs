@@ -91,6 +91,7 @@ mod limiter;
 pub mod policy;
 pub mod store;
 pub mod telemetry;
+mod ticket;
 
 pub use admission::{Reason, Refusal, RefusalDetails, Scope};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};

@@ -5,11 +5,11 @@
 mod conformance;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot, Verdict};
-use tower_fairshare::store::{Admission, CallKeys, Decision};
-use tower_fairshare::{Store, StoreError, Timestamp};
+use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot};
+use tower_fairshare::store::{Admission, Answer, CallKeys, Decision};
+use tower_fairshare::{Store, Timestamp};
 
 /// Every level's state by its store key: all a store keeps.
 #[derive(Default)]
@@ -31,47 +31,42 @@ impl Inner {
 }
 
 impl Store for MapStore {
-    async fn decide(&self, plan: &Plan<'_>, keys: &CallKeys) -> Result<Decision, StoreError> {
+    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
+        let keys = plan.keys();
         let [tool, tenant, instance] = keys.encoded();
-        let (tool_key, tenant_key) = (tool.clone().unwrap(), tenant.clone().unwrap());
         let mut inner = self.0.lock().unwrap();
-        let snapshot = Snapshot {
+        let mut snapshot = Snapshot {
             tool: inner.state(&tool),
             tenant: inner.state(&tenant),
             instance: inner.state(&instance),
         };
-        match engine::decide(plan, &snapshot) {
-            Verdict::Refuse(r) => Ok(Decision::Refused(r)),
-            Verdict::Admit(a) => {
-                let a = *a;
-                inner.states.insert(tool_key, (a.tool, a.expires[0]));
-                inner.states.insert(tenant_key, (a.tenant, a.expires[1]));
-                if let (Some(i), true) = (&instance, plan.instance.is_some()) {
-                    inner.states.insert(i.clone(), (a.instance, a.expires[2]));
-                }
-                Ok(Decision::Admitted(std::sync::Arc::new(
-                    a.into_admission(keys.clone(), 0),
-                )))
-            }
+        let a = match engine::decide(plan, &mut snapshot) {
+            Ok(a) => a,
+            Err(r) => return Answer::Now(Ok(Decision::Refused(r))),
+        };
+        inner
+            .states
+            .insert(tool.unwrap(), (snapshot.tool, a.expires[0]));
+        inner
+            .states
+            .insert(tenant.unwrap(), (snapshot.tenant, a.expires[1]));
+        if let (Some(i), true) = (instance, plan.instance.is_some()) {
+            inner.states.insert(i, (snapshot.instance, a.expires[2]));
         }
+        Answer::Now(Ok(Decision::Admitted(Arc::new(a.into_admission(keys, 0)))))
     }
 
-    async fn adjust(
-        &self,
-        admission: &Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> Result<(), StoreError> {
+    fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
         let mut inner = self.0.lock().unwrap();
         for (level, key) in admission.keys.encoded().iter().enumerate() {
             if let Some((s, _)) = key.as_ref().and_then(|k| inner.states.get_mut(k)) {
                 engine::adjust(s, &admission.charge, level, factor, now);
             }
         }
-        Ok(())
+        Answer::Now(Ok(()))
     }
 
-    async fn release(&self, admission: &Admission) -> Result<(), StoreError> {
+    fn release(&self, admission: &Arc<Admission>) -> Answer<()> {
         let mut inner = self.0.lock().unwrap();
         for (level, key) in admission.keys.encoded().iter().enumerate() {
             if !admission.charge.levels[level].permit {
@@ -81,14 +76,15 @@ impl Store for MapStore {
                 engine::release(s);
             }
         }
-        Ok(())
+        Answer::Now(Ok(()))
     }
 
-    async fn inspect(&self, keys: &CallKeys) -> Result<[Option<NodeState>; 3], StoreError> {
+    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
         let inner = self.0.lock().unwrap();
-        Ok(keys
+        let states = keys
             .encoded()
-            .map(|k| k.and_then(|k| inner.states.get(&k).map(|(s, _)| *s))))
+            .map(|k| k.and_then(|k| inner.states.get(&k).map(|(s, _)| *s)));
+        Answer::Now(Ok(states))
     }
 }
 

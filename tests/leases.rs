@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use tower_fairshare::admission::engine;
+use tower_fairshare::store::{self, Answer};
 use tower_fairshare::{Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Store, Timestamp};
 
 const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
@@ -471,12 +473,13 @@ burst = 1000
     );
 }
 
-/// The memory store, counting the decisions it is asked for, and those a call waited for.
+/// The memory store behind a store that waits, as a remote one does, counting the decisions
+/// it makes, and those made while a call waited for them.
 #[derive(Default)]
 struct Counting {
-    inner: MemoryStore,
-    decisions: std::sync::atomic::AtomicU64,
-    waited: std::sync::atomic::AtomicU64,
+    inner: std::sync::Arc<MemoryStore>,
+    decisions: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    waited: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 thread_local! {
@@ -485,41 +488,36 @@ thread_local! {
 }
 
 impl Store for Counting {
-    async fn decide(
-        &self,
-        plan: &tower_fairshare::admission::engine::Plan<'_>,
-        keys: &tower_fairshare::store::CallKeys,
-    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
-        self.decisions
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if IN_CALL.get() {
-            self.waited
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        self.inner.decide(plan, keys).await
+    fn decide(&self, plan: &engine::Plan<'_>) -> Answer<store::Decision> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (inner, decisions, waited) = (
+            self.inner.clone(),
+            self.decisions.clone(),
+            self.waited.clone(),
+        );
+        // Decided when waited for, as a remote store's decision is.
+        let plan = engine::OwnedPlan::of(plan);
+        Answer::later(async move {
+            decisions.fetch_add(1, Relaxed);
+            if IN_CALL.get() {
+                waited.fetch_add(1, Relaxed);
+            }
+            inner.decide(&plan.plan()).await
+        })
     }
-    async fn adjust(
+    fn adjust(
         &self,
-        admission: &tower_fairshare::store::Admission,
+        admission: &std::sync::Arc<store::Admission>,
         factor: f64,
         now: Timestamp,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        self.inner.adjust(admission, factor, now).await
+    ) -> Answer<()> {
+        self.inner.adjust(admission, factor, now)
     }
-    async fn release(
-        &self,
-        admission: &tower_fairshare::store::Admission,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        self.inner.release(admission).await
+    fn release(&self, admission: &std::sync::Arc<store::Admission>) -> Answer<()> {
+        self.inner.release(admission)
     }
-    async fn inspect(
-        &self,
-        keys: &tower_fairshare::store::CallKeys,
-    ) -> Result<
-        [Option<tower_fairshare::admission::engine::NodeState>; 3],
-        tower_fairshare::StoreError,
-    > {
-        self.inner.inspect(keys).await
+    fn inspect(&self, keys: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+        self.inner.inspect(keys)
     }
 }
 
@@ -763,35 +761,17 @@ struct SlowReturns {
 }
 
 impl Store for SlowReturns {
-    async fn decide(
-        &self,
-        plan: &tower_fairshare::admission::engine::Plan<'_>,
-        keys: &tower_fairshare::store::CallKeys,
-    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
-        self.inner.decide(plan, keys).await
+    fn decide(&self, plan: &engine::Plan<'_>) -> Answer<store::Decision> {
+        self.inner.decide(plan)
     }
-    async fn adjust(
-        &self,
-        _: &tower_fairshare::store::Admission,
-        _: f64,
-        _: Timestamp,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        std::future::pending().await
+    fn adjust(&self, _: &std::sync::Arc<store::Admission>, _: f64, _: Timestamp) -> Answer<()> {
+        Answer::later(std::future::pending())
     }
-    async fn release(
-        &self,
-        admission: &tower_fairshare::store::Admission,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        self.inner.release(admission).await
+    fn release(&self, admission: &std::sync::Arc<store::Admission>) -> Answer<()> {
+        self.inner.release(admission)
     }
-    async fn inspect(
-        &self,
-        keys: &tower_fairshare::store::CallKeys,
-    ) -> Result<
-        [Option<tower_fairshare::admission::engine::NodeState>; 3],
-        tower_fairshare::StoreError,
-    > {
-        self.inner.inspect(keys).await
+    fn inspect(&self, keys: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+        self.inner.inspect(keys)
     }
 }
 

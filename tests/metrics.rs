@@ -1,7 +1,11 @@
 //! Every documented metric, with the right values, rendered by the Prometheus exporter.
 #![cfg(feature = "metrics")]
 
+use std::sync::Arc;
+
 use metrics_exporter_prometheus::PrometheusBuilder;
+use tower_fairshare::admission::engine;
+use tower_fairshare::store::{self, Answer};
 /// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::telemetry::{
@@ -92,37 +96,23 @@ impl tower_fairshare::Store for Down {
     fn kind(&self) -> &'static str {
         "down"
     }
-    async fn decide(
-        &self,
-        _: &tower_fairshare::admission::engine::Plan<'_>,
-        _: &tower_fairshare::store::CallKeys,
-    ) -> Result<tower_fairshare::store::Decision, tower_fairshare::StoreError> {
-        Err(tower_fairshare::StoreError::Unavailable(
-            "down for the test".into(),
-        ))
+    fn decide(&self, _: &engine::Plan<'_>) -> Answer<store::Decision> {
+        let down = tower_fairshare::StoreError::Unavailable("down for the test".into());
+        Answer::Now(Err(down))
     }
-    async fn adjust(
+    fn adjust(
         &self,
-        _: &tower_fairshare::store::Admission,
+        _: &Arc<store::Admission>,
         _: f64,
         _: tower_fairshare::Timestamp,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        Ok(())
+    ) -> Answer<()> {
+        Answer::Now(Ok(()))
     }
-    async fn release(
-        &self,
-        _: &tower_fairshare::store::Admission,
-    ) -> Result<(), tower_fairshare::StoreError> {
-        Ok(())
+    fn release(&self, _: &Arc<store::Admission>) -> Answer<()> {
+        Answer::Now(Ok(()))
     }
-    async fn inspect(
-        &self,
-        _: &tower_fairshare::store::CallKeys,
-    ) -> Result<
-        [Option<tower_fairshare::admission::engine::NodeState>; 3],
-        tower_fairshare::StoreError,
-    > {
-        Ok(Default::default())
+    fn inspect(&self, _: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+        Answer::Now(Ok(Default::default()))
     }
 }
 

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use support::RedisServer;
 use tower_fairshare::admission::engine::{LevelRef, Plan};
-use tower_fairshare::store::{CallKeys, Decision, RedisStore};
+use tower_fairshare::store::{Decision, RedisStore};
 use tower_fairshare::{Policy, Store, Timestamp};
 
 const CASE: Duration = Duration::from_secs(3);
@@ -146,13 +146,7 @@ async fn decisions(store: Arc<RedisStore>, policy: Arc<Policy>, n: usize) -> Rep
                 }),
                 untenanted: false,
             };
-            let keys = CallKeys {
-                tool: "search".into(),
-                tenant: "acme".into(),
-                instance: Some(instance.clone()),
-                untenanted: false,
-            };
-            match store.decide(&plan, &keys).await {
+            match store.decide(&plan).await {
                 Ok(Decision::Admitted(_)) => {}
                 other => panic!("{other:?}"),
             }

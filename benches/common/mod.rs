@@ -112,8 +112,8 @@ pub fn callers(prefix: &str, n: usize) -> Vec<Caller> {
 /// Polls a future once: every one the benches time is ready at its first poll (the in-process
 /// store, a lease, `service_fn` over an async block, tower's limit layers with capacity), so no
 /// runtime is in the measurement.
-pub fn now<F: Future>(f: F) -> F::Output {
-    let mut f = pin!(f);
+pub fn now<F: std::future::IntoFuture>(f: F) -> F::Output {
+    let mut f = pin!(f.into_future());
     match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
         Poll::Ready(v) => v,
         Poll::Pending => panic!("every future in this bench is ready at once"),

@@ -38,7 +38,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use std::convert::Infallible;
-use std::future::{ready, Future, Ready};
+use std::future::{ready, Ready};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -48,7 +48,9 @@ use tower_service::Service;
 
 use tower_fairshare::admission::engine::{LevelView, NodeState, Plan};
 use tower_fairshare::policy::ToolAllocation;
-use tower_fairshare::store::{Admission, CallKeys, Decision, MemoryStore, Store, StoreError};
+use tower_fairshare::store::{
+    Admission, Answer, CallKeys, Decision, MemoryStore, Store, StoreError,
+};
 use tower_fairshare::{
     Caller, Clock, Cost, FairShareLayer, Limiter, ManualClock, Period, Policy, Timestamp,
 };
@@ -582,51 +584,34 @@ struct Recorder<S> {
 }
 
 impl<S: Store> Store for Recorder<S> {
-    async fn decide<'a>(
-        &'a self,
-        plan: &'a Plan<'a>,
-        keys: &'a CallKeys,
-    ) -> Result<Decision, StoreError> {
-        let decision = self.store.decide(plan, keys).await?;
-        if let Decision::Admitted(a) = &decision {
-            let view = if a.keys.instance.is_some() {
-                a.views[1]
-            } else {
-                a.views[0]
-            };
-            *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
+        let last = self.last.clone();
+        let note = move |d: Result<Decision, StoreError>| {
+            if let Ok(Decision::Admitted(a)) = &d {
+                let view = a.views[usize::from(a.keys.instance.is_some())];
+                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+            }
+            d
+        };
+        match self.store.decide(plan) {
+            Answer::Now(d) => Answer::Now(note(d)),
+            Answer::Later(f) => Answer::later(async move { note(f.await) }),
         }
-        Ok(decision)
     }
 
-    fn adjust<'a>(
-        &'a self,
-        admission: &'a Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+    fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
         self.store.adjust(admission, factor, now)
     }
 
-    fn release<'a>(
-        &'a self,
-        admission: &'a Admission,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+    fn release(&self, admission: &Arc<Admission>) -> Answer<()> {
         self.store.release(admission)
     }
 
-    fn inspect<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
         self.store.inspect(keys)
     }
 
-    fn inspect_at<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
         self.store.inspect_at(keys, now)
     }
 }

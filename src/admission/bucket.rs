@@ -1,17 +1,22 @@
 //! Token-bucket arithmetic, pure: refilling, rolling the aligned window, waiting, and when a
 //! level's state is equivalent to a fresh one.
 
-use super::state::{BudgetCounter, Scalars};
+use super::state::NodeState;
 use crate::clock::Timestamp;
 
 /// Tolerance for float comparisons: a draw passes when `have + EPS >= need`.
 pub(crate) const EPS: f64 = 1e-9;
 
-#[derive(Copy, Clone)]
+/// A token bucket: refilled at `rate` units per period, up to `depth`.
+#[derive(Copy, Clone, Default)]
 pub(super) struct Bucket {
     pub(super) rate: f64,
     pub(super) depth: f64,
 }
+
+/// A level's three buckets: floor, share, ceiling (at the tool, the ceiling bucket is the
+/// pool).
+pub(super) type Buckets = [Bucket; 3];
 
 /// The aligned window `floor(t / period)` of an instant `t ≥ 0` (µs), by a cast: `f64::floor`
 /// is a library call on baseline x86-64, and every decision and every stored state's read
@@ -27,8 +32,8 @@ pub(crate) fn aligned_window(t: f64, period: f64) -> f64 {
     }
 }
 
-#[inline]
-pub(super) fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f64, period: f64) {
+/// Brings a level's buckets up to `now` (a state never seen starts full).
+pub(super) fn refill(s: &mut NodeState, [f, h, k]: &Buckets, now: f64, period: f64) {
     if !s.live {
         s.live = true;
         s.t = now;
@@ -49,8 +54,7 @@ pub(super) fn refill(s: &mut Scalars, f: &Bucket, h: &Bucket, k: &Bucket, now: f
 /// Brings a level's window counters to `window` (cleared when it moved on), and its template
 /// counts to the same window: equal counts are stored alike on every store (the window they
 /// are kept for is `window` when they are not zero, else 0).
-#[inline]
-pub(super) fn roll_window(s: &mut Scalars, window: f64) {
+pub(super) fn roll_window(s: &mut NodeState, window: f64) {
     if s.window != window {
         s.window = window;
         s.total = 0.0;
@@ -60,7 +64,6 @@ pub(super) fn roll_window(s: &mut Scalars, window: f64) {
     super::template::roll(s, window);
 }
 
-#[inline]
 pub(super) fn bucket(rate: f64, depth: f64) -> Bucket {
     let rate = rate.max(0.0);
     Bucket {
@@ -70,7 +73,6 @@ pub(super) fn bucket(rate: f64, depth: f64) -> Bucket {
 }
 
 /// Time (µs) until bucket `x` holds `need`, or infinity when it never can.
-#[inline]
 pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
     if x + EPS >= need {
         0.0
@@ -83,14 +85,9 @@ pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
 
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
 /// budget counters over. (Permits held keep a state alive regardless: the store checks.)
-#[allow(clippy::too_many_arguments)]
-#[inline]
 pub(super) fn expiry(
-    s: &Scalars,
-    budgets: &[BudgetCounter],
-    f: &Bucket,
-    h: &Bucket,
-    k: &Bucket,
+    s: &NodeState,
+    [f, h, k]: &Buckets,
     now: f64,
     period: f64,
     next_window: f64,
@@ -104,7 +101,7 @@ pub(super) fn expiry(
     if s.total > 0.0 {
         at = at.max(next_window);
     }
-    for b in budgets {
+    for b in s.budgets.iter() {
         if b.used > 0.0 {
             let end = b.period.end_of(Timestamp(b.start as u64));
             at = at.max(end.as_micros() as f64);
@@ -121,22 +118,22 @@ mod tests {
 
     const P: f64 = 60_000_000.0;
 
-    fn live(floor: f64, share: f64, ceiling: f64, t: f64) -> Scalars {
-        Scalars {
+    fn live(floor: f64, share: f64, ceiling: f64, t: f64) -> NodeState {
+        NodeState {
             live: true,
             t,
             floor,
             share,
             ceiling,
-            ..Scalars::default()
+            ..NodeState::default()
         }
     }
 
     #[test]
     fn a_fresh_state_starts_full_and_a_bucket_without_rate_is_empty() {
-        let mut s = Scalars::default();
+        let mut s = NodeState::default();
         let (f, h, k) = (bucket(10.0, 10.0), bucket(5.0, 3.0), bucket(0.0, 7.0));
-        refill(&mut s, &f, &h, &k, 1_000.0, P);
+        refill(&mut s, &[f, h, k], 1_000.0, P);
         assert!(s.live);
         assert_eq!(
             (s.floor, s.share, s.ceiling, s.t),
@@ -147,12 +144,12 @@ mod tests {
 
     #[test]
     fn rolling_the_window_clears_its_counters_once() {
-        let mut s = Scalars {
+        let mut s = NodeState {
             window: 4.0,
             total: 9.0,
             non_floor: 5.0,
             floor_used: 4.0,
-            ..Scalars::default()
+            ..NodeState::default()
         };
         roll_window(&mut s, 4.0);
         assert_eq!(s.total, 9.0);
@@ -180,11 +177,11 @@ mod tests {
             let b = bucket(rate, depth);
             let x = x.min(b.depth);
             let mut s = live(x, x, x, t);
-            refill(&mut s, &b, &b, &b, t + dt, P);
+            refill(&mut s, &[b, b, b], t + dt, P);
             prop_assert!(s.floor <= b.depth && s.floor >= x);
             prop_assert!(s.t >= t);
             let mut later = live(x, x, x, t);
-            refill(&mut later, &b, &b, &b, t + dt.max(0.0) + more, P);
+            refill(&mut later, &[b, b, b], t + dt.max(0.0) + more, P);
             prop_assert!(later.floor >= s.floor);
         }
 
@@ -201,11 +198,11 @@ mod tests {
                 prop_assert_eq!(w, f64::INFINITY);
             } else {
                 let mut s = live(x, x, x, 0.0);
-                refill(&mut s, &b, &b, &b, w, P);
+                refill(&mut s, &[b, b, b], w, P);
                 prop_assert!(s.floor + 1e-6 >= need, "{} after {} for {}", s.floor, w, need);
                 if w > 1.0 {
                     let mut early = live(x, x, x, 0.0);
-                    refill(&mut early, &b, &b, &b, w * 0.99, P);
+                    refill(&mut early, &[b, b, b], w * 0.99, P);
                     prop_assert!(early.floor + EPS < need);
                 }
             }
@@ -223,9 +220,9 @@ mod tests {
             let mut s = live(x, x, x, now);
             s.window = window;
             s.total = total;
-            let at = expiry(&s, &[], &b, &b, &b, now, P, (window + 1.0) * P);
+            let at = expiry(&s, &[b, b, b], now, P, (window + 1.0) * P);
             prop_assert!(at >= now);
-            refill(&mut s, &b, &b, &b, at, P);
+            refill(&mut s, &[b, b, b], at, P);
             prop_assert!(s.floor + 1e-6 >= depth);
             if total > 0.0 {
                 prop_assert!((at / P).floor() > window);

@@ -3,11 +3,12 @@
 //! Callers of the limiter only meet [`Refusal`], [`Reason`] and [`Scope`]. Store implementers
 //! find everything a store needs in [`engine`].
 //!
-//! The decision is pure — policy, stored numbers and `now` in; a verdict and new numbers out —
-//! and lives in rooms along its seams: `state` (what a store keeps per level, what a call
-//! charged), `bucket` (token-bucket arithmetic), `walk` (which bucket of which level each unit
-//! is drawn from), `phases` (the decision in two halves around the tool's lock), `decide` (the
-//! entry points) and `adjust` (corrections and permits after a decision).
+//! The decision is pure — policy, stored numbers and `now` in; new numbers and what was
+//! charged out, or a refusal — and lives in rooms along its seams: `plan` (the call and its
+//! keys), `state` (what a store keeps per level, what a call charged), `bucket` (token-bucket
+//! arithmetic), `template` (template callers counted), `walk` (which bucket of which level each
+//! unit is drawn from), `decide` (the decision) and `adjust` (corrections and permits after
+//! it).
 //!
 //! # The algorithm
 //!
@@ -48,11 +49,12 @@ mod adjust;
 mod bucket;
 mod decide;
 pub mod engine;
-mod phases;
+mod plan;
 mod refusal;
 mod state;
 mod template;
 mod walk;
 
+pub use plan::CallKeys;
 pub(crate) use refusal::{echoed, Kept};
 pub use refusal::{Reason, Refusal, RefusalDetails, Scope};

@@ -239,17 +239,13 @@ impl Refusal {
     /// engine bounds (a rate, a calendar budget; not a count of template callers, one of which
     /// can stop counting at any moment) on paths without a concurrency cap (a permit can be
     /// released at any moment). `None` for the rest, and for waits under a millisecond.
-    fn remember_for(&self, plan: &super::decide::Plan<'_>) -> Option<Duration> {
+    fn remember_for(&self, plan: &super::plan::Plan<'_>) -> Option<Duration> {
         let bounded = match self.reason {
             Reason::RateLimited => true,
             Reason::CapExceeded => self.window() != Some("callers"),
             _ => false,
         };
-        let capped = plan.tool.max_concurrency.is_some()
-            || plan.tenant.policy.max_concurrency.is_some()
-            || plan
-                .instance
-                .is_some_and(|i| i.policy.max_concurrency.is_some());
+        let capped = plan.capped();
         let wait = self.not_before?;
         (bounded && !capped && self.retryable && wait >= Duration::from_millis(1)).then_some(wait)
     }
@@ -331,7 +327,7 @@ pub(crate) struct Kept {
 impl Kept {
     /// `refusal` of the call `plan` made, kept for its sure wait; `None` when it has none to
     /// keep it for.
-    pub(crate) fn new(refusal: &Refusal, plan: &super::decide::Plan<'_>) -> Option<Kept> {
+    pub(crate) fn new(refusal: &Refusal, plan: &super::plan::Plan<'_>) -> Option<Kept> {
         let wait = refusal.remember_for(plan)?;
         let from = plan.now.as_micros();
         Some(Kept {
@@ -356,7 +352,7 @@ impl Kept {
 
     /// Whether it stands for the call `plan` makes (its keys being the same): another cost
     /// may pass, or never pass, and another policy may let it pass.
-    pub(crate) fn stands_for(&self, plan: &super::decide::Plan<'_>) -> bool {
+    pub(crate) fn stands_for(&self, plan: &super::plan::Plan<'_>) -> bool {
         (plan.cost - self.cost).abs() <= super::bucket::EPS && Arc::ptr_eq(&self.policy, plan.tool)
     }
 

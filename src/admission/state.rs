@@ -288,67 +288,6 @@ pub struct LevelView {
     pub ceiling: f64,
 }
 
-/// The numbers of a level's state, copied out of the store's `NodeState`, brought up to date
-/// and drawn on; written back only when the call is admitted. Copying these few doubles is
-/// cheaper than cloning a `NodeState` (its budget list lives on the heap).
-#[derive(Copy, Clone, Default)]
-pub(super) struct Scalars {
-    pub(super) live: bool,
-    pub(super) t: f64,
-    pub(super) floor: f64,
-    pub(super) share: f64,
-    pub(super) ceiling: f64,
-    pub(super) window: f64,
-    pub(super) total: f64,
-    pub(super) non_floor: f64,
-    pub(super) floor_used: f64,
-    pub(super) in_flight: f64,
-    pub(super) template_window: f64,
-    pub(super) template_in_window: f64,
-    pub(super) template_counted: f64,
-    pub(super) plans: PlanCounts,
-}
-
-impl Scalars {
-    #[inline]
-    pub(super) fn of(s: &NodeState) -> Self {
-        Scalars {
-            live: s.live,
-            t: s.t,
-            floor: s.floor,
-            share: s.share,
-            ceiling: s.ceiling,
-            window: s.window,
-            total: s.total,
-            non_floor: s.non_floor,
-            floor_used: s.floor_used,
-            in_flight: s.in_flight,
-            template_window: s.template_window,
-            template_in_window: s.template_in_window,
-            template_counted: s.template_counted,
-            plans: s.plans,
-        }
-    }
-
-    #[inline]
-    pub(super) fn write(&self, s: &mut NodeState) {
-        s.live = self.live;
-        s.t = self.t;
-        s.floor = self.floor;
-        s.share = self.share;
-        s.ceiling = self.ceiling;
-        s.window = self.window;
-        s.total = self.total;
-        s.non_floor = self.non_floor;
-        s.floor_used = self.floor_used;
-        s.in_flight = self.in_flight;
-        s.template_window = self.template_window;
-        s.template_in_window = self.template_in_window;
-        s.template_counted = self.template_counted;
-        s.plans = self.plans;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

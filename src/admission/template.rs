@@ -8,7 +8,7 @@
 //! already says in which window it was last admitted. So counting is exact, costs no scan and
 //! no index, and is the same on every store.
 
-use super::state::{NodeState, Scalars};
+use super::state::NodeState;
 use crate::policy::MAX_PLANS;
 
 /// How a template child stands at window `k`: last admitted in `k`, in `k − 1`, or earlier
@@ -28,7 +28,6 @@ impl Standing {
 }
 
 /// How the child whose stored state is `s` stands at window `k`.
-#[inline]
 pub(super) fn standing(s: &NodeState, k: f64) -> Standing {
     if !s.live {
         Standing::NotCounted
@@ -42,7 +41,6 @@ pub(super) fn standing(s: &NodeState, k: f64) -> Standing {
 }
 
 /// A parent's counts at window `k`: (admitted in `k`, counted).
-#[inline]
 pub(crate) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64, f64) {
     if window == k {
         (in_window, counted)
@@ -56,7 +54,6 @@ pub(crate) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64,
 
 /// The template children counted at `s`'s level at window `k` (for a tool: the tenants of
 /// `default_tenant`).
-#[inline]
 pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
     counts(
         s.template_window,
@@ -77,30 +74,17 @@ pub(crate) const SLOTS: usize = MAX_PLANS + 1;
 
 impl Counted {
     /// The tenants counted in `slot`.
-    #[inline]
     pub(crate) fn get(&self, slot: usize) -> u64 {
         u64::from(self.0[slot])
     }
     /// One more tenant counted in `slot`.
-    #[inline]
     pub(super) fn bump(&mut self, slot: usize) {
         self.0[slot] = self.0[slot].saturating_add(1);
-    }
-    /// The counts, slot by slot, of the first `n` slots.
-    pub(crate) fn of(counts: &[u32]) -> Counted {
-        let mut c = Counted::default();
-        c.0[..counts.len()].copy_from_slice(counts);
-        c
-    }
-    /// The first `n` slots' counts.
-    pub(crate) fn slots(&self, n: usize) -> &[u32] {
-        &self.0[..n.min(SLOTS)]
     }
 }
 
 /// The tenants counted at tool state `s` at window `k`, per slot, for a tool with `plans`
 /// plans.
-#[inline]
 pub(crate) fn counted_per_slot(s: &NodeState, k: f64, plans: usize) -> Counted {
     let mut out = Counted::default();
     out.0[0] = counted_at(s, k) as u32;
@@ -112,8 +96,7 @@ pub(crate) fn counted_per_slot(s: &NodeState, k: f64, plans: usize) -> Counted {
 }
 
 /// Slot `slot`'s counts as stored: (admitted in the parent's template window, counted).
-#[inline]
-fn stored(parent: &Scalars, slot: usize) -> (f64, f64) {
+fn stored(parent: &NodeState, slot: usize) -> (f64, f64) {
     match slot {
         0 => (parent.template_in_window, parent.template_counted),
         p => {
@@ -123,8 +106,7 @@ fn stored(parent: &Scalars, slot: usize) -> (f64, f64) {
     }
 }
 
-#[inline]
-fn store(parent: &mut Scalars, slot: usize, in_window: f64, counted: f64) {
+fn store(parent: &mut NodeState, slot: usize, in_window: f64, counted: f64) {
     match slot {
         0 => {
             parent.template_in_window = in_window;
@@ -137,8 +119,7 @@ fn store(parent: &mut Scalars, slot: usize, in_window: f64, counted: f64) {
 /// Brings every slot's counts to window `k` (they share the parent's window): equal counts
 /// are stored alike on every store (the window they are kept for is `k` when any is not
 /// zero, else 0).
-#[inline]
-pub(super) fn roll(parent: &mut Scalars, k: f64) {
+pub(super) fn roll(parent: &mut NodeState, k: f64) {
     if parent.template_window == k {
         return;
     }
@@ -156,8 +137,7 @@ pub(super) fn roll(parent: &mut Scalars, k: f64) {
 }
 
 /// Counts a child of template `slot`, standing as `before`, admitted at window `k`.
-#[inline]
-pub(super) fn count_child(parent: &mut Scalars, slot: usize, before: Standing, k: f64) {
+pub(super) fn count_child(parent: &mut NodeState, slot: usize, before: Standing, k: f64) {
     roll(parent, k);
     parent.template_window = k;
     let (mut in_window, mut counted) = stored(parent, slot);
@@ -175,14 +155,12 @@ pub(super) fn count_child(parent: &mut Scalars, slot: usize, before: Standing, k
 }
 
 /// Until when (µs) a template child admitted at window `k` counts: the end of the next window.
-#[inline]
 pub(super) fn counted_until(k: f64, period: f64) -> f64 {
     (k + 2.0) * period
 }
 
 /// Until when (µs) a parent's counts are not all zero (0: they are).
-#[inline]
-pub(super) fn counts_until(parent: &Scalars, period: f64) -> f64 {
+pub(super) fn counts_until(parent: &NodeState, period: f64) -> f64 {
     let slots = 1 + parent.plans.len();
     let (mut any_in_window, mut any_counted) = (false, false);
     for sl in 0..slots {
@@ -202,9 +180,8 @@ pub(super) fn counts_until(parent: &Scalars, period: f64) -> f64 {
 /// When (µs) the first template child of `slot` counted at `s`'s level at window `k` stops
 /// counting: the end of this window if one was last admitted in the window before, else the
 /// end of the next.
-#[inline]
 pub(super) fn until_one_leaves(s: &NodeState, slot: usize, k: f64, period: f64) -> f64 {
-    let (iw, c) = stored(&Scalars::of(s), slot);
+    let (iw, c) = stored(s, slot);
     let (in_window, counted) = counts(s.template_window, iw, c, k);
     if counted > in_window {
         (k + 1.0) * period
@@ -229,19 +206,18 @@ mod tests {
     /// end of the next, exactly once.
     #[test]
     fn a_child_counts_from_its_call_to_the_end_of_the_next_window() {
-        let mut parent = Scalars::default();
+        let mut parent = NodeState::default();
         // Window 10: a and b are admitted (a twice).
         count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
         count_child(&mut parent, 0, standing(&child(10.0), 10.0), 10.0);
         count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
-        let mut s = NodeState::default();
-        parent.write(&mut s);
+        let s = parent;
         assert_eq!(counted_at(&s, 10.0), 2);
         // Window 11: both still count; c joins; a calls again (counted once).
         assert_eq!(counted_at(&s, 11.0), 2);
         count_child(&mut parent, 0, standing(&NodeState::default(), 11.0), 11.0);
         count_child(&mut parent, 0, standing(&child(10.0), 11.0), 11.0);
-        parent.write(&mut s);
+        let s = parent;
         assert_eq!(counted_at(&s, 11.0), 3);
         // Window 12: b (last in 10) no longer counts; a and c (in 11) do.
         assert_eq!(counted_at(&s, 12.0), 2);

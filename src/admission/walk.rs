@@ -1,26 +1,34 @@
 //! The walk from the caller up to the tool: which bucket of which level each unit of a call
 //! is drawn from, share first or floor first, with the borrowing bar, or why it cannot pass.
 
-use super::bucket::{wait_for, Bucket, EPS};
+use super::bucket::{wait_for, Bucket, Buckets, EPS};
 use super::refusal::{Reason, Scope};
-use super::state::Scalars;
+use super::state::NodeState;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
 use crate::policy::{LevelPolicy, ToolPolicy};
 
+/// A level of the call as the decision sees it: what it is owed now and its buckets.
 #[derive(Copy, Clone)]
 pub(super) struct Level<'a> {
     pub(super) scope: Scope,
     pub(super) numbers: LevelNumbers,
-    pub(super) floor_b: Bucket,
-    pub(super) share_b: Bucket,
-    pub(super) ceil_b: Bucket,
-    pub(super) state: Scalars,
+    /// Floor, share and ceiling buckets (at the tool: the pool).
+    pub(super) buckets: Buckets,
     pub(super) policy: Option<&'a LevelPolicy>,
     /// A template caller not counted at its parent (new, or back after two windows away):
-    /// its bank starts with no more than its parent can back (see `below`), and its first
-    /// call, up to its bank's depth, is served as within its share: an advance its bank pays
-    /// back as it refills.
+    /// its bank starts with no more than its parent can back, and its first call, up to its
+    /// bank's depth, is served as within its share: an advance its bank pays back as it
+    /// refills.
     pub(super) fresh: bool,
+}
+
+impl Level<'_> {
+    pub(super) fn share_b(&self) -> &Bucket {
+        &self.buckets[1]
+    }
+    pub(super) fn ceil_b(&self) -> &Bucket {
+        &self.buckets[2]
+    }
 }
 
 /// The window a refusal names: the tool's period, or a fixed word. Rendered only when the
@@ -31,6 +39,7 @@ pub(super) enum Label {
     Word(&'static str),
 }
 
+/// Why a call cannot pass, before it is a [`Refusal`](super::Refusal).
 #[derive(Copy, Clone)]
 pub(super) struct Fail {
     pub(super) reason: Reason,
@@ -45,8 +54,37 @@ pub(super) struct Fail {
     pub(super) sure_wait: f64,
 }
 
-pub(super) struct PathCtx<'l, 'a> {
+impl Fail {
+    /// A full concurrency cap at `scope`.
+    pub(super) fn concurrency(scope: Scope, cap: u32, in_flight: f64) -> Fail {
+        Fail {
+            reason: Reason::ConcurrencyExceeded,
+            scope,
+            wait: 1_000_000.0,
+            window: Label::Word("in_flight"),
+            window_secs: None,
+            limit: cap as f64,
+            used: in_flight,
+            reset_at: None,
+            sure_wait: 0.0,
+        }
+    }
+
+    /// Keeps in `worst` the failure with the longest wait (the first one on a tie).
+    pub(super) fn keep_worse(worst: &mut Option<Fail>, f: Fail) {
+        match worst {
+            Some(w) if f.wait <= w.wait => {}
+            _ => *worst = Some(f),
+        }
+    }
+}
+
+/// The levels of a call (tool, tenant, instance) and their states at the decision's instant,
+/// for walking a call's units up through them.
+pub(super) struct Walker<'l, 'a> {
     pub(super) levels: &'l [Level<'a>],
+    pub(super) states: [&'l NodeState; 3],
+    /// What each level holds back for its children's share banks.
     pub(super) banks: [f64; 3],
     pub(super) cost: f64,
     pub(super) period: f64,
@@ -56,57 +94,40 @@ pub(super) struct PathCtx<'l, 'a> {
     pub(super) tool_period: crate::policy::Period,
 }
 
-/// Where a walk from the caller up stands: what each level takes so far, what is left to
-/// place higher up, and whether everything so far was within its share.
-#[derive(Copy, Clone, Default)]
-pub(super) struct Walk {
-    pub(super) takes: [[f64; 3]; 3],
-    pub(super) rem: f64,
-    pub(super) own_chain: bool,
-    pub(super) child_threshold: f64,
+/// Where a walk from the caller up stands: what each level takes so far (floor, share,
+/// ceiling), what is left to place higher up, and whether everything so far was within its
+/// share.
+#[derive(Copy, Clone)]
+struct Walk {
+    takes: [[f64; 3]; 3],
+    rem: f64,
+    own_chain: bool,
+    child_threshold: f64,
 }
 
-impl PathCtx<'_, '_> {
-    /// The walk from the caller up to (not including) the tool: share first (or floor first),
-    /// or why the call cannot pass below the tool. Needs no tool state.
-    #[inline]
-    pub(super) fn below(&self, share_first: bool) -> Result<Walk, Fail> {
-        let mut w = Walk::default();
-        self.below_into(share_first, &mut w).map(|()| w)
-    }
-
-    /// [`below`](Self::below), into `w` (written where the decision keeps it, not moved
-    /// there: a moved walk is read back by wide loads before its narrow stores land).
-    #[inline]
-    pub(super) fn below_into(&self, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
-        w.takes = [[0.0f64; 3]; 3];
-        w.rem = self.cost;
-        w.own_chain = true;
-        w.child_threshold = 0.5;
-        for idx in (1..self.levels.len()).rev() {
+impl Walker<'_, '_> {
+    /// The whole walk, caller first: what each level takes, share first (or floor first), or
+    /// why the call cannot pass.
+    pub(super) fn walk(&self, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
+        let mut w = Walk {
+            takes: [[0.0; 3]; 3],
+            rem: self.cost,
+            own_chain: true,
+            child_threshold: 0.5,
+        };
+        for idx in (0..self.levels.len()).rev() {
             if w.rem <= EPS {
                 break;
             }
-            self.step(idx, share_first, w)?;
-        }
-        Ok(())
-    }
-
-    /// The tool's part of a walk: units per level (floor, share, ceiling), or why not.
-    #[inline]
-    pub(super) fn at_tool(&self, mut w: Walk, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
-        if w.rem > EPS {
-            self.step(0, share_first, &mut w)?;
+            self.step(idx, share_first, &mut w)?;
         }
         Ok(w.takes)
     }
 
     /// One level of the walk.
-    #[inline]
     fn step(&self, idx: usize, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
         let leaf = self.levels.len() - 1;
-        let l = &self.levels[idx];
-        let s = &l.state;
+        let (l, s) = (&self.levels[idx], self.states[idx]);
         // The level's own floor (a caller's floor, a tenant's residual floor), for what its
         // share cannot cover.
         let own_floor = l.numbers.own_floor;
@@ -127,43 +148,36 @@ impl PathCtx<'_, '_> {
             }
         }
         // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
-        // only take what lies above every child's share bank, so the pool always holds at
-        // least the share tokens its children have banked and an own-share draw never fails
-        // for a borrower's sake; inside the lending room, heavier borrowers see a lower bar
-        // than lighter ones.
+        // only take what lies above every other child's share bank (the borrower's own bank
+        // is its own to spend), so the pool always holds the share tokens its children have
+        // banked; inside that lending room, heavier borrowers see a lower bar.
         let rem = w.rem;
-        // The borrower's own bank is its own to spend: only the other children's banks are
-        // held back from it.
         let banks = if idx < leaf {
-            self.banks[idx] - self.levels[idx + 1].share_b.depth
+            self.banks[idx] - self.levels[idx + 1].share_b().depth
         } else {
             0.0
         };
         let threshold = if idx < leaf && !w.own_chain {
-            banks + w.child_threshold * (l.ceil_b.depth - banks - rem).max(0.0)
+            banks + w.child_threshold * (l.ceil_b().depth - banks - rem).max(0.0)
         } else {
             0.0
         };
         let need = rem + threshold;
-        // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`, so
-        // never more than C a period); a caller's ceiling is its bucket's business, and a
-        // per-window cap there would round a fractional allowance down every period.
-        // Borrowers also leave the banks' worth of the window to own-share draws.
-        let window_cap = if idx > 0 {
-            f64::INFINITY
-        } else if threshold > 0.0 {
-            l.numbers.ceiling_rate - banks
-        } else {
-            l.numbers.ceiling_rate
+        // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`);
+        // borrowers also leave the banks' worth of the window to own-share draws.
+        let window_cap = match (idx, threshold > 0.0) {
+            (0, true) => l.numbers.ceiling_rate - banks,
+            (0, false) => l.numbers.ceiling_rate,
+            _ => f64::INFINITY,
         };
         let bucket_ok = s.ceiling + EPS >= need;
         let window_ok = s.non_floor + rem <= window_cap + EPS;
         if !(bucket_ok && window_ok) {
-            return Err(self.fail(l, need, rem, window_ok));
+            return Err(self.fail(idx, need, rem, window_ok));
         }
         w.takes[idx][2] = rem;
         if idx > 0 {
-            if s.share + EPS >= rem || (l.fresh && rem <= l.share_b.depth + EPS) {
+            if s.share + EPS >= rem || (l.fresh && rem <= l.share_b().depth + EPS) {
                 w.takes[idx][1] = rem;
             } else {
                 w.own_chain = false;
@@ -173,9 +187,10 @@ impl PathCtx<'_, '_> {
         Ok(())
     }
 
-    pub(super) fn fail(&self, l: &Level<'_>, need: f64, rem: f64, window_ok: bool) -> Fail {
-        let s = &l.state;
-        let mut wait = wait_for(s.ceiling, need, &l.ceil_b, self.period);
+    /// Why level `idx` refuses a draw of `rem` units that needs `need` in its bucket.
+    fn fail(&self, idx: usize, need: f64, rem: f64, window_ok: bool) -> Fail {
+        let (l, s) = (&self.levels[idx], self.states[idx]);
+        let mut wait = wait_for(s.ceiling, need, l.ceil_b(), self.period);
         if !window_ok {
             wait = wait.max(if rem > l.numbers.ceiling_rate + EPS {
                 f64::INFINITY
@@ -183,8 +198,8 @@ impl PathCtx<'_, '_> {
                 self.next_window - self.now
             });
         }
-        // A borrow the bar blocks (the other children's banks fill the level) can still pass
-        // once the caller's own share covers the call: no later than its share bank refills.
+        // A borrow the bar blocks can still pass once the caller's own share covers the
+        // call: no later than its share bank refills.
         if need > rem + EPS && !wait.is_finite() {
             wait = self.own_share_wait();
             if !wait.is_finite() {
@@ -193,11 +208,12 @@ impl PathCtx<'_, '_> {
             }
         }
         // Could the whole call be served by the caller's floor later instead?
-        let lf = &self.levels[self.levels.len() - 1];
+        let leaf = self.levels.len() - 1;
+        let (lf, sf) = (&self.levels[leaf], self.states[leaf]);
         let c = self.cost;
         if lf.numbers.own_floor + EPS >= c {
-            let mut fw = wait_for(lf.state.floor, c, &lf.floor_b, self.period);
-            if lf.state.floor_used + c > lf.numbers.own_floor + EPS {
+            let mut fw = wait_for(sf.floor, c, &lf.buckets[0], self.period);
+            if sf.floor_used + c > lf.numbers.own_floor + EPS {
                 fw = fw.max(self.next_window - self.now);
             }
             wait = wait.min(fw);
@@ -219,8 +235,8 @@ impl PathCtx<'_, '_> {
     /// call, so it passes without the borrowing bar: the longest of the levels' refills.
     fn own_share_wait(&self) -> f64 {
         let mut wait: f64 = 0.0;
-        for l in &self.levels[1..] {
-            wait = wait.max(wait_for(l.state.share, self.cost, &l.share_b, self.period));
+        for (l, s) in self.levels.iter().zip(self.states).skip(1) {
+            wait = wait.max(wait_for(s.share, self.cost, l.share_b(), self.period));
         }
         wait
     }
@@ -236,7 +252,7 @@ impl PathCtx<'_, '_> {
             Scope::Tenant => 1,
             Scope::Instance => 2,
         };
-        let l = &self.levels[at];
+        let (l, s) = (&self.levels[at], self.states[at]);
         let mut rem = self.cost;
         for below in &self.levels[at..] {
             rem -= below.numbers.own_floor;
@@ -244,35 +260,38 @@ impl PathCtx<'_, '_> {
         if rem <= EPS {
             return 0.0;
         }
-        let mut b = l.ceil_b;
+        let mut b = *l.ceil_b();
         if at > 0 {
-            // A tenant's or instance's ceiling rate grows when other template callers stop
-            // counting: the most it can become, with only this caller counted.
-            let (Some(t), mut burst) = (self.levels[1].policy, 0.0) else {
-                return 0.0;
-            };
-            let n_t = if fewest[0] { 1.0 } else { 0.0 };
-            let tn = level_numbers(t, tool.spare(), tool.configured_weight + t.weight * n_t);
-            let mut rate = tn.ceiling_rate;
-            burst += t.burst;
-            if at == 2 {
-                if let Some(i) = self.levels[2].policy {
-                    let n_i = if fewest[1] { 1.0 } else { 0.0 };
-                    let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
-                    let inner_weight = t.configured_child_weight
-                        + t.default_child.as_ref().map_or(0.0, |d| d.weight) * n_i;
-                    rate = level_numbers(i, inner_spare, inner_weight).ceiling_rate;
-                    burst = i.burst;
-                }
-            }
-            if rate > b.rate {
-                b = Bucket { rate, depth: burst };
+            match self.fastest_ceiling(at, tool, fewest) {
+                Some(fastest) if fastest.rate > b.rate => b = fastest,
+                Some(_) => {}
+                None => return 0.0,
             }
         }
-        let mut sure = wait_for(l.state.ceiling, rem, &b, self.period);
-        if at == 0 && l.state.non_floor + rem > l.numbers.ceiling_rate + EPS {
+        let mut sure = wait_for(s.ceiling, rem, &b, self.period);
+        if at == 0 && s.non_floor + rem > l.numbers.ceiling_rate + EPS {
             sure = sure.max(self.next_window - self.now);
         }
         sure.min(f.wait)
+    }
+
+    /// The ceiling bucket level `at` (tenant 1, instance 2) has with the fewest template
+    /// callers counted (only this caller): the fastest its ceiling can refill.
+    fn fastest_ceiling(&self, at: usize, tool: &ToolPolicy, fewest: [bool; 2]) -> Option<Bucket> {
+        let t = self.levels[1].policy?;
+        let n_t = if fewest[0] { 1.0 } else { 0.0 };
+        let tn = level_numbers(t, tool.spare(), tool.configured_weight + t.weight * n_t);
+        let (mut rate, mut burst) = (tn.ceiling_rate, t.burst);
+        if at == 2 {
+            if let Some(i) = self.levels[2].policy {
+                let n_i = if fewest[1] { 1.0 } else { 0.0 };
+                let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
+                let inner_weight = t.configured_child_weight
+                    + t.default_child.as_ref().map_or(0.0, |d| d.weight) * n_i;
+                rate = level_numbers(i, inner_spare, inner_weight).ceiling_rate;
+                burst = i.burst;
+            }
+        }
+        Some(Bucket { rate, depth: burst })
     }
 }

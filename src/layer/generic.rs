@@ -12,9 +12,10 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{Admit, BoxFuture, Held};
+use super::{BoxFuture, Held, Limits};
 use crate::clock::Clock;
 use crate::identity::{Caller, Cost};
+use crate::limiter::Begun;
 use crate::limiter::{Limiter, Ticket};
 use crate::store::Store;
 use crate::Refusal;
@@ -75,7 +76,7 @@ impl<E: std::error::Error + 'static> std::error::Error for FairShareError<E> {
 
 /// A layer for non-HTTP services. Cheap to clone.
 pub struct DescribedLayer<D> {
-    limiter: Arc<dyn Admit>,
+    limiter: Arc<dyn Limits>,
     describe: Arc<D>,
 }
 
@@ -118,7 +119,7 @@ impl<S, D> Layer<S> for DescribedLayer<D> {
 /// A non-HTTP service behind a [`DescribedLayer`].
 pub struct Described<S, D> {
     inner: S,
-    limiter: Arc<dyn Admit>,
+    limiter: Arc<dyn Limits>,
     describe: Arc<D>,
 }
 
@@ -164,15 +165,14 @@ where
         };
         let caller = self.describe.caller(&req).unwrap_or_default();
         let cost = self.describe.cost(&req);
-        let state = match self.limiter.try_admit(&caller, &tool, cost) {
+        let state = match self.limiter.begin(&caller, &tool, cost) {
             // Decided at once: the ready service is called now, no clone needed.
-            Some(Ok(ticket)) => GenState::Calling {
+            Begun::Done(Ok(ticket), _) => GenState::Calling {
                 held: Some(Held::new(ticket, &self.limiter)),
                 fut: self.inner.call(req),
             },
-            Some(Err(r)) => GenState::Refused { refusal: Some(r) },
-            None => {
-                let admission = self.limiter.admit(caller, tool, cost);
+            Begun::Done(Err(r), _) => GenState::Refused { refusal: Some(r) },
+            Begun::Waiting(admission) => {
                 let clone = self.inner.clone();
                 GenState::Admitting {
                     admission,
@@ -207,7 +207,7 @@ pin_project! {
             admission: BoxFuture<Result<Ticket, Refusal>>,
             inner: Option<S>,
             req: Option<Req>,
-            limiter: Arc<dyn Admit>,
+            limiter: Arc<dyn Limits>,
         },
         Calling {
             #[pin]

@@ -7,7 +7,7 @@ use tower_layer::Layer;
 
 use super::select::{Identify, Identity, RequestHead, ToolSelector};
 use super::service::FairShare;
-use super::Admit;
+use super::Limits;
 use crate::clock::Clock;
 use crate::limiter::Limiter;
 use crate::store::Store;
@@ -35,7 +35,7 @@ pub struct FairShareLayer {
 }
 
 pub(crate) struct Shared {
-    pub(crate) limiter: Arc<dyn Admit>,
+    pub(crate) limiter: Arc<dyn Limits>,
     pub(crate) identify: Identity,
     pub(crate) tool: ToolSelector,
     pub(crate) headers: bool,

@@ -313,9 +313,9 @@ where
         .cost
         .or_else(|| parts.extensions.get::<Cost>().copied())
         .unwrap_or_default();
-    let outcome = match shared.limiter.try_admit(&caller, &tool, cost) {
-        Some(outcome) => outcome,
-        None => shared.limiter.admit(caller, tool, cost).await,
+    let outcome = match shared.limiter.begin(&caller, &tool, cost) {
+        crate::limiter::Begun::Done(outcome, _) => outcome,
+        crate::limiter::Begun::Waiting(rest) => rest.await,
     };
     let held = match outcome {
         Ok(ticket) => Some(Held::new(ticket, &shared.limiter)),

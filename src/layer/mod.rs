@@ -45,46 +45,24 @@ pub use service::{FairShare, ResponseFuture};
 
 use crate::clock::Clock;
 use crate::identity::{Caller, Cost};
-use crate::limiter::{Limiter, Ticket};
+use crate::limiter::{Begun, Limiter, Ticket};
 use crate::store::Store;
-use crate::Refusal;
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// The limiter, with its store and clock types erased, as the layer uses it.
-pub(crate) trait Admit: Send + Sync + 'static {
-    /// Decides at once, without a future, when the store can (the memory store always can);
-    /// `None` sends the call down [`admit`](Admit::admit).
-    fn try_admit(&self, caller: &Caller, tool: &str, cost: Cost)
-        -> Option<Result<Ticket, Refusal>>;
-    fn admit(
-        &self,
-        caller: Caller,
-        tool: Arc<str>,
-        cost: Cost,
-    ) -> BoxFuture<Result<Ticket, Refusal>>;
+pub(crate) trait Limits: Send + Sync + 'static {
+    /// Every step of a call that needs no waiting (see [`Limiter::begin`]).
+    fn begin(&self, caller: &Caller, tool: &str, cost: Cost) -> Begun;
+    /// Gives back the permits of a call that ended, without waiting for the store.
     fn release(&self, ticket: Ticket);
+    /// Corrects a call's charge to its `actual` cost, without waiting for the store.
     fn settle(&self, ticket: Ticket, actual: Cost);
 }
 
-impl<S: Store, C: Clock> Admit for Limiter<S, C> {
-    fn try_admit(
-        &self,
-        caller: &Caller,
-        tool: &str,
-        cost: Cost,
-    ) -> Option<Result<Ticket, Refusal>> {
-        Limiter::try_admit(self, caller, tool, cost)
-    }
-
-    fn admit(
-        &self,
-        caller: Caller,
-        tool: Arc<str>,
-        cost: Cost,
-    ) -> BoxFuture<Result<Ticket, Refusal>> {
-        let this = self.clone();
-        Box::pin(async move { this.admit(&caller, &tool, cost).await })
+impl<S: Store, C: Clock> Limits for Limiter<S, C> {
+    fn begin(&self, caller: &Caller, tool: &str, cost: Cost) -> Begun {
+        Limiter::begin(self, caller, tool, cost)
     }
 
     fn release(&self, ticket: Ticket) {
@@ -123,12 +101,12 @@ fn finish_in_background(mut fut: BoxFuture<()>) {
 pub(crate) struct Held {
     ticket: Ticket,
     /// Set when the ticket holds permits.
-    permits: Option<Arc<dyn Admit>>,
+    permits: Option<Arc<dyn Limits>>,
 }
 
 impl Held {
     #[inline]
-    pub(crate) fn new(ticket: Ticket, limiter: &Arc<dyn Admit>) -> Held {
+    pub(crate) fn new(ticket: Ticket, limiter: &Arc<dyn Limits>) -> Held {
         let holds = ticket.holds_permits();
         Held {
             ticket,

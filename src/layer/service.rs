@@ -17,7 +17,7 @@ use super::refusal::{admitted_headers, is_grpc, render};
 use super::select::{Identity, RequestHead};
 use super::{BoxFuture, Held};
 use crate::identity::{Caller, Cost};
-use crate::limiter::Ticket;
+use crate::limiter::{Begun, Ticket};
 use crate::Refusal;
 
 /// A service behind a [`FairShareLayer`](crate::FairShareLayer).
@@ -102,19 +102,21 @@ where
             }
         };
         let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
-        let Some(outcome) = shared.limiter.try_admit(caller, tool.as_str(), cost) else {
+        let outcome = match shared.limiter.begin(caller, tool.as_str(), cost) {
+            Begun::Done(outcome, _) => outcome,
             // The store has to be waited for.
-            let admission = shared.limiter.admit(caller.clone(), tool.into_arc(), cost);
-            // The service was driven ready; a clone takes its place for the next call.
-            let clone = self.inner.clone();
-            return ResponseFuture {
-                state: State::Admitting {
-                    admission,
-                    inner: Some(std::mem::replace(&mut self.inner, clone)),
-                    req: Some(req),
-                    shared: self.shared.clone(),
-                },
-            };
+            Begun::Waiting(admission) => {
+                // The service was driven ready; a clone takes its place for the next call.
+                let clone = self.inner.clone();
+                return ResponseFuture {
+                    state: State::Admitting {
+                        admission,
+                        inner: Some(std::mem::replace(&mut self.inner, clone)),
+                        req: Some(req),
+                        shared: self.shared.clone(),
+                    },
+                };
+            }
         };
         // What was borrowed from the request ends here, before the request moves on.
         drop(tool);
@@ -290,24 +292,16 @@ mod tests {
     use super::*;
     use crate::clock::{ManualClock, Timestamp};
     use crate::layer::select::ToolSelector;
-    use crate::layer::{Admit, FairShareLayer};
+    use crate::layer::{FairShareLayer, Limits};
     use crate::{Limiter, MemoryStore, Policy, Store};
 
     /// A limiter whose every decision waits one poll.
     struct Waits(Limiter<MemoryStore, ManualClock>);
 
-    impl Admit for Waits {
-        fn try_admit(&self, _: &Caller, _: &str, _: Cost) -> Option<Result<Ticket, Refusal>> {
-            None
-        }
-        fn admit(
-            &self,
-            caller: Caller,
-            tool: Arc<str>,
-            cost: Cost,
-        ) -> BoxFuture<Result<Ticket, Refusal>> {
-            let limiter = self.0.clone();
-            Box::pin(async move {
+    impl Limits for Waits {
+        fn begin(&self, caller: &Caller, tool: &str, cost: Cost) -> Begun {
+            let (limiter, caller, tool) = (self.0.clone(), caller.clone(), tool.to_owned());
+            Begun::Waiting(Box::pin(async move {
                 let mut yielded = false;
                 std::future::poll_fn(|cx| {
                     if yielded {
@@ -319,13 +313,13 @@ mod tests {
                 })
                 .await;
                 limiter.admit(&caller, &tool, cost).await
-            })
+            }))
         }
         fn release(&self, ticket: Ticket) {
-            Admit::release(&self.0, ticket)
+            Limits::release(&self.0, ticket)
         }
         fn settle(&self, ticket: Ticket, actual: Cost) {
-            Admit::settle(&self.0, ticket, actual)
+            Limits::settle(&self.0, ticket, actual)
         }
     }
 

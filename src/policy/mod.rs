@@ -442,10 +442,6 @@ impl ToolPolicy {
             s => self.plans.get(s - 1).map(|(_, t)| t),
         }
     }
-    /// Whether unlisted tenants are governed by a template (the default one or a plan's).
-    pub(crate) fn has_templates(&self) -> bool {
-        self.default_tenant.is_some() || !self.plans.is_empty()
-    }
     /// Whether the caller's tier may call this tool.
     pub fn allows_tier(&self, tier: Option<&str>) -> bool {
         self.tiers.is_empty() || tier.is_some_and(|t| self.tiers.iter().any(|x| x == t))

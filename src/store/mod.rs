@@ -8,65 +8,18 @@ mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
 use std::sync::Arc;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
+pub use crate::admission::CallKeys;
 pub use memory::MemoryStore;
 
-use crate::admission::engine::{Charge, LevelRef, LevelView, NodeState, Plan};
+use crate::admission::engine::{Charge, LevelView, NodeState, Plan};
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
-use crate::policy::ToolPolicy;
-
-/// Identifies the levels of one admitted call, so the store can find them again to correct
-/// the charge or release permits.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct CallKeys {
-    /// Tool name.
-    pub tool: Arc<str>,
-    /// Tenant name, or the untenanted caller's id.
-    pub tenant: Arc<str>,
-    /// Instance name, when instances are limited separately.
-    pub instance: Option<Arc<str>>,
-    /// Whether `tenant` is an untenanted caller.
-    pub untenanted: bool,
-}
-
-impl CallKeys {
-    /// The keys of a call of `tool` charged to `tenant` and `instance` as resolved, sharing
-    /// the caller's names: no string is copied.
-    pub(crate) fn of(
-        tool: &Arc<ToolPolicy>,
-        tenant: &LevelRef<'_>,
-        instance: Option<&LevelRef<'_>>,
-        untenanted: bool,
-    ) -> CallKeys {
-        CallKeys {
-            tool: tool.name_arc().clone(),
-            tenant: tenant.name.clone(),
-            instance: instance.map(|i| i.name.clone()),
-            untenanted,
-        }
-    }
-
-    /// The injective store keys of the tool, tenant and instance levels.
-    pub fn encoded(&self) -> [Option<String>; 3] {
-        use crate::key;
-        [
-            Some(key::tool_key(&self.tool)),
-            Some(if self.untenanted {
-                key::untenanted_key(&self.tool, &self.tenant)
-            } else {
-                key::tenant_key(&self.tool, &self.tenant)
-            }),
-            self.instance
-                .as_ref()
-                .map(|i| key::instance_key(&self.tool, &self.tenant, i)),
-        ]
-    }
-}
 
 /// An admitted call, as the store reports it.
 #[derive(Clone, Debug, Default)]
@@ -94,19 +47,7 @@ pub struct Admission {
     pub call: u128,
 }
 
-impl Admission {
-    /// An answer for `keys` decided at `at`, every figure zero, for a store to fill in.
-    /// (Rarely made: the memory store mostly writes over a record its thread kept.)
-    pub(crate) fn blank(keys: CallKeys, at: Timestamp) -> Admission {
-        Admission {
-            keys,
-            at,
-            ..Admission::default()
-        }
-    }
-}
-
-/// The store's answer.
+/// The store's answer to a call.
 #[derive(Clone, Debug)]
 pub enum Decision {
     /// Admitted and committed.
@@ -130,19 +71,61 @@ pub enum StoreError {
     Protocol(String),
 }
 
+/// A store's work that waits for I/O: it owns what it needs, so a caller may keep it, hand it
+/// to a task, or drop it (which cancels it, as any future).
+pub type Pending<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'static>>;
+
+/// What a store answers: at once (the in-process store always), or once its I/O is done.
+/// `.await` it for the result either way.
+pub enum Answer<T> {
+    /// Done.
+    Now(Result<T, StoreError>),
+    /// Waiting for I/O.
+    Later(Pending<T>),
+}
+
+impl<T> Answer<T> {
+    /// An answer that waits for `work`.
+    pub fn later(work: impl Future<Output = Result<T, StoreError>> + Send + 'static) -> Self {
+        Answer::Later(Box::pin(work))
+    }
+}
+
+impl<T> std::fmt::Debug for Answer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Answer::Now(_) => "Answer::Now",
+            Answer::Later(_) => "Answer::Later",
+        })
+    }
+}
+
+impl<T: Send + 'static> IntoFuture for Answer<T> {
+    type Output = Result<T, StoreError>;
+    type IntoFuture = Pending<T>;
+
+    fn into_future(self) -> Pending<T> {
+        match self {
+            Answer::Now(r) => Box::pin(std::future::ready(r)),
+            Answer::Later(f) => f,
+        }
+    }
+}
+
 /// Keeps admission state and applies decisions atomically.
 ///
 /// A store implements one atomic operation per decision: read the state of every level the
 /// call touches, run [`decide`](crate::admission::engine::decide), and write the result back,
 /// without any other decision interleaving. Corrections and permit releases are separate,
-/// later calls.
+/// later calls. Each method answers at once ([`Answer::Now`]) when it can, or with its work
+/// that waits for I/O ([`Answer::Later`]): the caller waits only when there is something to
+/// wait for. A `Later` answer does nothing until it is polled: a caller that will not wait
+/// (`Limiter::try_admit`) drops it unstarted.
 ///
-/// **Cancellation.** The future of [`decide`](Self::decide) may be dropped at any await point
+/// **Cancellation.** The work of [`decide`](Self::decide) may be dropped at any await point
 /// (a client disconnects, a timeout fires). A store whose decision can still take effect after
 /// that — a command already sent to a server — must finish it and, if it was admitted, give
 /// back what it charged and the permits it took: no path may leak a permit or a unit.
-/// [`MemoryStore`] decides without awaiting; the Redis store finishes abandoned decisions in
-/// the background.
 pub trait Store: Send + Sync + 'static {
     /// A short name for metrics labels (`memory`, `redis`, ...).
     fn kind(&self) -> &'static str {
@@ -150,77 +133,34 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Decides one call and commits it if admitted.
-    fn decide<'a>(
-        &'a self,
-        plan: &'a Plan<'a>,
-        keys: &'a CallKeys,
-    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a;
-
-    /// Decides one call without waiting, when this store can (the in-process store always
-    /// can); `None` when the answer needs I/O, and then nothing has been done: use
-    /// [`decide`](Self::decide). Lets callers skip allocating a future. The default is `None`.
-    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
-        let _ = (plan, keys);
-        None
-    }
-
-    /// [`decide_now`](Self::decide_now) for the call's own keys, the ones the plan names
-    /// ([`Plan::keys`]), which the store makes only where it needs them: a store that finds
-    /// its levels by the plan's names makes them once, for its answer to keep
-    /// ([`Admission::keys`]), and not at all for a refusal (each copy writes three reference
-    /// counts, and three more when it is dropped). `None` as for `decide_now`. The default
-    /// makes the keys and lends them to `decide_now`.
-    fn decide_now_planned(&self, plan: &Plan<'_>) -> Option<Result<Decision, StoreError>> {
-        self.decide_now(plan, &plan.keys())
-    }
+    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision>;
 
     /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
     /// entirely; 0.5 charges half again). Never touches a window that has closed.
-    fn adjust<'a>(
-        &'a self,
-        admission: &'a Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
-
-    /// Corrects a charge like [`adjust`](Self::adjust) without waiting, when this store can
-    /// (the in-process store always can); `None` when it needs I/O, and then nothing has been
-    /// done. The default is `None`.
-    fn adjust_now(
-        &self,
-        admission: &Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> Option<Result<(), StoreError>> {
-        let _ = (admission, factor, now);
-        None
-    }
+    fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()>;
 
     /// Returns the concurrency permits an admitted call took.
-    fn release<'a>(
-        &'a self,
-        admission: &'a Admission,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+    fn release(&self, admission: &Arc<Admission>) -> Answer<()>;
 
     /// The stored state of the tool, tenant and instance levels of `keys` (`None` where
     /// nothing is stored), as the store holds it: not brought up to date. For diagnostics and
     /// tests.
-    fn inspect<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a;
+    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]>;
 
     /// The same states as [`inspect`](Self::inspect), as a decision at `now` reads them: calls
     /// in flight are the permits that have not lapsed by then (a store whose permits never
     /// lapse, like the memory store, answers as `inspect`). Writes nothing. What
     /// [`Limiter::explain`](crate::Limiter::explain) and the console read.
-    fn inspect_at<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
         let _ = now;
         self.inspect(keys)
+    }
+
+    /// The work this store finishes in the background — permits of calls that ended given
+    /// back, charges of callers that left refunded — done, for a graceful shutdown
+    /// ([`Limiter::shutdown`](crate::Limiter::shutdown)). The default has none.
+    fn flush(&self) -> Answer<()> {
+        Answer::Now(Ok(()))
     }
 
     /// Told the policy this process enforces, when the limiter is made and at every reload.
@@ -236,68 +176,28 @@ pub trait Store: Send + Sync + 'static {
     fn policy_disagreements(&self) -> Vec<PolicyDisagreement> {
         Vec::new()
     }
-
-    /// Waits until the work this store finishes in the background is done — permits of calls
-    /// that ended given back, charges of callers that left refunded — for a graceful shutdown
-    /// ([`Limiter::shutdown`](crate::Limiter::shutdown)). The default has none to wait for.
-    fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
-        std::future::ready(())
-    }
 }
 
 impl<S: Store> Store for Arc<S> {
     fn kind(&self) -> &'static str {
         (**self).kind()
     }
-    fn decide<'a>(
-        &'a self,
-        plan: &'a Plan<'a>,
-        keys: &'a CallKeys,
-    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'a {
-        (**self).decide(plan, keys)
+    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
+        (**self).decide(plan)
     }
-    fn decide_now(&self, plan: &Plan<'_>, keys: &CallKeys) -> Option<Result<Decision, StoreError>> {
-        (**self).decide_now(plan, keys)
-    }
-    fn decide_now_planned(&self, plan: &Plan<'_>) -> Option<Result<Decision, StoreError>> {
-        (**self).decide_now_planned(plan)
-    }
-    fn adjust<'a>(
-        &'a self,
-        admission: &'a Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+    fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
         (**self).adjust(admission, factor, now)
     }
-    fn adjust_now(
-        &self,
-        admission: &Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> Option<Result<(), StoreError>> {
-        (**self).adjust_now(admission, factor, now)
-    }
-    fn release<'a>(
-        &'a self,
-        admission: &'a Admission,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+    fn release(&self, admission: &Arc<Admission>) -> Answer<()> {
         (**self).release(admission)
     }
-    fn inspect<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
         (**self).inspect(keys)
     }
-    fn inspect_at<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<[Option<NodeState>; 3], StoreError>> + Send + 'a {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
         (**self).inspect_at(keys, now)
     }
-    fn flush(&self) -> impl Future<Output = ()> + Send + '_ {
+    fn flush(&self) -> Answer<()> {
         (**self).flush()
     }
     fn policy_in_force(&self, policy: &crate::Policy) {

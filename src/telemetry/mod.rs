@@ -30,7 +30,9 @@
 //! slack.
 
 pub mod busiest;
+pub(crate) mod decisions;
 mod gate;
+pub(crate) mod recorder;
 mod refusals;
 pub(crate) use refusals::RefusalLines;
 

@@ -53,16 +53,11 @@ impl Memo {
 
     /// The refusal remembered for this call in its `set`, if it still stands at `plan.now`
     /// (`same` tells whether remembered keys are the call's).
-    pub(super) fn recall(
-        &mut self,
-        set: usize,
-        plan: &Plan<'_>,
-        same: impl Fn(&CallKeys) -> bool,
-    ) -> Option<Refusal> {
+    pub(super) fn recall(&mut self, set: usize, plan: &Plan<'_>) -> Option<Refusal> {
         let ways = self.slots.get_mut(set * WAYS..(set + 1) * WAYS)?;
         let kept = ways
             .iter_mut()
-            .find(|k| k.as_deref().is_some_and(|r| same(&r.keys)))?;
+            .find(|k| k.as_deref().is_some_and(|r| super::keys_of(&r.keys, plan)))?;
         let r = kept.as_deref()?;
         if !r.kept.stands_for(plan) {
             return None;
@@ -77,16 +72,13 @@ impl Memo {
         None
     }
 
-    /// Remembers `refusal` of the call in its `set` for as long as it surely stands, if it
-    /// names such a wait; `given_back` is the tool's count read before the call was decided
-    /// (`same` tells whether remembered keys are the call's, `keys` makes them).
-    #[allow(clippy::too_many_arguments)]
+    /// Remembers `refusal` of the call `plan` makes in its `set` for as long as it surely
+    /// stands, if it names such a wait; `given_back` is the tool's count read before the call
+    /// was decided.
     pub(super) fn remember(
         &mut self,
-        set: impl FnOnce() -> usize,
+        set: usize,
         plan: &Plan<'_>,
-        same: impl Fn(&CallKeys) -> bool,
-        keys: impl FnOnce() -> CallKeys,
         cell: &Arc<ToolCell>,
         given_back: u64,
         refusal: &Refusal,
@@ -97,12 +89,11 @@ impl Memo {
         if self.slots.is_empty() {
             self.slots.resize_with(SETS * WAYS, || None);
         }
-        let set = set();
         let ways = &mut self.slots[set * WAYS..(set + 1) * WAYS];
         // The same call's slot, else an empty one, else the one whose wait ends first.
         let at = ways
             .iter()
-            .position(|k| k.as_deref().is_some_and(|r| same(&r.keys)))
+            .position(|k| k.as_deref().is_some_and(|r| super::keys_of(&r.keys, plan)))
             .or_else(|| ways.iter().position(Option::is_none))
             .unwrap_or_else(|| {
                 (0..WAYS)
@@ -110,7 +101,7 @@ impl Memo {
                     .unwrap_or(0)
             });
         ways[at] = Some(Box::new(Remembered {
-            keys: keys(),
+            keys: plan.keys(),
             cell: cell.clone(),
             given_back,
             kept,

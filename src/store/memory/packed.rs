@@ -31,12 +31,10 @@ const CORE: usize = 5;
 /// A level's state in one allocation; see the module's notes.
 pub(super) struct Packed(Box<[u8]>);
 
-#[inline]
 fn word(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
 }
 
-#[inline]
 fn put(bytes: &mut [u8], at: usize, x: u64) {
     bytes[at..at + 8].copy_from_slice(&x.to_le_bytes());
 }
@@ -50,7 +48,6 @@ fn period_of(bits: u64) -> BudgetPeriod {
 }
 
 /// How many numbers a header's layout holds.
-#[inline]
 fn numbers_in(header: u64) -> usize {
     CORE + 2 * usize::from(header & FLOORS != 0)
         + usize::from(header & FLIGHT != 0)
@@ -59,7 +56,6 @@ fn numbers_in(header: u64) -> usize {
 }
 
 /// The layout `s` needs, and its template counts as of its own window, packed.
-#[inline]
 fn layout(s: &NodeState, period: f64) -> (u64, u64) {
     let mut h = 0;
     if s.floor != 0.0 || s.floor_used != 0.0 {
@@ -89,7 +85,6 @@ fn layout(s: &NodeState, period: f64) -> (u64, u64) {
 }
 
 /// Writes the numbers of `s` at `HEADER` in the layout of `header`.
-#[inline]
 fn write(b: &mut [u8], header: u64, expires: u64, s: &NodeState, template: u64) {
     put(b, 0, header);
     put(b, 8, expires);
@@ -143,31 +138,26 @@ impl Packed {
         out
     }
 
-    #[inline]
     fn header(&self) -> u64 {
         word(&self.0, 0)
     }
 
     /// When the state may be forgotten (µs), unless it holds permits.
-    #[inline]
     pub(super) fn expires(&self) -> u64 {
         word(&self.0, 8)
     }
 
     /// The level's name, as bytes.
-    #[inline]
     pub(super) fn name(&self) -> &[u8] {
         &self.0[HEADER + 8 * numbers_in(self.header())..]
     }
 
     /// Whether the level is an untenanted caller.
-    #[inline]
     pub(super) fn untenanted(&self) -> bool {
         self.header() & UNTENANTED != 0
     }
 
     /// Permits held.
-    #[inline]
     pub(super) fn in_flight(&self) -> f64 {
         let h = self.header();
         if h & FLIGHT == 0 {
@@ -178,16 +168,8 @@ impl Packed {
     }
 
     /// The state, for the tool's `period` (µs).
-    #[cfg(test)]
     pub(super) fn state(&self, period: f64) -> NodeState {
         let mut s = NodeState::default();
-        self.read(&mut s, period);
-        s
-    }
-
-    /// Reads the state into `s` (every field of it), for the tool's `period` (µs).
-    #[inline]
-    pub(super) fn read(&self, s: &mut NodeState, period: f64) {
         let b = &self.0;
         let h = word(b, 0);
         let f = |at: usize| f64::from_bits(word(b, at));
@@ -205,15 +187,10 @@ impl Packed {
             s.floor = f(at);
             s.floor_used = f(at + 8);
             at += 16;
-        } else {
-            s.floor = 0.0;
-            s.floor_used = 0.0;
         }
         if h & FLIGHT != 0 {
             s.in_flight = f(at);
             at += 8;
-        } else {
-            s.in_flight = 0.0;
         }
         if h & TEMPLATE != 0 {
             let x = word(b, at);
@@ -221,13 +198,8 @@ impl Packed {
             s.template_in_window = f64::from(x as u32);
             s.template_counted = f64::from((x >> 32) as u32);
             at += 8;
-        } else {
-            s.template_window = 0.0;
-            s.template_in_window = 0.0;
-            s.template_counted = 0.0;
         }
         let nb = ((h >> BUDGETS_SHIFT) & 3) as usize;
-        s.budgets.clear();
         for k in 0..nb {
             s.budgets.set(BudgetCounter {
                 period: period_of(h >> (PERIODS_SHIFT + 2 * k as u32)),
@@ -236,11 +208,11 @@ impl Packed {
             });
             at += 16;
         }
+        s
     }
 
     /// Stores `s` (period: the tool's, µs) and its expiry; in place when its numbers take the
     /// same room as before.
-    #[inline]
     pub(super) fn store(&mut self, s: &NodeState, expires: u64, period: f64) {
         let (layout, template) = layout(s, period);
         let old = self.header();

@@ -41,9 +41,8 @@ use super::ledger::Ledger;
 use super::record::Record;
 use super::wire::permits_key;
 use super::{lock, Shared};
-use crate::admission::engine::{self, LevelRef, NodeState, Plan, Snapshot, Verdict};
+use crate::admission::engine::{self, NodeState, OwnedPlan, Plan, Snapshot};
 use crate::clock::Timestamp;
-use crate::policy::{LevelPolicy, ToolPolicy};
 use crate::store::{Admission, CallKeys, Decision, StoreError};
 
 /// The most jobs one batch decides.
@@ -54,73 +53,6 @@ const MAX_ATTEMPTS: usize = 64;
 /// How long a worker waits before reading again while another replica holds the tool's turn
 /// (it gives the turn back with its write, one round trip later).
 const TURN_WAIT: Duration = Duration::from_millis(1);
-
-/// Which policy of a tool applies to a level: a listed one, by its position, or the template.
-#[derive(Copy, Clone, Debug)]
-enum Pick {
-    Listed(usize),
-    /// A template, in its slot (a tenant's: `default_tenant` or a plan's).
-    Template(usize),
-}
-
-fn pick(p: &LevelPolicy) -> Pick {
-    if p.template {
-        Pick::Template(p.slot)
-    } else {
-        Pick::Listed(p.position)
-    }
-}
-
-/// A [`Plan`] that owns what it refers to, so the worker can decide it later.
-#[derive(Clone, Debug)]
-pub(super) struct OwnedPlan {
-    now: Timestamp,
-    cost: f64,
-    tool: Arc<ToolPolicy>,
-    tenant: Pick,
-    instance: Option<Pick>,
-    untenanted: bool,
-}
-
-impl OwnedPlan {
-    pub(super) fn of(plan: &Plan<'_>) -> OwnedPlan {
-        OwnedPlan {
-            now: plan.now,
-            cost: plan.cost,
-            tool: plan.tool.clone(),
-            tenant: pick(plan.tenant.policy),
-            instance: plan.instance.map(|i| pick(i.policy)),
-            untenanted: plan.untenanted,
-        }
-    }
-
-    /// The plan again, at `now`, naming the levels as `keys` does.
-    fn plan<'a>(&'a self, keys: &'a CallKeys, now: Timestamp) -> Plan<'a> {
-        let tool = &self.tool;
-        let tenant = match self.tenant {
-            Pick::Listed(i) => &tool.tenants[i],
-            Pick::Template(slot) => tool.template(slot).expect("a template tenant"),
-        };
-        let instance = self.instance.map(|p| LevelRef {
-            name: keys.instance.as_ref().expect("an instance key"),
-            policy: match p {
-                Pick::Listed(i) => &tenant.children[i],
-                Pick::Template(_) => tenant.default_child.as_deref().expect("a template"),
-            },
-        });
-        Plan {
-            now,
-            cost: self.cost,
-            tool,
-            tenant: LevelRef {
-                name: &keys.tenant,
-                policy: tenant,
-            },
-            instance,
-            untenanted: self.untenanted,
-        }
-    }
-}
 
 /// Work for a tool's worker.
 pub(super) enum Job {
@@ -1086,7 +1018,7 @@ impl Batch {
             };
             let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
             let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
-            let instance = instance.filter(|_| plan.is_none_or(|p| p.instance.is_some()));
+            let instance = instance.filter(|_| plan.is_none_or(|p| p.plan().instance.is_some()));
             let mut jk = JobKeys {
                 records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
                 permits: [None, None, None],
@@ -1095,13 +1027,8 @@ impl Batch {
                 jk.records[2] = Some(keys.record(i));
             }
             if let Some(plan) = plan {
-                let p = plan.plan(call_keys, plan.now);
-                let caps = [
-                    p.tool.max_concurrency.is_some(),
-                    p.tenant.policy.max_concurrency.is_some(),
-                    p.instance
-                        .is_some_and(|i| i.policy.max_concurrency.is_some()),
-                ];
+                let p = plan.plan();
+                let caps = [0, 1, 2].map(|l| p.takes_permit(l));
                 let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
                 for (l, (cap, k)) in caps.iter().zip(level_keys).enumerate() {
                     if let (true, Some(k)) = (cap, k) {
@@ -1326,7 +1253,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                 call,
                 ..
             } => {
-                let p = plan.plan(ck, now);
+                let p = Plan { now, ..plan.plan() };
                 let state = |l: usize| -> NodeState {
                     let mut s = jk.records[l]
                         .and_then(|i| records[i].as_ref())
@@ -1335,7 +1262,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                     s.in_flight = jk.permits[l].map_or(0.0, |z| counts[z]);
                     s
                 };
-                let snapshot = Snapshot {
+                let mut snapshot = Snapshot {
                     tool: state(0),
                     tenant: state(1),
                     instance: if p.instance.is_some() {
@@ -1344,11 +1271,10 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
                         NodeState::default()
                     },
                 };
-                match engine::decide(&p, &snapshot) {
-                    Verdict::Refuse(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
-                    Verdict::Admit(a) => {
-                        let a = *a;
-                        let new_states = [a.tool, a.tenant, a.instance];
+                match engine::decide(&p, &mut snapshot) {
+                    Err(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
+                    Ok(a) => {
+                        let new_states = [snapshot.tool, snapshot.tenant, snapshot.instance];
                         for (l, new_state) in new_states.into_iter().enumerate() {
                             let Some(i) = jk.records[l] else { continue };
                             if l == 2 && p.instance.is_none() {

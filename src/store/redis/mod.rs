@@ -229,8 +229,8 @@ pub use upkeep::StoreHealth;
 use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
 use self::wire::LevelKeys;
-use super::{Admission, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{NodeState, Plan};
+use super::{Admission, Answer, CallKeys, Decision, Store, StoreError};
+use crate::admission::engine::{NodeState, OwnedPlan, Plan};
 use crate::clock::Timestamp;
 
 #[derive(Debug)]
@@ -559,11 +559,9 @@ impl RedisStore {
         Ok(self.shared.replicas.disagreements())
     }
 
-    async fn decide_remote(
-        &self,
-        plan: &Plan<'_>,
-        keys: &CallKeys,
-    ) -> Result<Decision, StoreError> {
+    /// Decides a call in Redis (see the module docs): through its tool's queue, answered
+    /// within the timeout. Owns what it needs, so the caller may wait for it anywhere.
+    async fn decide_remote(self, plan: OwnedPlan, keys: CallKeys) -> Result<Decision, StoreError> {
         let sh = &self.shared;
         if !sh.breaker.admits() {
             return Err(StoreError::Unavailable(
@@ -573,16 +571,14 @@ impl RedisStore {
         sh.health.saw_tool(sh, &keys.tool);
         let (reply, answer) = batch::Answer::channel(sh);
         let sent = Instant::now();
-        batch::submit(
-            sh,
-            &keys.tool,
-            batch::Job::Decide {
-                plan: batch::OwnedPlan::of(plan),
-                keys: keys.clone(),
-                call: sh.ids.next(),
-                reply,
-            },
-        );
+        let call = sh.ids.next();
+        let job = batch::Job::Decide {
+            plan: plan.clone(),
+            keys: keys.clone(),
+            call,
+            reply,
+        };
+        batch::submit(sh, &keys.tool, job);
         let timeout = sh.config.timeout;
         // Timed out or dropped here, the call is still decided; if it is admitted and nobody
         // takes the answer, it is given back (see `batch::Answer`).
@@ -608,21 +604,18 @@ impl RedisStore {
         match &decision {
             Decision::Refused(r) => {
                 if let Some(cache) = &sh.cache {
-                    cache.remember(keys, plan, r, sent, sh.config.time);
+                    cache.remember(&keys, &plan.plan(), r, sent, sh.config.time);
                 }
             }
-            Decision::Admitted(a) => {
-                if a.charge.holds_permits() {
-                    let levels = LevelKeys::new(sh.state_keys(keys));
-                    lock(&sh.held).insert(
-                        a.call,
-                        HeldPermits {
-                            tool: keys.tool.clone(),
-                            keys: levels.permits(&a.charge),
-                        },
-                    );
-                }
+            Decision::Admitted(a) if a.charge.holds_permits() => {
+                let levels = LevelKeys::new(sh.state_keys(&keys));
+                let held = HeldPermits {
+                    tool: keys.tool.clone(),
+                    keys: levels.permits(&a.charge),
+                };
+                lock(&sh.held).insert(a.call, held);
             }
+            Decision::Admitted(_) => {}
         }
         Ok(decision)
     }
@@ -918,59 +911,72 @@ impl Store for RedisStore {
         "redis"
     }
 
-    async fn decide<'a>(
-        &'a self,
-        plan: &'a Plan<'a>,
-        keys: &'a CallKeys,
-    ) -> Result<Decision, StoreError> {
+    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
+        let keys = plan.keys();
         if let Some(cache) = &self.shared.cache {
-            if let Some(r) = cache.lookup(keys, plan, self.shared.config.time) {
+            if let Some(r) = cache.lookup(&keys, plan, self.shared.config.time) {
                 self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
-                return Ok(Decision::Refused(r));
+                return Answer::Now(Ok(Decision::Refused(r)));
             }
         }
-        self.decide_remote(plan, keys).await
+        Answer::later(self.clone().decide_remote(OwnedPlan::of(plan), keys))
     }
 
-    async fn adjust<'a>(
-        &'a self,
-        admission: &'a Admission,
-        factor: f64,
-        now: Timestamp,
-    ) -> Result<(), StoreError> {
-        let sh = &self.shared;
+    fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
+        let (sh, admission) = (self.shared.clone(), admission.clone());
         if factor < 0.0 {
             if let Some(cache) = &sh.cache {
                 cache.forget_tool(&admission.keys.tool);
             }
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
-        batch::submit(
-            sh,
-            &admission.keys.tool,
-            batch::Job::Adjust {
-                admission: Arc::new(admission.clone()),
-                factor,
-                now,
-                reply: Some(reply),
-            },
-        );
-        let timeout = sh.config.timeout;
-        let done = match tokio::time::timeout(timeout, answer).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
-            // Still applied in the background.
-            Err(_) => Err(StoreError::Timeout(timeout)),
+        let tool = admission.keys.tool.clone();
+        let job = batch::Job::Adjust {
+            admission,
+            factor,
+            now,
+            reply: Some(reply),
         };
-        done.map_err(|e| sh.failed("adjust", &admission.keys.tool, e))
+        batch::submit(&sh, &tool, job);
+        Answer::later(async move {
+            let timeout = sh.config.timeout;
+            let done = match tokio::time::timeout(timeout, answer).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+                // Still applied in the background.
+                Err(_) => Err(StoreError::Timeout(timeout)),
+            };
+            done.map_err(|e| sh.failed("adjust", &tool, e))
+        })
     }
 
-    async fn release<'a>(&'a self, admission: &'a Admission) -> Result<(), StoreError> {
-        self.shared.release_call(admission).await
+    fn release(&self, admission: &Arc<Admission>) -> Answer<()> {
+        let (sh, admission) = (self.shared.clone(), admission.clone());
+        Answer::later(async move { sh.release_call(&admission).await })
     }
 
-    async fn flush(&self) {
-        self.shared.flush().await
+    fn flush(&self) -> Answer<()> {
+        let sh = self.shared.clone();
+        Answer::later(async move {
+            sh.flush().await;
+            Ok(())
+        })
+    }
+
+    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
+        // Every permit held, lapsed or not (their scores are when they lapse: all above 0).
+        let (sh, keys) = (self.shared.clone(), keys.clone());
+        Answer::later(async move { sh.read_states(&keys, b"0".to_vec()).await })
+    }
+
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
+        // The permits that have not lapsed at the decisions' clock: Redis's (`-1`) or `now`.
+        let at = match self.shared.config.time {
+            TimeSource::Redis => b"-1".to_vec(),
+            TimeSource::Injected => now.as_micros().to_string().into_bytes(),
+        };
+        let (sh, keys) = (self.shared.clone(), keys.clone());
+        Answer::later(async move { sh.read_states(&keys, at).await })
     }
 
     fn policy_in_force(&self, policy: &crate::Policy) {
@@ -979,27 +985,6 @@ impl Store for RedisStore {
 
     fn policy_disagreements(&self) -> Vec<crate::store::PolicyDisagreement> {
         self.shared.replicas.disagreements()
-    }
-
-    async fn inspect<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-    ) -> Result<[Option<NodeState>; 3], StoreError> {
-        // Every permit held, lapsed or not (their scores are when they lapse: all above 0).
-        self.shared.read_states(keys, b"0".to_vec()).await
-    }
-
-    async fn inspect_at<'a>(
-        &'a self,
-        keys: &'a CallKeys,
-        now: Timestamp,
-    ) -> Result<[Option<NodeState>; 3], StoreError> {
-        // The permits that have not lapsed at the decisions' clock: Redis's (`-1`) or `now`.
-        let at = match self.shared.config.time {
-            TimeSource::Redis => b"-1".to_vec(),
-            TimeSource::Injected => now.as_micros().to_string().into_bytes(),
-        };
-        self.shared.read_states(keys, at).await
     }
 }
 
