@@ -302,10 +302,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         {
             return Begun::Done(self.spent(caller, tool, cost, spent, None), true);
         }
-        let policy = inner.policy.load_full();
-        let plan = match caller.charged_as(&policy, tool, cost, inner.clock.now()) {
+        let policy = inner.policy.load();
+        let now = inner.clock.now();
+        let plan = match caller.charged_as(&policy, tool, cost, now) {
             Ok(plan) => plan,
-            Err(r) => return Begun::Done(self.finish(&policy, caller, tool, cost, Err(r)), false),
+            Err(r) => {
+                let outcome = self.finish(&policy, caller, tool, cost, Err(r), now);
+                return Begun::Done(outcome, false);
+            }
         };
         let mut ask = plan.cost;
         if lease::eligible(&plan) {
@@ -456,7 +460,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             Decided::Failed(e) => self.store_failed(caller, tp, e),
         };
-        self.finish(policy, caller, tool, Cost(plan.cost), outcome)
+        self.finish(policy, caller, tool, Cost(plan.cost), outcome, plan.now)
     }
 
     /// A call the store could not decide: let through unmetered, or refused, as the tool's
@@ -486,7 +490,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Err(r)
     }
 
-    /// Records the outcome of a call; the outcome.
+    /// Records the outcome of a call decided at `now`; the outcome.
     fn finish(
         &self,
         policy: &Policy,
@@ -494,8 +498,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tool: &str,
         cost: Cost,
         outcome: Outcome,
+        now: Timestamp,
     ) -> Outcome {
-        let now = self.inner.clock.now();
         self.inner
             .decisions
             .record(policy, caller, tool, cost, &outcome, now);

@@ -103,7 +103,7 @@ mod tests {
                 ceiling: k,
                 ceiling_depth: depth,
                 permit: false,
-                budgets: [(BudgetPeriod::Day, day)].into_iter().collect(),
+                budgets: crate::admission::engine::ChargedBudgets::at(now.as_micros(), [BudgetPeriod::Day]),
             };
             // What the decision wrote: the takes out, the call counted.
             let mut after = before;

@@ -1,8 +1,7 @@
 //! Token-bucket arithmetic, pure: refilling, rolling the aligned window, waiting, and when a
 //! level's state is equivalent to a fresh one.
 
-use super::state::NodeState;
-use crate::clock::Timestamp;
+use super::state::{BudgetCounter, NodeState};
 
 /// Tolerance for float comparisons: a draw passes when `have + EPS >= need`.
 pub(crate) const EPS: f64 = 1e-9;
@@ -84,13 +83,13 @@ pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
 }
 
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
-/// budget counters over. (Permits held keep a state alive regardless: the store checks.)
+/// budget counters over (`end`: when a budget counter's window ends). (Permits held keep a
+/// state alive regardless: the store checks.)
 pub(super) fn expiry(
     s: &NodeState,
     [f, h, k]: &Buckets,
-    now: f64,
-    period: f64,
-    next_window: f64,
+    [now, period, next_window]: [f64; 3],
+    end: impl Fn(&BudgetCounter) -> f64,
 ) -> f64 {
     let mut at = now;
     for (x, b) in [(s.floor, f), (s.share, h), (s.ceiling, k)] {
@@ -103,8 +102,7 @@ pub(super) fn expiry(
     }
     for b in s.budgets.iter() {
         if b.used > 0.0 {
-            let end = b.period.end_of(Timestamp(b.start as u64));
-            at = at.max(end.as_micros() as f64);
+            at = at.max(end(b));
         }
     }
     at
@@ -220,7 +218,7 @@ mod tests {
             let mut s = live(x, x, x, now);
             s.window = window;
             s.total = total;
-            let at = expiry(&s, &[b, b, b], now, P, (window + 1.0) * P);
+            let at = expiry(&s, &[b, b, b], [now, P, (window + 1.0) * P], |_| 0.0);
             prop_assert!(at >= now);
             refill(&mut s, &[b, b, b], at, P);
             prop_assert!(s.floor + 1e-6 >= depth);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
-use super::state::{BudgetCounter, Charge, LevelCharge, LevelView, NodeState};
+use super::state::{BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
 use super::template::{self, Counted, Standing};
 use super::walk::{Fail, Label, Level, Walker};
 use crate::clock::Timestamp;
@@ -85,26 +85,14 @@ pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
 /// Decides one call on `snap`, the stored states of its levels. Admitted: `snap` holds the
 /// states to write back. Refused: nothing is to be written (`snap` is left half worked on).
 pub fn decide(plan: &Plan<'_>, snap: &mut Snapshot) -> Result<Admitted, Refusal> {
-    let mut d = Decision::new(plan, snap).map_err(|e| too_many_refusal(plan, snap, e))?;
+    let mut d = Decision::new(plan, snap);
+    if let Err(f) = d.prepare(snap) {
+        return Err(d.too_many(snap, f));
+    }
     match d.check(snap) {
         Ok(takes) => Ok(d.commit(snap, takes)),
         Err(f) => Err(d.refuse(f)),
     }
-}
-
-/// Why a call was refused before its levels were worked out (one template caller too many
-/// counted), the window and the instant (µs) it was decided at.
-type TooMany = (Fail, f64, f64);
-
-/// The refusal of a call refused before its levels were worked out.
-fn too_many_refusal(plan: &Plan<'_>, snap: &Snapshot, (mut f, window, now): TooMany) -> Refusal {
-    let period = plan.tool.period.as_micros() as f64;
-    if f.scope == Scope::Tenant {
-        // Exact from the tool's counts: when one of the counted stops counting.
-        let slot = plan.tenant.policy.slot;
-        f.wait = template::until_one_leaves(&snap.tool, slot, window, period) - now;
-    }
-    refuse(plan, now, f)
 }
 
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with
@@ -117,15 +105,13 @@ pub(crate) struct Explained {
 /// [`decide`] without its outcome: the verdict and each level's figures.
 pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     let mut snap = snap.clone();
-    let mut d = match Decision::new(plan, &mut snap) {
-        Ok(d) => d,
-        Err(e) => {
-            return Explained {
-                verdict: Err(too_many_refusal(plan, &snap, e)),
-                levels: Vec::new(),
-            }
-        }
-    };
+    let mut d = Decision::new(plan, &snap);
+    if let Err(f) = d.prepare(&mut snap) {
+        return Explained {
+            verdict: Err(d.too_many(&snap, f)),
+            levels: Vec::new(),
+        };
+    }
     let levels = d.figures(&snap);
     let verdict = d.check(&snap).map(|_| ()).map_err(|f| d.refuse(f));
     Explained { verdict, levels }
@@ -150,9 +136,8 @@ struct Decision<'a> {
 }
 
 impl<'a> Decision<'a> {
-    /// The call's levels at its instant, its states refilled and rolled; or the refusal for
-    /// one template caller too many (with the window it was counted in).
-    fn new(plan: &Plan<'a>, snap: &mut Snapshot) -> Result<Self, TooMany> {
+    /// The call at its instant (its own, or its states' latest): the tool's level only.
+    fn new(plan: &Plan<'a>, snap: &Snapshot) -> Self {
         let n = if plan.instance.is_some() { 3 } else { 2 };
         let plan = Plan {
             now: decided_at(plan.now, &snap.levels()[..n]),
@@ -161,9 +146,10 @@ impl<'a> Decision<'a> {
         let now = plan.now.as_micros() as f64;
         let period = plan.tool.period.as_micros() as f64;
         let window = aligned_window(now, period);
-        let mut d = Decision {
+        let tool = tool_level(&plan);
+        Decision {
             plan,
-            levels: [tool_level(&plan); 3],
+            levels: [tool; 3],
             n,
             banks: [0.0; 3],
             now,
@@ -172,11 +158,27 @@ impl<'a> Decision<'a> {
             next_window: (window + 1.0) * period,
             standing: [Standing::NotCounted; 2],
             windows: Windows::default(),
-        };
-        let (n_tenants, n_instances) = d.count_callers(snap).map_err(|f| (f, window, now))?;
-        d.level_numbers(n_tenants, n_instances);
-        d.bring_up_to_date(snap);
-        Ok(d)
+        }
+    }
+
+    /// The callers counted, every level's numbers, its state refilled and rolled; or why one
+    /// template caller would be too many.
+    fn prepare(&mut self, snap: &mut Snapshot) -> Result<(), Fail> {
+        let (n_tenants, n_instances) = self.count_callers(snap)?;
+        self.level_numbers(n_tenants, n_instances);
+        self.bring_up_to_date(snap);
+        Ok(())
+    }
+
+    /// The refusal for one template caller too many (`f`).
+    fn too_many(&self, snap: &Snapshot, mut f: Fail) -> Refusal {
+        if f.scope == Scope::Tenant {
+            // Exact from the tool's counts: when one of the counted stops counting.
+            let slot = self.plan.tenant.policy.slot;
+            let leaves = template::until_one_leaves(&snap.tool, slot, self.window, self.period);
+            f.wait = leaves - self.now;
+        }
+        self.refuse(f)
     }
 
     /// How the tenant and the instance stand among their parents' template children, and
@@ -450,13 +452,24 @@ impl<'a> Decision<'a> {
             }
         }
         let l = &self.levels[idx];
-        expiry(s, &l.buckets, self.now, self.period, self.next_window)
+        let windows = &self.windows;
+        let end = |b: &BudgetCounter| match windows.0[b.period.index()] {
+            Some((start, end)) if start == b.start => end,
+            _ => b.period.end_of(Timestamp(b.start as u64)).as_micros() as f64,
+        };
+        expiry(
+            s,
+            &l.buckets,
+            [self.now, self.period, self.next_window],
+            end,
+        )
     }
 
     /// What the call took at level `idx`, for corrections later.
-    fn charge_of(&mut self, idx: usize, [f, h, k]: [f64; 3]) -> LevelCharge {
+    fn charge_of(&self, idx: usize, [f, h, k]: [f64; 3]) -> LevelCharge {
         let [fb, hb, kb] = self.levels[idx].buckets;
-        let mut out = LevelCharge {
+        let periods = self.budgets(idx).iter().map(|b| b.period);
+        LevelCharge {
             present: true,
             floor: f,
             floor_depth: fb.depth,
@@ -465,13 +478,8 @@ impl<'a> Decision<'a> {
             ceiling: k,
             ceiling_depth: kb.depth,
             permit: self.plan.takes_permit(idx),
-            budgets: Default::default(),
-        };
-        for b in self.budgets(idx) {
-            let start = self.windows.get(b.period, self.plan.now).0;
-            out.budgets.push(b.period, start);
+            budgets: ChargedBudgets::at(self.plan.now.as_micros(), periods),
         }
-        out
     }
 
     /// The figures of the answer: what is left of the caller's quota (its ceiling per

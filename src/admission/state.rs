@@ -192,19 +192,15 @@ pub struct LevelCharge {
     pub budgets: ChargedBudgets,
 }
 
-/// The budget windows a call was charged at one level, as (period, window start µs): at most
-/// one per period, held inline (a decision allocates nothing for them). Two are equal when
-/// they hold the same windows in the same order, and show as the list of windows held.
-#[derive(Copy, Clone, Default)]
+/// The budget windows a call was charged at one level: the calendar periods, and the instant
+/// the call was decided at, which says the windows (`(period, window start µs)`). Small and
+/// `Copy`: an answer carries one per level.
+#[derive(Copy, Clone, Default, PartialEq, Eq)]
 pub struct ChargedBudgets {
-    len: u8,
-    items: [Option<(BudgetPeriod, f64)>; 3],
-}
-
-impl PartialEq for ChargedBudgets {
-    fn eq(&self, other: &Self) -> bool {
-        self.items[..usize::from(self.len)] == other.items[..usize::from(other.len)]
-    }
+    /// One bit per period charged (`BudgetPeriod::index`).
+    periods: u8,
+    /// When the call was decided (µs).
+    at: u64,
 }
 
 impl std::fmt::Debug for ChargedBudgets {
@@ -214,45 +210,29 @@ impl std::fmt::Debug for ChargedBudgets {
 }
 
 impl ChargedBudgets {
-    /// Adds a window. A level has at most one budget per period, so at most three.
-    pub fn push(&mut self, period: BudgetPeriod, start: f64) {
-        let at = usize::from(self.len);
-        assert!(at < 3, "a level has at most one budget per period");
-        self.items[at] = Some((period, start));
-        self.len += 1;
+    /// The windows of `periods` that hold the instant `at` (µs).
+    pub fn at(at: u64, periods: impl IntoIterator<Item = BudgetPeriod>) -> Self {
+        let periods = periods.into_iter().fold(0, |m, p| m | 1 << p.index());
+        ChargedBudgets { periods, at }
     }
 
-    /// Drops every window.
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// The windows, in the order they were charged.
+    /// The windows, as (period, window start µs), hour first.
     pub fn iter(&self) -> impl Iterator<Item = (BudgetPeriod, f64)> + '_ {
-        self.items[..usize::from(self.len)]
-            .iter()
-            .flatten()
-            .copied()
+        let at = crate::clock::Timestamp(self.at);
+        BudgetPeriod::ALL
+            .into_iter()
+            .filter(|p| self.periods & 1 << p.index() != 0)
+            .map(move |p| (p, p.window(at).0.as_micros() as f64))
     }
 
     /// How many windows.
     pub fn len(&self) -> usize {
-        usize::from(self.len)
+        self.periods.count_ones() as usize
     }
 
     /// Whether none was charged.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl FromIterator<(BudgetPeriod, f64)> for ChargedBudgets {
-    fn from_iter<I: IntoIterator<Item = (BudgetPeriod, f64)>>(iter: I) -> Self {
-        let mut out = ChargedBudgets::default();
-        for (p, s) in iter {
-            out.push(p, s);
-        }
-        out
+        self.periods == 0
     }
 }
 
@@ -310,14 +290,6 @@ mod tests {
         reused.clear();
         reused.set(day);
         let fresh: Budgets = [day].into_iter().collect();
-        assert_eq!(reused, fresh);
-
-        let mut reused: ChargedBudgets = [(BudgetPeriod::Day, 0.0), (BudgetPeriod::Hour, 1.0)]
-            .into_iter()
-            .collect();
-        reused.clear();
-        reused.push(BudgetPeriod::Day, 0.0);
-        let fresh: ChargedBudgets = [(BudgetPeriod::Day, 0.0)].into_iter().collect();
         assert_eq!(reused, fresh);
     }
 }

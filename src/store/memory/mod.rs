@@ -273,7 +273,16 @@ impl MemoryStore {
             None => self.tool_cell(tool),
         };
         let period = note_period(&cell, plan);
-        let (mut snap, slot) = snapshot(found.as_deref().map(|e| &**e), plan, period);
+        let entry = found.as_deref().map(|e| &**e);
+        let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
+        let mut snap = Snapshot {
+            tool: NodeState::default(),
+            tenant: entry.map_or_else(NodeState::default, |e| e.state.state(period)),
+            instance: match (entry, slot) {
+                (Some(e), Some(Ok(at))) => e.instances.as_slice()[at].state(period),
+                _ => NodeState::default(),
+            },
+        };
         let given_back = cell.given_back.load(Acquire);
         match decide_under(&cell, plan, &mut snap) {
             Ok(admitted) => {
@@ -358,25 +367,6 @@ impl MemoryStore {
             cell.given_back.fetch_add(1, Release);
         }
     }
-}
-
-/// The states `plan` reads, from its tenant's `entry` (`None`: never stored, or forgotten), and
-/// where its instance is (or would go) among the tenant's instances.
-fn snapshot(
-    entry: Option<&TenantEntry>,
-    plan: &Plan<'_>,
-    period: f64,
-) -> (Snapshot, Option<Result<usize, usize>>) {
-    let mut snap = Snapshot::default();
-    let Some(entry) = entry else {
-        return (snap, plan.instance.map(|_| Err(0)));
-    };
-    snap.tenant = entry.state.state(period);
-    let slot = plan.instance.map(|i| entry.instances.find(i.name));
-    if let Some(Ok(at)) = slot {
-        snap.instance = entry.instances.as_slice()[at].state(period);
-    }
-    (snap, slot)
 }
 
 /// Decides `plan` on `snap` under the tool's lock; admitted, the tool's state is written.

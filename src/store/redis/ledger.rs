@@ -176,7 +176,6 @@ mod tests {
     const EPOCH: u64 = 1_767_225_600_000_000;
 
     fn charge(cost: f64, at: Timestamp, floor: f64) -> Charge {
-        let hour = BudgetPeriod::Hour.window(at).0.as_micros() as f64;
         let mut c = Charge {
             cost,
             window: aligned_window(at.as_micros() as f64, PERIOD),
@@ -186,7 +185,10 @@ mod tests {
             present: true,
             floor,
             ceiling: cost - floor,
-            budgets: [(BudgetPeriod::Hour, hour)].into_iter().collect(),
+            budgets: crate::admission::engine::ChargedBudgets::at(
+                at.as_micros(),
+                [BudgetPeriod::Hour],
+            ),
             ..LevelCharge::default()
         };
         c
