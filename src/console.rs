@@ -702,6 +702,7 @@ impl<S: Store, C: Clock> Console<S, C> {
 fn keys_of(tp: &ToolPolicy, tenant: &Arc<str>, instance: Option<&Arc<str>>) -> CallKeys {
     CallKeys {
         tool: tp.name_arc().clone(),
+        group: tp.key_group(),
         tenant: tenant.clone(),
         instance: instance.cloned(),
         untenanted: false,

@@ -78,33 +78,44 @@ fn push_part(out: &mut String, part: &str) {
     out.push_str(part);
 }
 
-/// The key of the tool's own state.
+/// The tool a key is of: its name, and its group when it is in one not named after it.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Tool<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) group: Option<&'a str>,
+}
+
+/// The key of a lone tool's own state (of a group's: the key its state would have as a tool
+/// of that name, which names the group's markers).
 pub(crate) fn tool_key(tool: &str) -> String {
-    encode(tool, KeyKind::Tool, &[])
+    encode(
+        Tool {
+            name: tool,
+            group: None,
+        },
+        KeyKind::Tool,
+        &[],
+    )
 }
 
-/// The key of `tenant`'s state under `tool`.
-pub(crate) fn tenant_key(tool: &str, tenant: &str) -> String {
-    encode(tool, KeyKind::Tenant, &[tenant])
-}
-
-/// The key of `instance` of `tenant` under `tool`.
-pub(crate) fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
-    encode(tool, KeyKind::Instance, &[tenant, instance])
-}
-
-/// The key of an untenanted caller identified by `instance` under `tool`.
-pub(crate) fn untenanted_key(tool: &str, instance: &str) -> String {
-    encode(tool, KeyKind::Untenanted, &[instance])
-}
-
-fn encode(tool: &str, kind: KeyKind, parts: &[&str]) -> String {
-    let mut out =
-        String::with_capacity(8 + tool.len() + parts.iter().map(|p| p.len() + 6).sum::<usize>());
+/// `fs5{<tool>}<kind><parts>`, or for a tool in a group `fs5{<group>}g<tool><kind><parts>`:
+/// the hash tag is what a store keeps together (one Redis Cluster slot).
+pub(crate) fn encode(tool: Tool<'_>, kind: KeyKind, parts: &[&str]) -> String {
+    let len = 10 + tool.name.len() + tool.group.map_or(0, |g| g.len() + 6);
+    let mut out = String::with_capacity(len + parts.iter().map(|p| p.len() + 6).sum::<usize>());
     out.push_str(KEY_PREFIX);
     out.push('{');
-    push_part(&mut out, tool);
-    out.push('}');
+    match tool.group {
+        Some(group) => {
+            push_part(&mut out, group);
+            out.push_str("}g");
+            push_part(&mut out, tool.name);
+        }
+        None => {
+            push_part(&mut out, tool.name);
+            out.push('}');
+        }
+    }
     out.push(kind.byte());
     for p in parts {
         push_part(&mut out, p);
@@ -116,8 +127,12 @@ fn encode(tool: &str, kind: KeyKind, parts: &[&str]) -> String {
 #[cfg(test)]
 pub(crate) fn decode(key: &str) -> Option<(String, KeyKind, Vec<String>)> {
     let rest = key.strip_prefix(KEY_PREFIX)?.strip_prefix('{')?;
-    let (tool, rest) = take_part(rest)?;
+    let (tag, rest) = take_part(rest)?;
     let rest = rest.strip_prefix('}')?;
+    let (tool, rest) = match rest.strip_prefix('g') {
+        Some(rest) => take_part(rest)?,
+        None => (tag, rest),
+    };
     let mut chars = rest.chars();
     let kind = match chars.next()? {
         'T' => KeyKind::Tool,
@@ -176,6 +191,56 @@ mod tests {
             prop_assert_eq!(same_name(&c, &b), c == b);
             prop_assert!(same_name(&c, &c.clone()));
         }
+    }
+
+    fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
+        encode(
+            Tool {
+                name: tool,
+                group: None,
+            },
+            KeyKind::Instance,
+            &[tenant, instance],
+        )
+    }
+    fn tenant_key(tool: &str, tenant: &str) -> String {
+        encode(
+            Tool {
+                name: tool,
+                group: None,
+            },
+            KeyKind::Tenant,
+            &[tenant],
+        )
+    }
+    fn untenanted_key(tool: &str, instance: &str) -> String {
+        encode(
+            Tool {
+                name: tool,
+                group: None,
+            },
+            KeyKind::Untenanted,
+            &[instance],
+        )
+    }
+
+    #[test]
+    fn a_group_keeps_its_tools_keys_together_and_apart() {
+        let grouped = |name| Tool {
+            name,
+            group: Some("chat"),
+        };
+        let a = encode(grouped("chat.tokens"), KeyKind::Tenant, &["acme"]);
+        let b = encode(grouped("chat.requests"), KeyKind::Tenant, &["acme"]);
+        assert_ne!(a, b);
+        assert_eq!(hash_tag(&a), hash_tag(&b));
+        assert_eq!(hash_tag(&a), hash_tag(&tool_key("chat")));
+        assert_eq!(
+            decode(&a),
+            Some(("chat.tokens".into(), KeyKind::Tenant, vec!["acme".into()]))
+        );
+        // A lone tool named like a group's tool never shares its keys.
+        assert_ne!(a, tenant_key("chat.tokens", "acme"));
     }
 
     #[test]

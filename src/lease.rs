@@ -536,6 +536,29 @@ impl Leases {
         });
     }
 
+    /// Puts back what a call spent from its lease (`spent`, on `plan`'s path) when the call is
+    /// not admitted after all (another tool it is charged to refused it): into the lease while
+    /// it holds that grant, else pushed to `returns` to go back to the store.
+    pub(crate) fn unspend(&self, plan: &Plan<'_>, spent: Spent, returns: &mut Vec<Return>) {
+        let mut back = Some(spent);
+        self.renew(Path::of_plan(plan), |l| {
+            let Some(s) =
+                back.take_if(|s| l.grant.as_ref().is_some_and(|g| Arc::ptr_eq(g, &s.grant)))
+            else {
+                return;
+            };
+            l.left = (l.left + s.part.cost).min(l.granted);
+            l.refreshing &= s.fetch.is_none();
+        });
+        if let Some(s) = back {
+            returns.push(Return {
+                factor: -s.part.of,
+                units: s.part.cost,
+                grant: s.grant,
+            });
+        }
+    }
+
     /// A grant above one call's cost was refused or had to borrow: the caller's next grant
     /// is one call's cost.
     pub(crate) fn cool(&self, plan: &Plan<'_>) {

@@ -103,7 +103,7 @@ pub use layer::{
     FairShareMcp, Identify, McpCall, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody,
     ResponseFuture, ToolName, MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
 };
-pub use limiter::{Limiter, Ticket};
+pub use limiter::{Limiter, Ticket, MAX_TOOLS_PER_CALL};
 pub use policy::{
     BudgetPeriod, InstanceBuilder, OnStoreError, Period, Policy, PolicyBuilder, PolicyError,
     TenantBuilder, ToolBuilder, Unit, UnknownPlan, MAX_PLANS,

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot};
-use tower_fairshare::store::{Admission, Answer, CallKeys, Decision};
+use tower_fairshare::store::{Admission, Admissions, Answer, CallKeys, Decision};
 use tower_fairshare::{Store, Timestamp};
 
 /// Every level's state by its store key: all a store keeps.
@@ -31,29 +31,32 @@ impl Inner {
 }
 
 impl Store for MapStore {
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
-        let keys = plan.keys();
-        let [tool, tenant, instance] = keys.encoded();
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision> {
         let mut inner = self.0.lock().unwrap();
-        let mut snapshot = Snapshot {
-            tool: inner.state(&tool),
-            tenant: inner.state(&tenant),
-            instance: inner.state(&instance),
-        };
-        let a = match engine::decide(plan, &mut snapshot) {
-            Ok(a) => a,
-            Err(r) => return Answer::Now(Ok(Decision::Refused(r))),
-        };
-        inner
-            .states
-            .insert(tool.unwrap(), (snapshot.tool, a.expires[0]));
-        inner
-            .states
-            .insert(tenant.unwrap(), (snapshot.tenant, a.expires[1]));
-        if let (Some(i), true) = (instance, plan.instance.is_some()) {
-            inner.states.insert(i, (snapshot.instance, a.expires[2]));
+        // Every plan decided on the states as they are; written only if all are admitted.
+        let mut writes = Vec::new();
+        let mut admitted = Vec::new();
+        for plan in plans {
+            let keys = plan.keys();
+            let [tool, tenant, instance] = keys.encoded();
+            let mut snapshot = Snapshot {
+                tool: inner.state(&tool),
+                tenant: inner.state(&tenant),
+                instance: inner.state(&instance),
+            };
+            let a = match engine::decide(plan, &mut snapshot) {
+                Ok(a) => a,
+                Err(r) => return Answer::Now(Ok(Decision::Refused(r))),
+            };
+            writes.push((tool.unwrap(), (snapshot.tool, a.expires[0])));
+            writes.push((tenant.unwrap(), (snapshot.tenant, a.expires[1])));
+            if let (Some(i), true) = (instance, plan.instance.is_some()) {
+                writes.push((i, (snapshot.instance, a.expires[2])));
+            }
+            admitted.push(Arc::new(a.into_admission(keys, 0)));
         }
-        Answer::Now(Ok(Decision::Admitted(Arc::new(a.into_admission(keys, 0)))))
+        inner.states.extend(writes);
+        Answer::Now(Ok(Decision::Admitted(Admissions::of(admitted).unwrap())))
     }
 
     fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {

@@ -488,7 +488,7 @@ thread_local! {
 }
 
 impl Store for Counting {
-    fn decide(&self, plan: &engine::Plan<'_>) -> Answer<store::Decision> {
+    fn decide(&self, plans: &[engine::Plan<'_>]) -> Answer<store::Decision> {
         use std::sync::atomic::Ordering::Relaxed;
         let (inner, decisions, waited) = (
             self.inner.clone(),
@@ -496,13 +496,14 @@ impl Store for Counting {
             self.waited.clone(),
         );
         // Decided when waited for, as a remote store's decision is.
-        let plan = engine::OwnedPlan::of(plan);
+        let plans: Vec<_> = plans.iter().map(engine::OwnedPlan::of).collect();
         Answer::later(async move {
             decisions.fetch_add(1, Relaxed);
             if IN_CALL.get() {
                 waited.fetch_add(1, Relaxed);
             }
-            inner.decide(&plan.plan()).await
+            let plans: Vec<_> = plans.iter().map(|p| p.plan()).collect();
+            inner.decide(&plans).await
         })
     }
     fn adjust(
@@ -761,8 +762,8 @@ struct SlowReturns {
 }
 
 impl Store for SlowReturns {
-    fn decide(&self, plan: &engine::Plan<'_>) -> Answer<store::Decision> {
-        self.inner.decide(plan)
+    fn decide(&self, plans: &[engine::Plan<'_>]) -> Answer<store::Decision> {
+        self.inner.decide(plans)
     }
     fn adjust(&self, _: &std::sync::Arc<store::Admission>, _: f64, _: Timestamp) -> Answer<()> {
         Answer::later(std::future::pending())

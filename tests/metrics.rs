@@ -96,7 +96,7 @@ impl tower_fairshare::Store for Down {
     fn kind(&self) -> &'static str {
         "down"
     }
-    fn decide(&self, _: &engine::Plan<'_>) -> Answer<store::Decision> {
+    fn decide(&self, _: &[engine::Plan<'_>]) -> Answer<store::Decision> {
         let down = tower_fairshare::StoreError::Unavailable("down for the test".into());
         Answer::Now(Err(down))
     }

@@ -146,7 +146,7 @@ async fn decisions(store: Arc<RedisStore>, policy: Arc<Policy>, n: usize) -> Rep
                 }),
                 untenanted: false,
             };
-            match store.decide(&plan).await {
+            match store.decide(std::slice::from_ref(&plan)).await {
                 Ok(Decision::Admitted(_)) => {}
                 other => panic!("{other:?}"),
             }

@@ -362,7 +362,7 @@ fn a_slow_redis_hits_the_timeout() {
         let name = Arc::from("A");
         let plan = plan_for(&policy, &name, EPOCH);
         let t0 = Instant::now();
-        let r = limiter.store().decide(&plan).await;
+        let r = limiter.store().decide(std::slice::from_ref(&plan)).await;
         let took = t0.elapsed();
         assert!(
             matches!(r, Err(StoreError::Timeout(d)) if d == timeout),

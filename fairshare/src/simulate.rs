@@ -584,16 +584,17 @@ struct Recorder<S> {
 }
 
 impl<S: Store> Store for Recorder<S> {
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision> {
         let last = self.last.clone();
         let note = move |d: Result<Decision, StoreError>| {
             if let Ok(Decision::Admitted(a)) = &d {
+                let a = a.first();
                 let view = a.views[usize::from(a.keys.instance.is_some())];
                 *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
             }
             d
         };
-        match self.store.decide(plan) {
+        match self.store.decide(plans) {
             Answer::Now(d) => Answer::Now(note(d)),
             Answer::Later(f) => Answer::later(async move { note(f.await) }),
         }

@@ -40,6 +40,7 @@ impl Plan<'_> {
     pub fn keys(&self) -> CallKeys {
         CallKeys {
             tool: self.tool.name_arc().clone(),
+            group: self.tool.key_group(),
             tenant: self.tenant.name.clone(),
             instance: self.instance.map(|i| i.name.clone()),
             untenanted: self.untenanted,
@@ -146,6 +147,9 @@ impl OwnedPlan {
 pub struct CallKeys {
     /// Tool name.
     pub tool: Arc<str>,
+    /// The tool's [group](crate::policy::ToolPolicy::group), when the policy puts it in one
+    /// not named after the tool: a store shared by replicas keeps a group's state together.
+    pub group: Option<Arc<str>>,
     /// Tenant name, or the untenanted caller's id.
     pub tenant: Arc<str>,
     /// Instance name, when instances are limited separately.
@@ -157,17 +161,26 @@ pub struct CallKeys {
 impl CallKeys {
     /// The injective store keys of the tool, tenant and instance levels.
     pub fn encoded(&self) -> [Option<String>; 3] {
-        use crate::key;
+        use crate::key::{self, KeyKind};
+        let tool = key::Tool {
+            name: &self.tool,
+            group: self.group.as_deref(),
+        };
+        let caller = match self.untenanted {
+            true => KeyKind::Untenanted,
+            false => KeyKind::Tenant,
+        };
         [
-            Some(key::tool_key(&self.tool)),
-            Some(if self.untenanted {
-                key::untenanted_key(&self.tool, &self.tenant)
-            } else {
-                key::tenant_key(&self.tool, &self.tenant)
-            }),
+            Some(key::encode(tool, KeyKind::Tool, &[])),
+            Some(key::encode(tool, caller, &[&self.tenant])),
             self.instance
                 .as_ref()
-                .map(|i| key::instance_key(&self.tool, &self.tenant, i)),
+                .map(|i| key::encode(tool, KeyKind::Instance, &[&self.tenant, i])),
         ]
+    }
+
+    /// What a store shared by replicas keeps together: the tool's group, or the tool.
+    pub fn slot(&self) -> &Arc<str> {
+        self.group.as_ref().unwrap_or(&self.tool)
     }
 }

@@ -64,6 +64,7 @@ fn grant(at: u64, reset_in: f64) -> Admission {
     Admission {
         keys: CallKeys {
             tool: Arc::from("t"),
+            group: None,
             tenant: Arc::from("a"),
             instance: None,
             untenanted: false,

@@ -49,6 +49,7 @@ impl ToolBuilder {
         ToolBuilder {
             raw: RawTool {
                 name: name.into(),
+                group: None,
                 unit,
                 rate: RawRate {
                     limit,
@@ -118,6 +119,12 @@ impl ToolBuilder {
     /// notes on leases). By default leases size themselves with no cap of their own.
     pub fn lease_max(mut self, max: f64) -> Self {
         self.raw.lease = Some(super::raw::RawLease::Max(max));
+        self
+    }
+    /// Puts the tool in `group` (`group = "..."`): tools one call is charged to together
+    /// must share one.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.raw.group = Some(group.into());
         self
     }
     /// Decides every call at the store: no leases (`lease = "off"`).

@@ -196,6 +196,8 @@ pub struct Policy {
 #[derive(Clone, Debug)]
 pub struct ToolPolicy {
     pub(crate) name: Arc<str>,
+    /// The tool's group: its own name unless the policy puts it in one.
+    pub(crate) group: Arc<str>,
     pub(crate) unit: Unit,
     pub(crate) capacity: f64,
     pub(crate) period: Period,
@@ -341,6 +343,21 @@ impl ToolPolicy {
 
     pub(crate) fn name_arc(&self) -> &Arc<str> {
         &self.name
+    }
+
+    /// The tool's group (`group = "..."`; its own name when it has none). Tools that one call
+    /// is charged to together ([`Limiter::admit_all`](crate::Limiter::admit_all)) must share
+    /// a group: a store shared by replicas keeps a group's state together (on Redis Cluster,
+    /// in one slot) so that such a call is decided atomically.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The group a store keys the tool's state under: `None` for a tool alone (or in a
+    /// group of its own name).
+    pub(crate) fn key_group(&self) -> Option<Arc<str>> {
+        (!Arc::ptr_eq(&self.group, &self.name) && self.group != self.name)
+            .then(|| self.group.clone())
     }
     /// What a unit of cost is.
     pub fn unit(&self) -> Unit {
@@ -624,6 +641,9 @@ pub enum Problem {
     /// A name is used twice.
     #[error("duplicate name `{0}`: each tool name may appear once")]
     Duplicate(String),
+    /// A tool's group bears the name of a tool outside it.
+    #[error("the group has the name of the tool `{0}`, which is not in it: rename the group, or put `{0}` in it too")]
+    GroupNamesATool(String),
     /// A name is empty, or only whitespace.
     #[error("a name must not be empty or blank: give it a name callers can use")]
     EmptyName,

@@ -89,6 +89,9 @@ pub(crate) enum DefaultCeiling {
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawTool {
     pub(crate) name: String,
+    /// Tools charged together by one call share a group (see `ToolPolicy::group`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) group: Option<String>,
     pub(crate) unit: Unit,
     pub(crate) rate: RawRate,
     #[serde(default)]

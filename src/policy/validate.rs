@@ -137,6 +137,7 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
         }
         tools.push(Arc::new(tp));
     }
+    groups_apart_from_tools(&mut cx, &tools);
     if cx.violations.is_empty() {
         Ok(Policy {
             tools,
@@ -149,8 +150,30 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
     }
 }
 
+/// A group may not bear the name of a tool outside it: a store keeps a group's state under
+/// its name, as it keeps an ungrouped tool's under the tool's.
+fn groups_apart_from_tools(cx: &mut Ctx, tools: &[Arc<ToolPolicy>]) {
+    for (i, t) in tools.iter().enumerate() {
+        if t.group == t.name {
+            continue;
+        }
+        if let Some(other) = tools
+            .iter()
+            .find(|o| o.name == t.group && o.group != t.group)
+        {
+            cx.err(
+                format!("tool[{i}].group"),
+                Problem::GroupNamesATool(other.name.to_string()),
+            );
+        }
+    }
+}
+
 fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     cx.name(format!("{path}.name"), &raw.name);
+    if let Some(g) = &raw.group {
+        cx.name(format!("{path}.group"), g);
+    }
     let fingerprint = fingerprint(&raw);
     let raw_default_ceiling = raw.default_ceiling;
     let limit_path = format!("{path}.rate.limit");
@@ -258,6 +281,7 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
     budgets_split(cx, path, &budgets, &tenants);
 
     ToolPolicy {
+        group: Arc::from(raw.group.as_deref().unwrap_or(&raw.name)),
         name: Arc::from(raw.name),
         unit: raw.unit,
         capacity,

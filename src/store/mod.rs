@@ -50,14 +50,88 @@ pub struct Admission {
 /// The store's answer to a call.
 #[derive(Clone, Debug)]
 pub enum Decision {
-    /// Admitted and committed.
-    Admitted(Arc<Admission>),
+    /// Admitted and committed: one admission per plan, in the plans' order.
+    Admitted(Admissions),
     /// Refused; nothing was charged.
     Refused(Refusal),
 }
 
+impl Decision {
+    /// The first plan's admission (the only one of a call charged to one tool), or the
+    /// refusal.
+    pub fn into_first(self) -> Result<Arc<Admission>, Refusal> {
+        match self {
+            Decision::Admitted(a) => Ok(a.first),
+            Decision::Refused(r) => Err(r),
+        }
+    }
+}
+
+/// What a store admitted for one call: an admission per tool it was charged to, in the
+/// order of the plans. Most calls are charged to one tool, held without another allocation.
+#[derive(Clone, Debug)]
+pub struct Admissions {
+    first: Arc<Admission>,
+    rest: Vec<Arc<Admission>>,
+}
+
+impl Admissions {
+    /// A call charged to one tool.
+    pub fn one(admission: Arc<Admission>) -> Self {
+        Admissions {
+            first: admission,
+            rest: Vec::new(),
+        }
+    }
+
+    /// The admissions of a call's plans, in order; `None` when there are none.
+    pub fn of(all: impl IntoIterator<Item = Arc<Admission>>) -> Option<Self> {
+        let mut all = all.into_iter();
+        let first = all.next()?;
+        Some(Admissions {
+            first,
+            rest: all.collect(),
+        })
+    }
+
+    /// The first plan's admission (the only one of a call charged to one tool).
+    pub fn first(&self) -> &Arc<Admission> {
+        &self.first
+    }
+
+    /// The first plan's admission, taken (the only one of a call charged to one tool).
+    pub fn into_first(self) -> Arc<Admission> {
+        self.first
+    }
+
+    /// Every admission, in the plans' order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Admission>> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+
+    /// How many tools the call was charged to.
+    pub fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    /// Always false: a call is charged to one tool at least.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+impl IntoIterator for Admissions {
+    type Item = Arc<Admission>;
+    type IntoIter =
+        std::iter::Chain<std::iter::Once<Arc<Admission>>, std::vec::IntoIter<Arc<Admission>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        std::iter::once(self.first).chain(self.rest)
+    }
+}
+
 /// A store could not decide. Backend errors convert into this one enum.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// The backend did not answer in time.
@@ -115,8 +189,9 @@ impl<T: Send + 'static> IntoFuture for Answer<T> {
 /// Keeps admission state and applies decisions atomically.
 ///
 /// A store implements one atomic operation per decision: read the state of every level the
-/// call touches, run [`decide`](crate::admission::engine::decide), and write the result back,
-/// without any other decision interleaving. Corrections and permit releases are separate,
+/// call touches — of every tool it is charged to — run
+/// [`decide`](crate::admission::engine::decide) for each tool's plan, and write the results
+/// back only if every plan was admitted, without any other decision interleaving. Corrections and permit releases are separate,
 /// later calls. Each method answers at once ([`Answer::Now`]) when it can, or with its work
 /// that waits for I/O ([`Answer::Later`]): the caller waits only when there is something to
 /// wait for. A `Later` answer does nothing until it is polled: a caller that will not wait
@@ -132,8 +207,12 @@ pub trait Store: Send + Sync + 'static {
         "custom"
     }
 
-    /// Decides one call and commits it if admitted.
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision>;
+    /// Decides one call and commits it if admitted. `plans` holds one plan per tool the call
+    /// is charged to (one, for most calls; never two of one tool; tools of one
+    /// [group](crate::policy::ToolPolicy::group)), all at one `now`: the call is admitted only
+    /// if every plan is, and a refusal — the first plan's that refuses — charges nothing
+    /// anywhere.
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision>;
 
     /// Corrects an admitted call's charge by `factor` × what it charged (−1.0 refunds it
     /// entirely; 0.5 charges half again). Never touches a window that has closed.
@@ -182,8 +261,8 @@ impl<S: Store> Store for Arc<S> {
     fn kind(&self) -> &'static str {
         (**self).kind()
     }
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
-        (**self).decide(plan)
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision> {
+        (**self).decide(plans)
     }
     fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
         (**self).adjust(admission, factor, now)

@@ -131,6 +131,10 @@ macro_rules! suite {
             conformance::cost_and_refund(&$factory)
         }
         #[test]
+        fn a_call_charged_to_two_tools_passes_both_or_charges_neither() {
+            conformance::two_tools(&$factory)
+        }
+        #[test]
         fn concurrency_caps_and_release() {
             conformance::concurrency(&$factory)
         }
@@ -1640,6 +1644,143 @@ max_instances = 10
                     decided = a;
                 }
                 Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// Two tools in one group, charged together by a model call: one request of `chat.requests`
+/// (every kind of limit, in calls, with concurrency caps) and its tokens of `chat.tokens`
+/// (ceilings, floors and budgets in tokens; leased when the factory leases).
+const CHAT: &str = r#"
+[[tool]]
+name = "chat.requests"
+group = "chat"
+unit = "calls"
+rate = { limit = 20, per = "10s" }
+max_concurrency = 6
+[tool.tenants.A]
+weight = 2
+floor = 4
+[tool.tenants.A.instances.x]
+floor = 2
+max_concurrency = 2
+[tool.tenants.A.default_instance]
+max_instances = 3
+[tool.tenants.B]
+floor = 4
+ceiling = 12
+[tool.default_tenant]
+max_tenants = 2
+
+[[tool]]
+name = "chat.tokens"
+group = "chat"
+unit = "tokens"
+rate = { limit = 400, per = "10s" }
+budgets = [{ period = "hour", max = 1500 }]
+[tool.tenants.A]
+ceiling = 250
+budgets = [{ period = "day", max = 800 }]
+[tool.tenants.A.instances.x]
+floor = 20
+[tool.tenants.A.default_instance]
+max_instances = 3
+ceiling = 90
+[tool.tenants.B]
+floor = 40
+ceiling = 200
+[tool.default_tenant]
+max_tenants = 2
+ceiling = 60
+"#;
+
+/// Callers of [`CHAT`]: those of [`EVERY_LIMIT`] and three template tenants (one more than
+/// `max_tenants`).
+fn chat_callers() -> Vec<Caller> {
+    let mut callers = every_limit_callers();
+    callers.extend(["C", "D", "E"].map(Caller::new));
+    callers
+}
+
+/// Several tools, all or nothing: a call charged to two tools is admitted only if each
+/// would admit its part (as `explain` says of each alone), and a refusal — by either —
+/// changes nothing at either tool, for the caller or anyone else.
+pub fn two_tools<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = policy_of(f, CHAT).unwrap();
+    let callers = chat_callers();
+    let tools = ["chat.requests", "chat.tokens"];
+    runner(f.cases())
+        .run(
+            &prop::collection::vec(
+                (0usize..9, 0u64..2_000_000, 1u32..120, prop::bool::weighted(0.2)),
+                20..100,
+            ),
+            |ops| {
+                let (limiter, clock) = harness(&policy, f.store_in(&rt));
+                let mut held: Vec<Ticket> = Vec::new();
+                rt.block_on(async {
+                    let mut t = 0u64;
+                    for (k, (who, dt, tokens, keep)) in ops.into_iter().enumerate() {
+                        t += dt;
+                        clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
+                        let caller = &callers[who];
+                        let other = &callers[(who + 1) % callers.len()];
+                        let costs = [Cost(1.0), Cost(tokens as f64)];
+                        let mut keys = Vec::new();
+                        for tool in tools {
+                            for c in [caller, other] {
+                                keys.extend(limiter.call_keys(c, tool).ok());
+                            }
+                        }
+                        let mut before = Vec::new();
+                        for k in &keys {
+                            before.push(limiter.store().inspect(k).await.unwrap());
+                        }
+                        let mut alone = Vec::new();
+                        for (tool, cost) in tools.iter().zip(costs) {
+                            alone.push(limiter.explain(caller, tool, cost).await.unwrap().admitted);
+                        }
+                        let leased = limiter.leased_units();
+                        let charges = [(tools[0], costs[0]), (tools[1], costs[1])];
+                        let got = limiter.admit_all(caller, &charges).await;
+                        // The requests tool is never leased (it caps calls in flight): its
+                        // part is always the store's answer.
+                        let both = if f.leased() { alone[0] } else { alone[0] && alone[1] };
+                        check(got.is_ok() == both || (f.leased() && got.is_err() && both), || {
+                            format!("op {k}: {caller:?} with {tokens} tokens: each alone {alone:?}, together {got:?}")
+                        })?;
+                        match got {
+                            Ok(tickets) => {
+                                check(tickets.len() == 2, || format!("op {k}: {tickets:?}"))?;
+                                for ticket in tickets {
+                                    if keep { held.push(ticket) } else { limiter.release(&ticket).await }
+                                }
+                            }
+                            Err(r) => {
+                                check(tools.contains(&r.tool()), || format!("op {k}: refusal names {}", r.tool()))?;
+                                let mut after = Vec::new();
+                                for k in &keys {
+                                    after.push(limiter.store().inspect(k).await.unwrap());
+                                }
+                                // A lease that ended on the way went back to the store: the
+                                // tokens tool's states moved by that alone.
+                                let returned = limiter.leased_units() != leased;
+                                let compared = if returned { 2 } else { keys.len() };
+                                check(before[..compared] == after[..compared], || {
+                                    format!("op {k}: refusal {r} changed state:\n{before:?}\n{after:?}")
+                                })?;
+                            }
+                        }
+                        if held.len() > 6 {
+                            for t in held.drain(..) {
+                                limiter.release(&t).await;
+                            }
+                        }
+                    }
+                    Ok(())
+                })
             },
         )
         .unwrap();

@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
-use super::{Admission, Answer, CallKeys, Decision, Store};
+use super::{Admission, Admissions, Answer, CallKeys, Decision, Store};
 use crate::admission::engine::{self, NodeState, Plan, Snapshot};
 use crate::clock::Timestamp;
 use crate::key::{same_bytes, same_name};
@@ -19,6 +19,7 @@ use crate::key::{same_bytes, same_name};
 mod instances;
 mod memo;
 mod packed;
+mod together;
 use instances::Instances;
 use packed::Packed;
 
@@ -308,7 +309,9 @@ impl MemoryStore {
                         });
                     }
                 }
-                Decision::Admitted(Arc::new(admitted.into_admission(plan.keys(), 0)))
+                Decision::Admitted(Admissions::one(Arc::new(
+                    admitted.into_admission(plan.keys(), 0),
+                )))
             }
             Err(r) => {
                 if self.remember {
@@ -461,8 +464,11 @@ impl Store for MemoryStore {
         "memory"
     }
 
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
-        Answer::Now(Ok(self.decide_now(plan)))
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision> {
+        Answer::Now(Ok(match plans {
+            [plan] => self.decide_now(plan),
+            plans => together::decide(self, plans),
+        }))
     }
 
     fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {

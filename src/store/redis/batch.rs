@@ -43,7 +43,7 @@ use super::wire::permits_key;
 use super::{lock, Shared};
 use crate::admission::engine::{self, NodeState, OwnedPlan, Plan, Snapshot};
 use crate::clock::Timestamp;
-use crate::store::{Admission, CallKeys, Decision, StoreError};
+use crate::store::{Admission, Admissions, CallKeys, Decision, StoreError};
 
 /// The most jobs one batch decides.
 const MAX_BATCH: usize = 64;
@@ -54,13 +54,12 @@ const MAX_ATTEMPTS: usize = 64;
 /// (it gives the turn back with its write, one round trip later).
 const TURN_WAIT: Duration = Duration::from_millis(1);
 
-/// Work for a tool's worker.
+/// Work for a tool's worker (a group's: the tools of a group share one).
 pub(super) enum Job {
-    /// Decide a call (and commit it if admitted).
+    /// Decide a call (and commit it if admitted): one part per tool it is charged to, all
+    /// admitted or none.
     Decide {
-        plan: OwnedPlan,
-        keys: CallKeys,
-        call: u128,
+        parts: Vec<Part>,
         reply: oneshot::Sender<Result<Decision, StoreError>>,
     },
     /// Add `factor` × an admitted call's charge at every level it charged.
@@ -76,10 +75,18 @@ pub(super) enum Job {
     Heal { reply: oneshot::Sender<()> },
 }
 
+/// One tool's part of a call: its plan, its keys and the store's name for it (what its
+/// permits are held under).
+pub(super) struct Part {
+    pub(super) plan: OwnedPlan,
+    pub(super) keys: CallKeys,
+    pub(super) call: u128,
+}
+
 impl Job {
     fn now(&self) -> Timestamp {
         match self {
-            Job::Decide { plan, .. } => plan.now,
+            Job::Decide { parts, .. } => parts[0].plan.now,
             Job::Adjust { now, .. } => *now,
             Job::Heal { .. } => Timestamp(0),
         }
@@ -390,7 +397,7 @@ impl Worker {
         }
         cache.conflict();
         if let Some(refusals) = &sh.cache {
-            refusals.forget_tool(&self.tool);
+            refusals.forget_slot(&self.tool);
         }
         if let Err(e) = sh.revive_permits(&self.tool).await {
             tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not put back the permits of calls still running after Redis lost the tool's state");
@@ -415,7 +422,7 @@ async fn release_decided(sh: &Arc<Shared>, d: &Decided) -> bool {
     let mut all = true;
     for o in &d.outcomes {
         if let Outcome::Decided(Decision::Admitted(a)) = o {
-            if a.charge.holds_permits() {
+            for a in a.iter().filter(|a| a.charge.holds_permits()) {
                 all &= sh.release_call(a).await.is_ok();
             }
         }
@@ -790,15 +797,20 @@ impl Cache {
     /// Counts in the ledger what the landed write of `b` admitted and corrected.
     fn landed(&mut self, b: &Batch, outcomes: &[Outcome]) {
         let mut now = Timestamp(0);
-        for ((job, jk), outcome) in b.jobs.iter().zip(&b.job_keys).zip(outcomes) {
+        for ((job, jks), outcome) in b.jobs.iter().zip(&b.job_keys).zip(outcomes) {
             now = now.max(job.now());
-            let levels = jk.records.iter().enumerate();
+            let levels = |jk: &JobKeys| {
+                let records = jk.records;
+                (0..3).filter_map(move |l| Some((l, records[l]?)))
+            };
             match (job, outcome) {
-                (Job::Decide { plan, .. }, Outcome::Decided(Decision::Admitted(a))) => {
-                    let period = plan.tool.period().as_micros() as f64;
-                    for (l, i) in levels.filter_map(|(l, i)| Some((l, (*i)?))) {
-                        self.ledger
-                            .admitted(&b.keys.records[i], &a.charge, l, period);
+                (Job::Decide { parts, .. }, Outcome::Decided(Decision::Admitted(a))) => {
+                    for ((part, jk), a) in parts.iter().zip(jks).zip(a.iter()) {
+                        let period = part.plan.tool.period().as_micros() as f64;
+                        for (l, i) in levels(jk) {
+                            self.ledger
+                                .admitted(&b.keys.records[i], &a.charge, l, period);
+                        }
                     }
                 }
                 (
@@ -807,7 +819,7 @@ impl Cache {
                     },
                     _,
                 ) => {
-                    for (l, i) in levels.filter_map(|(l, i)| Some((l, (*i)?))) {
+                    for (l, i) in levels(&jks[0]) {
                         self.ledger
                             .corrected(&b.keys.records[i], &admission.charge, l, *factor);
                     }
@@ -903,7 +915,8 @@ impl Queue {
     }
 }
 
-/// The keys one job touches: its records, and the permits it counts.
+/// The keys one job touches (a part of a call, a correction): its records, and the permits
+/// it counts.
 struct JobKeys {
     /// Tool, tenant, instance record keys (index into the batch's record list).
     records: [Option<usize>; 3],
@@ -944,7 +957,8 @@ impl Keys {
 struct Batch {
     jobs: Vec<Job>,
     keys: Keys,
-    job_keys: Vec<JobKeys>,
+    /// Each job's keys: one per part of a call, one for a correction, none for a heal.
+    job_keys: Vec<Vec<JobKeys>>,
     /// How many times the batch's write found a record changed.
     attempts: usize,
     /// Whether it is to be read from Redis whatever the cache holds (a `Job::Heal`).
@@ -1001,44 +1015,57 @@ impl Batch {
     }
 
     /// The keys of `jobs`: each job's records and permits.
-    fn keys_of(namespace: &str, jobs: &[Job]) -> (Keys, Vec<JobKeys>) {
+    fn keys_of(namespace: &str, jobs: &[Job]) -> (Keys, Vec<Vec<JobKeys>>) {
         let mut keys = Keys::default();
-        let mut job_keys = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            let (call_keys, plan) = match job {
-                Job::Decide { keys, plan, .. } => (keys, Some(plan)),
-                Job::Adjust { admission, .. } => (&admission.keys, None),
-                Job::Heal { .. } => {
-                    job_keys.push(JobKeys {
-                        records: [None; 3],
-                        permits: [None; 3],
-                    });
-                    continue;
+        let job_keys = jobs
+            .iter()
+            .map(|job| match job {
+                Job::Decide { parts, .. } => parts
+                    .iter()
+                    .map(|p| Batch::part_keys(&mut keys, namespace, &p.keys, Some(&p.plan)))
+                    .collect(),
+                Job::Adjust { admission, .. } => {
+                    vec![Batch::part_keys(
+                        &mut keys,
+                        namespace,
+                        &admission.keys,
+                        None,
+                    )]
                 }
-            };
-            let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
-            let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
-            let instance = instance.filter(|_| plan.is_none_or(|p| p.plan().instance.is_some()));
-            let mut jk = JobKeys {
-                records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
-                permits: [None, None, None],
-            };
-            if let Some(i) = &instance {
-                jk.records[2] = Some(keys.record(i));
-            }
-            if let Some(plan) = plan {
-                let p = plan.plan();
-                let caps = [0, 1, 2].map(|l| p.takes_permit(l));
-                let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
-                for (l, (cap, k)) in caps.iter().zip(level_keys).enumerate() {
-                    if let (true, Some(k)) = (cap, k) {
-                        jk.permits[l] = Some(keys.zset(permits_key(k)));
-                    }
-                }
-            }
-            job_keys.push(jk);
-        }
+                Job::Heal { .. } => Vec::new(),
+            })
+            .collect();
         (keys, job_keys)
+    }
+
+    /// The records and permits of one call's `call_keys` (of a decision's `plan`, or of a
+    /// correction), added to `keys`.
+    fn part_keys(
+        keys: &mut Keys,
+        namespace: &str,
+        call_keys: &CallKeys,
+        plan: Option<&OwnedPlan>,
+    ) -> JobKeys {
+        let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
+        let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
+        let instance = instance.filter(|_| plan.is_none_or(|p| p.plan().instance.is_some()));
+        let mut jk = JobKeys {
+            records: [Some(keys.record(&tool)), Some(keys.record(&tenant)), None],
+            permits: [None, None, None],
+        };
+        if let Some(i) = &instance {
+            jk.records[2] = Some(keys.record(i));
+        }
+        if let Some(plan) = plan {
+            let p = plan.plan();
+            let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
+            for (l, k) in level_keys.into_iter().enumerate() {
+                if let (true, Some(k)) = (p.takes_permit(l), k) {
+                    jk.permits[l] = Some(keys.zset(permits_key(k)));
+                }
+            }
+        }
+        jk
     }
 
     /// Every job fails with `e`.
@@ -1064,7 +1091,7 @@ impl Batch {
             match (job, outcome) {
                 (Job::Decide { reply, .. }, Outcome::Decided(d)) => {
                     if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
-                        give_back(sh, a);
+                        a.into_iter().for_each(|a| give_back(sh, a));
                     }
                 }
                 (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
@@ -1149,7 +1176,7 @@ impl Drop for Answer {
         // itself) or has sent it, and it is here.
         self.rx.close();
         if let Ok(Ok(Decision::Admitted(a))) = self.rx.try_recv() {
-            give_back(&self.shared, a);
+            a.into_iter().for_each(|a| give_back(&self.shared, a));
         }
     }
 }
@@ -1160,7 +1187,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     sh.abandoned
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     crate::telemetry::abandoned(&admission.keys.tool);
-    let tool = admission.keys.tool.clone();
+    let slot = admission.keys.slot().clone();
     if admission.charge.holds_permits() {
         let (sh2, a) = (sh.clone(), admission.clone());
         tokio::spawn(async move {
@@ -1172,7 +1199,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     let (reply, refunded) = oneshot::channel();
     submit(
         sh,
-        &tool,
+        &slot,
         Job::Adjust {
             admission,
             factor: -1.0,
@@ -1231,119 +1258,164 @@ impl Decided {
 
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
 fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
-    let mut records = read.records.clone();
-    let mut counts = read.counts.clone();
-    let mut written = vec![false; records.len()];
-    let mut decided = vec![false; records.len()];
-    let mut zsets: Vec<ZChange> = (0..counts.len()).map(|_| ZChange::default()).collect();
-    let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+    let mut w = Working {
+        records: read.records.clone(),
+        counts: read.counts.clone(),
+        written: vec![false; read.records.len()],
+        decided: vec![false; read.records.len()],
+        zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
+    };
     let mut outcomes = Vec::with_capacity(batch.jobs.len());
     let mut last_now = read.now as f64;
-    for (job, jk) in batch.jobs.iter().zip(&batch.job_keys) {
+    for (job, jks) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
             TimeSource::Redis => Timestamp(read.now),
             TimeSource::Injected => job.now(),
         };
-        let now_f = now.as_micros() as f64;
-        last_now = now_f;
-        match job {
-            Job::Decide {
-                plan,
-                keys: ck,
-                call,
-                ..
-            } => {
-                let p = Plan { now, ..plan.plan() };
-                let state = |l: usize| -> NodeState {
-                    let mut s = jk.records[l]
-                        .and_then(|i| records[i].as_ref())
-                        .map(|r| r.state)
-                        .unwrap_or_default();
-                    s.in_flight = jk.permits[l].map_or(0.0, |z| counts[z]);
-                    s
-                };
-                let mut snapshot = Snapshot {
-                    tool: state(0),
-                    tenant: state(1),
-                    instance: if p.instance.is_some() {
-                        state(2)
-                    } else {
-                        NodeState::default()
-                    },
-                };
-                match engine::decide(&p, &mut snapshot) {
-                    Err(r) => outcomes.push(Outcome::Decided(Decision::Refused(r))),
-                    Ok(a) => {
-                        let new_states = [snapshot.tool, snapshot.tenant, snapshot.instance];
-                        for (l, new_state) in new_states.into_iter().enumerate() {
-                            let Some(i) = jk.records[l] else { continue };
-                            if l == 2 && p.instance.is_none() {
-                                continue;
-                            }
-                            records[i] = Some(Record {
-                                version: sh.ids.version(),
-                                expires: a.expires[l],
-                                state: new_state,
-                            });
-                            written[i] = true;
-                            decided[i] = true;
-                            if a.charge.levels[l].permit {
-                                if let Some(z) = jk.permits[l] {
-                                    counts[z] += 1.0;
-                                    let zc = &mut zsets[z];
-                                    zc.prune = Some(now_f);
-                                    zc.adds
-                                        .push((now_f + permit_ttl_us, call.to_le_bytes().to_vec()));
-                                    zc.ttl_ms = Some(
-                                        (sh.config.permit_ttl.as_millis() as u64)
-                                            .max(sh.least_ttl_ms()),
-                                    );
-                                }
-                            }
-                        }
-                        outcomes.push(Outcome::Decided(Decision::Admitted(Arc::new(
-                            a.into_admission(ck.clone(), *call),
-                        ))));
-                    }
-                }
-            }
+        last_now = now.as_micros() as f64;
+        outcomes.push(match job {
+            Job::Decide { parts, .. } => Outcome::Decided(w.decide(sh, parts, jks, now)),
             Job::Adjust {
                 admission, factor, ..
             } => {
-                for l in 0..3 {
-                    let Some(i) = jk.records[l] else { continue };
-                    if !admission.charge.levels[l].present {
-                        continue;
-                    }
-                    if let Some(rec) = records[i].as_mut() {
-                        engine::adjust(&mut rec.state, &admission.charge, l, *factor, now);
-                        rec.version = sh.ids.version();
-                        written[i] = true;
-                    }
-                }
-                outcomes.push(Outcome::Adjusted);
+                w.adjust(sh, admission, *factor, &jks[0], now);
+                Outcome::Adjusted
             }
-            Job::Heal { .. } => outcomes.push(Outcome::Read),
-        }
+            Job::Heal { .. } => Outcome::Read,
+        });
     }
     // A record lives at least the permit TTL while calls hold permits at its level.
-    let mut holds = vec![false; records.len()];
-    for jk in &batch.job_keys {
+    let mut holds = vec![false; w.records.len()];
+    for jk in batch.job_keys.iter().flatten() {
         for l in 0..3 {
             if let (Some(i), Some(z)) = (jk.records[l], jk.permits[l]) {
-                holds[i] |= counts[z] > 0.0;
+                holds[i] |= w.counts[z] > 0.0;
             }
         }
     }
     Decided {
         outcomes,
         versions: read.versions.clone(),
-        records,
-        written,
-        decided,
+        records: w.records,
+        written: w.written,
+        decided: w.decided,
         holds,
-        zsets,
+        zsets: w.zsets,
         now: last_now,
+    }
+}
+
+/// A batch's records and permit counts as its jobs are decided, and what they change.
+struct Working {
+    records: Vec<Option<Record>>,
+    counts: Vec<f64>,
+    written: Vec<bool>,
+    decided: Vec<bool>,
+    zsets: Vec<ZChange>,
+}
+
+impl Working {
+    /// Decides a call's parts on the records as they stand: every part admitted and written,
+    /// or the first refusal and nothing written.
+    fn decide(&mut self, sh: &Shared, parts: &[Part], jks: &[JobKeys], now: Timestamp) -> Decision {
+        let mut admitted = Vec::with_capacity(parts.len());
+        for (part, jk) in parts.iter().zip(jks) {
+            let p = Plan {
+                now,
+                ..part.plan.plan()
+            };
+            let mut snapshot = self.snapshot(jk, p.instance.is_some());
+            match engine::decide(&p, &mut snapshot) {
+                Ok(a) => admitted.push((a, snapshot)),
+                Err(r) => return Decision::Refused(r),
+            }
+        }
+        let mut out = Vec::with_capacity(parts.len());
+        for ((part, jk), (a, snapshot)) in parts.iter().zip(jks).zip(admitted) {
+            self.write(sh, part, jk, &a, snapshot, now);
+            out.push(Arc::new(a.into_admission(part.keys.clone(), part.call)));
+        }
+        Decision::Admitted(Admissions::of(out).expect("a call has a part"))
+    }
+
+    /// The states of a part's levels, with the permits counted at each.
+    fn snapshot(&self, jk: &JobKeys, instance: bool) -> Snapshot {
+        let state = |l: usize| -> NodeState {
+            let mut s = jk.records[l]
+                .and_then(|i| self.records[i].as_ref())
+                .map(|r| r.state)
+                .unwrap_or_default();
+            s.in_flight = jk.permits[l].map_or(0.0, |z| self.counts[z]);
+            s
+        };
+        Snapshot {
+            tool: state(0),
+            tenant: state(1),
+            instance: if instance {
+                state(2)
+            } else {
+                NodeState::default()
+            },
+        }
+    }
+
+    /// Writes an admitted part's new states, and the permits it takes.
+    fn write(
+        &mut self,
+        sh: &Shared,
+        part: &Part,
+        jk: &JobKeys,
+        a: &engine::Admitted,
+        snapshot: Snapshot,
+        now: Timestamp,
+    ) {
+        let now_f = now.as_micros() as f64;
+        let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+        let has_instance = part.plan.plan().instance.is_some();
+        let new_states = [snapshot.tool, snapshot.tenant, snapshot.instance];
+        for (l, new_state) in new_states.into_iter().enumerate() {
+            let Some(i) = jk.records[l] else { continue };
+            if l == 2 && !has_instance {
+                continue;
+            }
+            self.records[i] = Some(Record {
+                version: sh.ids.version(),
+                expires: a.expires[l],
+                state: new_state,
+            });
+            self.written[i] = true;
+            self.decided[i] = true;
+            if let (true, Some(z)) = (a.charge.levels[l].permit, jk.permits[l]) {
+                self.counts[z] += 1.0;
+                let zc = &mut self.zsets[z];
+                zc.prune = Some(now_f);
+                zc.adds
+                    .push((now_f + permit_ttl_us, part.call.to_le_bytes().to_vec()));
+                zc.ttl_ms = Some((sh.config.permit_ttl.as_millis() as u64).max(sh.least_ttl_ms()));
+            }
+        }
+    }
+
+    /// Adds `factor` × an admission's charge at every level it charged.
+    fn adjust(
+        &mut self,
+        sh: &Shared,
+        admission: &Admission,
+        factor: f64,
+        jk: &JobKeys,
+        now: Timestamp,
+    ) {
+        for l in 0..3 {
+            let Some(i) = jk.records[l] else { continue };
+            if !admission.charge.levels[l].present {
+                continue;
+            }
+            if let Some(rec) = self.records[i].as_mut() {
+                engine::adjust(&mut rec.state, &admission.charge, l, factor, now);
+                rec.version = sh.ids.version();
+                self.written[i] = true;
+            }
+        }
     }
 }
 

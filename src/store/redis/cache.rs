@@ -117,8 +117,9 @@ impl RefusalCache {
         }
     }
 
-    /// Forgets every refusal of `tool`: a refund there may let them pass sooner.
-    pub(super) fn forget_tool(&self, tool: &str) {
-        self.lock().retain(|k, _| &*k.tool != tool);
+    /// Forgets every refusal of the tools of `slot` (a group, or a tool alone): a refund
+    /// there may let them pass sooner.
+    pub(super) fn forget_slot(&self, slot: &str) {
+        self.lock().retain(|k, _| &**k.slot() != slot);
     }
 }

@@ -393,7 +393,8 @@ impl Drop for Working {
 /// The permits a call of this store holds, so they can be renewed while it runs.
 #[derive(Debug)]
 struct HeldPermits {
-    tool: Arc<str>,
+    /// The tool's slot (its group, or itself): what one script may touch together.
+    slot: Arc<str>,
     keys: Vec<String>,
 }
 
@@ -559,26 +560,35 @@ impl RedisStore {
         Ok(self.shared.replicas.disagreements())
     }
 
-    /// Decides a call in Redis (see the module docs): through its tool's queue, answered
-    /// within the timeout. Owns what it needs, so the caller may wait for it anywhere.
-    async fn decide_remote(self, plan: OwnedPlan, keys: CallKeys) -> Result<Decision, StoreError> {
+    /// Decides a call in Redis (see the module docs): through its tool's queue (its group's),
+    /// answered within the timeout. Owns what it needs, so the caller may wait for it
+    /// anywhere.
+    async fn decide_remote(
+        self,
+        parts: Vec<(OwnedPlan, CallKeys)>,
+    ) -> Result<Decision, StoreError> {
         let sh = &self.shared;
         if !sh.breaker.admits() {
             return Err(StoreError::Unavailable(
                 "Redis has not answered the last decisions: failing fast until it does".into(),
             ));
         }
-        sh.health.saw_tool(sh, &keys.tool);
+        let (slot, tool) = (parts[0].1.slot().clone(), parts[0].1.tool.clone());
+        sh.health.saw_tool(sh, &slot);
         let (reply, answer) = batch::Answer::channel(sh);
         let sent = Instant::now();
-        let call = sh.ids.next();
         let job = batch::Job::Decide {
-            plan: plan.clone(),
-            keys: keys.clone(),
-            call,
+            parts: parts
+                .iter()
+                .map(|(plan, keys)| batch::Part {
+                    plan: plan.clone(),
+                    keys: keys.clone(),
+                    call: sh.ids.next(),
+                })
+                .collect(),
             reply,
         };
-        batch::submit(sh, &keys.tool, job);
+        batch::submit(sh, &slot, job);
         let timeout = sh.config.timeout;
         // Timed out or dropped here, the call is still decided; if it is admitted and nobody
         // takes the answer, it is given back (see `batch::Answer`).
@@ -596,28 +606,36 @@ impl RedisStore {
             }
             Err(e) => {
                 if !matches!(e, StoreError::Protocol(_)) {
-                    sh.unreachable(&keys.tool);
+                    sh.unreachable(&tool);
                 }
-                return Err(sh.failed("decide", &keys.tool, e));
+                return Err(sh.failed("decide", &tool, e));
             }
         };
-        match &decision {
+        self.decided(&parts, &decision, sent);
+        Ok(decision)
+    }
+
+    /// Notes a decision: a refusal remembered, the permits of an admission held.
+    fn decided(&self, parts: &[(OwnedPlan, CallKeys)], decision: &Decision, sent: Instant) {
+        let sh = &self.shared;
+        match decision {
             Decision::Refused(r) => {
-                if let Some(cache) = &sh.cache {
-                    cache.remember(&keys, &plan.plan(), r, sent, sh.config.time);
+                let refused = parts.iter().find(|(_, k)| *k.tool == *r.tool());
+                if let (Some(cache), Some((plan, keys))) = (&sh.cache, refused) {
+                    cache.remember(keys, &plan.plan(), r, sent, sh.config.time);
                 }
             }
-            Decision::Admitted(a) if a.charge.holds_permits() => {
-                let levels = LevelKeys::new(sh.state_keys(&keys));
-                let held = HeldPermits {
-                    tool: keys.tool.clone(),
-                    keys: levels.permits(&a.charge),
-                };
-                lock(&sh.held).insert(a.call, held);
+            Decision::Admitted(admissions) => {
+                for a in admissions.iter().filter(|a| a.charge.holds_permits()) {
+                    let levels = LevelKeys::new(sh.state_keys(&a.keys));
+                    let held = HeldPermits {
+                        slot: a.keys.slot().clone(),
+                        keys: levels.permits(&a.charge),
+                    };
+                    lock(&sh.held).insert(a.call, held);
+                }
             }
-            Decision::Admitted(_) => {}
         }
-        Ok(decision)
     }
 
     /// Drops every state that is equivalent to fresh state at `now` (template counts
@@ -672,6 +690,17 @@ impl RedisStore {
             cursor = next;
         }
     }
+}
+
+/// Why a call's parts cannot be decided in one script: tools of different groups (their
+/// state lives apart, on Redis Cluster in different slots).
+fn apart(parts: &[(OwnedPlan, CallKeys)]) -> Option<StoreError> {
+    let slot = parts.first()?.1.slot();
+    let other = parts.iter().find(|(_, k)| k.slot() != slot)?;
+    Some(StoreError::Protocol(format!(
+        "the tools `{}` and `{}` are charged together but are not in one group: give them the same `group` in the policy",
+        parts[0].1.tool, other.1.tool
+    )))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -871,10 +900,10 @@ impl Shared {
         // Per tool (one slot), per permits key: the ids to renew.
         let mut by_tool: HashMap<Arc<str>, HashMap<String, Vec<u8>>> = HashMap::new();
         for (call, held) in lock(&self.held).iter() {
-            if revive.is_some_and(|t| *t != *held.tool) {
+            if revive.is_some_and(|t| *t != *held.slot) {
                 continue;
             }
-            let keys = by_tool.entry(held.tool.clone()).or_default();
+            let keys = by_tool.entry(held.slot.clone()).or_default();
             for k in &held.keys {
                 keys.entry(k.clone())
                     .or_default()
@@ -911,33 +940,40 @@ impl Store for RedisStore {
         "redis"
     }
 
-    fn decide(&self, plan: &Plan<'_>) -> Answer<Decision> {
-        let keys = plan.keys();
+    fn decide(&self, plans: &[Plan<'_>]) -> Answer<Decision> {
+        let parts: Vec<(OwnedPlan, CallKeys)> =
+            plans.iter().map(|p| (OwnedPlan::of(p), p.keys())).collect();
         if let Some(cache) = &self.shared.cache {
-            if let Some(r) = cache.lookup(&keys, plan, self.shared.config.time) {
-                self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
-                return Answer::Now(Ok(Decision::Refused(r)));
+            for (plan, (_, keys)) in plans.iter().zip(&parts) {
+                if let Some(r) = cache.lookup(keys, plan, self.shared.config.time) {
+                    self.shared.cached_refusals.fetch_add(1, Ordering::Relaxed);
+                    return Answer::Now(Ok(Decision::Refused(r)));
+                }
             }
         }
-        Answer::later(self.clone().decide_remote(OwnedPlan::of(plan), keys))
+        if let Some(e) = apart(&parts) {
+            return Answer::Now(Err(e));
+        }
+        Answer::later(self.clone().decide_remote(parts))
     }
 
     fn adjust(&self, admission: &Arc<Admission>, factor: f64, now: Timestamp) -> Answer<()> {
         let (sh, admission) = (self.shared.clone(), admission.clone());
         if factor < 0.0 {
             if let Some(cache) = &sh.cache {
-                cache.forget_tool(&admission.keys.tool);
+                cache.forget_slot(admission.keys.slot());
             }
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
         let tool = admission.keys.tool.clone();
+        let slot = admission.keys.slot().clone();
         let job = batch::Job::Adjust {
             admission,
             factor,
             now,
             reply: Some(reply),
         };
-        batch::submit(&sh, &tool, job);
+        batch::submit(&sh, &slot, job);
         Answer::later(async move {
             let timeout = sh.config.timeout;
             let done = match tokio::time::timeout(timeout, answer).await {

@@ -15,6 +15,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+mod together;
+pub use together::MAX_TOOLS_PER_CALL;
+
 use crate::admission::engine::{OwnedPlan, Plan};
 use crate::admission::Refusal;
 use crate::clock::{Clock, SystemClock, Timestamp};
@@ -332,7 +335,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn ask(&self, policy: &Arc<Policy>, caller: &Caller, plan: &Plan<'_>, ask: f64) -> Begun {
         let started = telemetry::Started::now();
         let asked = Plan { cost: ask, ..*plan };
-        match self.inner.store.decide(&asked) {
+        match self.inner.store.decide(std::slice::from_ref(&asked)) {
             Answer::Now(d) => {
                 started.record(self.inner.store.kind());
                 match self.answered(caller, plan, ask, d) {
@@ -374,10 +377,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<Decided, Option<Arc<Admission>>> {
         let alone = ask <= plan.cost;
         let leases = &self.inner.leases;
-        match d {
-            Ok(Decision::Admitted(a))
-                if lease::eligible(plan) && (alone || !lease::borrowed(&a)) =>
-            {
+        match d.map(Decision::into_first) {
+            Ok(Ok(a)) if lease::eligible(plan) && (alone || !lease::borrowed(&a)) => {
                 if !alone {
                     telemetry::lease_granted(plan.tool.name_arc(), ask, ask - plan.cost);
                 }
@@ -392,16 +393,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 })
             }
             // Units lent by others are never leased: all back, and the call decided alone.
-            Ok(Decision::Admitted(a)) if !alone => {
+            Ok(Ok(a)) if !alone => {
                 leases.cool(plan);
                 Err(Some(a))
             }
-            Ok(Decision::Refused(_)) if !alone => {
+            Ok(Err(_)) if !alone => {
                 leases.cool(plan);
                 Err(None)
             }
-            Ok(Decision::Admitted(a)) => Ok(Decided::Own(Charged::Own(a))),
-            Ok(Decision::Refused(r)) => Ok(Decided::Refused(r)),
+            Ok(Ok(a)) => Ok(Decided::Own(Charged::Own(a))),
+            Ok(Err(r)) => Ok(Decided::Refused(r)),
             Err(e) => Ok(Decided::Failed(e)),
         }
     }
@@ -529,19 +530,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(plan) if plan.keys() == *keys => plan,
             _ => return leases.fetch_failed(keys, false),
         };
-        let back = match self.inner.store.decide(&plan).await {
-            Ok(Decision::Admitted(a)) if !lease::borrowed(&a) => {
+        let decided = self.inner.store.decide(std::slice::from_ref(&plan)).await;
+        let back = match decided.map(Decision::into_first) {
+            Ok(Ok(a)) if !lease::borrowed(&a) => {
                 let back = leases.fetched(&plan, a, size);
                 if back.is_none() {
                     telemetry::lease_granted(plan.tool.name_arc(), size, size);
                 }
                 back.map(|r| r.grant)
             }
-            Ok(Decision::Admitted(a)) => {
+            Ok(Ok(a)) => {
                 leases.fetch_failed(keys, true);
                 Some(a)
             }
-            Ok(Decision::Refused(_)) => return leases.fetch_failed(keys, true),
+            Ok(Err(_)) => return leases.fetch_failed(keys, true),
             Err(_) => return leases.fetch_failed(keys, false),
         };
         if let Some(grant) = back {

@@ -1,0 +1,375 @@
+//! A call charged to several tools at once — a model call that costs one request of
+//! `chat.requests` and its tokens of `chat.tokens` — admitted only if every tool allows it:
+//! the store decides the tools' plans in one atomic step, and a refusal charges none of them.
+//!
+//! A part spent from the caller's lease on its tool is decided here, without the store; the
+//! other parts go to the store together. If the store refuses them, the parts spent from
+//! leases are put back: nothing is charged anywhere.
+
+use std::sync::atomic::Ordering::Acquire;
+use std::sync::Arc;
+
+use super::{can_fetch, Decided, Limiter};
+use crate::admission::engine::Plan;
+use crate::admission::Refusal;
+use crate::clock::{Clock, Timestamp};
+use crate::identity::{Caller, Cost};
+use crate::lease::{self, Spent, Take};
+use crate::policy::Policy;
+use crate::store::{Admissions, Decision, Store, StoreError};
+use crate::ticket::{Charged, Ticket};
+use crate::Reason;
+
+/// The most tools one call may be charged to.
+pub const MAX_TOOLS_PER_CALL: usize = 8;
+
+/// One tool's part of a call, as it is being decided.
+struct Part<'p> {
+    plan: Plan<'p>,
+    /// What to ask the store for: the part's cost, or a grant for the caller's lease.
+    ask: f64,
+    /// How the part stands.
+    now: Standing,
+}
+
+enum Standing {
+    /// To be decided by the store.
+    Open,
+    /// Spent from the caller's lease.
+    Spent(Spent),
+    /// Admitted by the store.
+    Charged(Charged),
+    /// Its tool does not enforce (shadow mode) and would have refused it: let through
+    /// uncharged.
+    Shadowed(Refusal),
+}
+
+/// How one round at the store ended.
+enum Round {
+    /// Every open part admitted.
+    Done,
+    /// Asked again with each part's own cost (a grant was refused or had to borrow), or
+    /// without a part its tool would only have refused in shadow mode.
+    Again,
+    /// Refused, or failed and refused by the tools' `on_store_error`.
+    Refused(Refusal),
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
+    /// Decides one call charged to several tools — `charges` names each tool and what the
+    /// call costs there — and commits it only if every tool allows it, at every level: a
+    /// refusal names the tool and level that refused and charges none of them. The tools must
+    /// share a [group](crate::policy::ToolPolicy::group) (so a store shared by replicas keeps
+    /// their state together and decides them in one step), each named once, at most
+    /// [`MAX_TOOLS_PER_CALL`]. Answers one ticket per tool, in the order of `charges`: settle
+    /// or release each like any ticket.
+    ///
+    /// ```
+    /// use tower_fairshare::{Caller, Cost, Limiter, Policy};
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let policy = Policy::from_toml_str(r#"
+    ///     [[tool]]
+    ///     name = "chat.requests"
+    ///     group = "chat"
+    ///     unit = "calls"
+    ///     rate = { limit = 600, per = "1m" }
+    ///     [tool.default_tenant]
+    ///     ceiling = 60
+    ///
+    ///     [[tool]]
+    ///     name = "chat.tokens"
+    ///     group = "chat"
+    ///     unit = "tokens"
+    ///     rate = { limit = 100000, per = "1m" }
+    ///     [tool.default_tenant]
+    ///     ceiling = 4000
+    ///     burst = 4000
+    /// "#).unwrap();
+    /// let limiter = Limiter::new(policy);
+    /// let acme = Caller::new("acme");
+    /// let call = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(3000.0))];
+    /// let tickets = limiter.admit_all(&acme, &call).await.unwrap();
+    /// assert_eq!(tickets.len(), 2);
+    /// // 1,000 tokens left this minute: a second 3,000-token estimate is refused by the tokens
+    /// // tool, and the requests tool is charged nothing for it.
+    /// let refusal = limiter.admit_all(&acme, &call).await.unwrap_err();
+    /// assert_eq!(refusal.tool(), "chat.tokens");
+    /// // The call used 1,200 tokens: settled, the rest comes back.
+    /// limiter.settle(&tickets[1], Cost(1200.0)).await;
+    /// assert!(limiter.admit_all(&acme, &call).await.is_ok());
+    /// # });
+    /// ```
+    pub async fn admit_all(
+        &self,
+        caller: &Caller,
+        charges: &[(&str, Cost)],
+    ) -> Result<Vec<Ticket>, Refusal> {
+        if let [(tool, cost)] = charges {
+            return self.admit(caller, tool, *cost).await.map(|t| vec![t]);
+        }
+        let policy = self.inner.policy.load_full();
+        let now = self.inner.clock.now();
+        let mut parts = self.parts(&policy, caller, charges, now)?;
+        loop {
+            match self.round(&policy, caller, &mut parts, now).await {
+                Round::Done => break,
+                Round::Again => continue,
+                Round::Refused(r) => {
+                    self.put_back(&mut parts, now);
+                    return Err(r);
+                }
+            }
+        }
+        Ok(self.tickets(&policy, caller, parts))
+    }
+
+    /// The call's parts: each tool's plan, spent from the caller's lease where it can be;
+    /// or the refusal its identity, its tools or their groups earn (recorded).
+    fn parts<'p>(
+        &self,
+        policy: &'p Arc<Policy>,
+        caller: &'p Caller,
+        charges: &[(&str, Cost)],
+        now: Timestamp,
+    ) -> Result<Vec<Part<'p>>, Refusal> {
+        let mut plans = Vec::with_capacity(charges.len());
+        for (i, &(tool, cost)) in charges.iter().enumerate() {
+            let refused = |r| {
+                Err(self
+                    .finish(policy, caller, tool, cost, Err(r), now)
+                    .unwrap_err())
+            };
+            let plan = match caller.charged_as(policy, tool, cost, now) {
+                Ok(plan) => plan,
+                Err(r) => return refused(r),
+            };
+            if let Some(why) = apart(&plans, &plan, i) {
+                tracing::error!(tool, first = charges[0].0, "{why}");
+                let mut r = caller.denial(Reason::PermissionDenied, tool, why.detail());
+                r.retryable = false;
+                return refused(r);
+            }
+            plans.push(plan);
+        }
+        let mut returns = Vec::new();
+        let parts = plans
+            .into_iter()
+            .map(|plan| {
+                let taken = lease::eligible(&plan)
+                    .then(|| self.inner.leases.take(&plan, can_fetch, &mut returns));
+                let (ask, now) = match taken {
+                    Some(Take::Hit(spent)) => (plan.cost, Standing::Spent(spent)),
+                    Some(Take::Miss { grant }) => (grant, Standing::Open),
+                    None => (plan.cost, Standing::Open),
+                };
+                Part { plan, ask, now }
+            })
+            .collect();
+        self.give_back(returns, now);
+        Ok(parts)
+    }
+
+    /// One decision of the open parts at the store.
+    async fn round(
+        &self,
+        policy: &Arc<Policy>,
+        caller: &Caller,
+        parts: &mut [Part<'_>],
+        now: Timestamp,
+    ) -> Round {
+        let open: Vec<usize> = (0..parts.len())
+            .filter(|&i| matches!(parts[i].now, Standing::Open))
+            .collect();
+        if open.is_empty() {
+            return Round::Done;
+        }
+        let asked: Vec<Plan<'_>> = open
+            .iter()
+            .map(|&i| Plan {
+                cost: parts[i].ask,
+                ..parts[i].plan
+            })
+            .collect();
+        let started = crate::telemetry::Started::now();
+        let decided = self.inner.store.decide(&asked).await;
+        started.record(self.inner.store.kind());
+        let granting = open.iter().any(|&i| parts[i].ask > parts[i].plan.cost);
+        match decided {
+            Ok(Decision::Admitted(a)) => self.admitted(caller, parts, &open, a, now),
+            Ok(Decision::Refused(_)) if granting => self.asked_too_much(parts, &open),
+            Ok(Decision::Refused(r)) => {
+                let at = open
+                    .iter()
+                    .copied()
+                    .find(|&i| parts[i].plan.tool.name() == r.tool())
+                    .unwrap_or(open[0]);
+                let plan = parts[at].plan;
+                match self.conclude(policy, caller, &plan, Decided::Refused(r)) {
+                    Ok(shadow) => {
+                        let r = shadow.shadow_refusal.expect("a refusal let through");
+                        parts[at].now = Standing::Shadowed(r);
+                        Round::Again
+                    }
+                    Err(r) => Round::Refused(r),
+                }
+            }
+            Err(e) => self.failed(policy, caller, parts, &open, e),
+        }
+    }
+
+    /// The store admitted the open parts `open`: each keeps its admission (a grant goes to
+    /// the caller's lease), unless a grant had to borrow — then all go back and the parts are
+    /// asked again for their own costs.
+    fn admitted(
+        &self,
+        caller: &Caller,
+        parts: &mut [Part<'_>],
+        open: &[usize],
+        admissions: Admissions,
+        now: Timestamp,
+    ) -> Round {
+        let borrowed = open
+            .iter()
+            .zip(admissions.iter())
+            .any(|(&i, a)| parts[i].ask > parts[i].plan.cost && lease::borrowed(a));
+        if borrowed {
+            for a in admissions {
+                self.give_back_grant(Some(a), now);
+            }
+            return self.asked_too_much(parts, open);
+        }
+        let version = self.inner.version.load(Acquire);
+        let mut returns = Vec::new();
+        for (&i, a) in open.iter().zip(admissions) {
+            let part = &mut parts[i];
+            let charged = if lease::eligible(&part.plan) {
+                let known = lease::Known::new(version, caller, &part.plan);
+                let leases = &self.inner.leases;
+                match leases.granted(&part.plan, known, a, part.ask, &mut returns) {
+                    Ok((grant, spent)) => Charged::Leased(grant, spent),
+                    Err(own) => Charged::Own(own),
+                }
+            } else {
+                Charged::Own(a)
+            };
+            part.now = Standing::Charged(charged);
+        }
+        self.give_back(returns, now);
+        Round::Done
+    }
+
+    /// A grant above a part's cost was refused or borrowed: the callers' next grants are one
+    /// call's cost, and every part is asked again for its own.
+    fn asked_too_much(&self, parts: &mut [Part<'_>], open: &[usize]) -> Round {
+        for &i in open {
+            let part = &mut parts[i];
+            if part.ask > part.plan.cost {
+                self.inner.leases.cool(&part.plan);
+                part.ask = part.plan.cost;
+            }
+        }
+        Round::Again
+    }
+
+    /// The store could not decide: each open part as its tool's `on_store_error` says; the
+    /// call is refused if any of them refuses.
+    fn failed(
+        &self,
+        policy: &Arc<Policy>,
+        caller: &Caller,
+        parts: &mut [Part<'_>],
+        open: &[usize],
+        e: StoreError,
+    ) -> Round {
+        for &i in open {
+            let plan = parts[i].plan;
+            match self.conclude(policy, caller, &plan, Decided::Failed(e.clone())) {
+                Ok(_) => parts[i].now = Standing::Shadowed(unmetered(&plan)),
+                Err(r) => return Round::Refused(r),
+            }
+        }
+        Round::Done
+    }
+
+    /// The call was refused: what its parts spent from leases goes back to them, and what
+    /// the store admitted of it (none: it decides all parts at once) stays untouched.
+    fn put_back(&self, parts: &mut [Part<'_>], now: Timestamp) {
+        let mut returns = Vec::new();
+        for part in parts.iter_mut() {
+            if let Standing::Spent(spent) = std::mem::replace(&mut part.now, Standing::Open) {
+                self.inner.leases.unspend(&part.plan, spent, &mut returns);
+            }
+        }
+        self.give_back(returns, now);
+    }
+
+    /// The admitted call's tickets, in the order of its charges, each recorded.
+    fn tickets(&self, policy: &Arc<Policy>, caller: &Caller, parts: Vec<Part<'_>>) -> Vec<Ticket> {
+        parts
+            .into_iter()
+            .map(|part| {
+                let plan = part.plan;
+                let (tool, cost) = (plan.tool.name(), Cost(plan.cost));
+                let outcome = match part.now {
+                    Standing::Spent(spent) => self.spent(caller, tool, cost, spent, Some(policy)),
+                    Standing::Charged(c) => self.conclude(policy, caller, &plan, Decided::Own(c)),
+                    // Recorded when it was decided.
+                    Standing::Shadowed(r) => Ok(Ticket::uncharged(
+                        Some(r).filter(|r| r.detail != Some(UNMETERED)),
+                        plan.tool.period().as_secs_ceil(),
+                    )),
+                    Standing::Open => unreachable!("every part of an admitted call is decided"),
+                };
+                outcome.expect("an admitted part")
+            })
+            .collect()
+    }
+}
+
+/// The mark of a part let through unmetered because the store failed (not a shadow refusal).
+const UNMETERED: &str = "unmetered";
+
+fn unmetered(plan: &Plan<'_>) -> Refusal {
+    let mut r = Refusal::new(Reason::StoreUnavailable, plan.tool.name());
+    r.detail = Some(UNMETERED);
+    r
+}
+
+/// Why tool `i` of a call cannot be charged with the ones before it.
+enum Apart {
+    TwoOfOne,
+    Groups,
+    TooMany,
+}
+
+impl Apart {
+    fn detail(&self) -> &'static str {
+        match self {
+            Apart::TwoOfOne => "tool_charged_twice",
+            Apart::Groups => "tools_not_grouped",
+            Apart::TooMany => "too_many_tools",
+        }
+    }
+}
+
+impl std::fmt::Display for Apart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Apart::TwoOfOne => "a call names one tool twice: charge it once, with the sum",
+            Apart::Groups => "tools charged together by one call must share a group: give them the same `group` in the policy",
+            Apart::TooMany => "a call may be charged to at most 8 tools",
+        })
+    }
+}
+
+fn apart(before: &[Plan<'_>], plan: &Plan<'_>, i: usize) -> Option<Apart> {
+    if i >= MAX_TOOLS_PER_CALL {
+        return Some(Apart::TooMany);
+    }
+    if before.iter().any(|p| p.tool.name() == plan.tool.name()) {
+        return Some(Apart::TwoOfOne);
+    }
+    let first = before.first()?;
+    (first.tool.group() != plan.tool.group()).then_some(Apart::Groups)
+}

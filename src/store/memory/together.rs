@@ -1,0 +1,233 @@
+//! A call charged to several tools at once: every tenant's shard locked (in shard order), then
+//! every tool's cell (in name order) — the order a call of one tool takes them in, shard then
+//! tool — so the plans are decided on states nobody else changes, and written only if every
+//! plan is admitted.
+
+use std::sync::{Arc, MutexGuard};
+
+use super::{
+    hash_tenant, lock, micros_ceil, note_period, write_back, MemoryStore, Packed, Shard,
+    TenantEntry, ToolCell, ToolEntry,
+};
+use crate::admission::engine::{self, NodeState, Plan, Snapshot};
+use crate::store::{Admissions, Decision};
+
+/// One plan's place: its tenant's hash and shard, its tool's cell.
+struct Place {
+    hash: u64,
+    shard: usize,
+    cell: Arc<ToolCell>,
+    period: f64,
+}
+
+/// Decides `plans` (of distinct tools) together: all admitted and written, or the first
+/// refusal and nothing written.
+pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
+    let places: Vec<Place> = plans.iter().map(|p| place(store, p)).collect();
+    let mut shard_order: Vec<usize> = places.iter().map(|p| p.shard).collect();
+    shard_order.sort_unstable();
+    shard_order.dedup();
+    let mut shards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_order
+        .iter()
+        .map(|&i| (i, lock(&store.shards[i].0)))
+        .collect();
+    let mut tool_order: Vec<usize> = (0..places.len()).collect();
+    tool_order.sort_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
+    let mut tools: Vec<Option<MutexGuard<'_, ToolEntry>>> =
+        (0..places.len()).map(|_| None).collect();
+    for i in tool_order {
+        tools[i] = Some(lock(&places[i].cell.inner));
+    }
+    let mut decided = Vec::with_capacity(plans.len());
+    for ((plan, place), tool) in plans.iter().zip(&places).zip(&tools) {
+        let shard = shard_of(&mut shards, place.shard);
+        let mut snap = read(shard, plan, place);
+        snap.tool = tool.as_ref().expect("locked").state;
+        match engine::decide(plan, &mut snap) {
+            Ok(admitted) => decided.push((admitted, snap)),
+            Err(r) => return Decision::Refused(r),
+        }
+    }
+    let mut admissions = Vec::with_capacity(plans.len());
+    for (i, (admitted, snap)) in decided.into_iter().enumerate() {
+        let (plan, place) = (&plans[i], &places[i]);
+        let expires = admitted.expires.map(micros_ceil);
+        let tool = tools[i].as_mut().expect("locked");
+        tool.state = snap.tool;
+        tool.expires = expires[0];
+        write(
+            store,
+            shard_of(&mut shards, place.shard),
+            plan,
+            place,
+            &snap,
+            expires,
+        );
+        admissions.push(Arc::new(admitted.into_admission(plan.keys(), 0)));
+    }
+    Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
+}
+
+/// Where `plan`'s states live. The cell is the one the tenant's entry points to if it has
+/// one (looked up under its shard's lock, released before every lock is taken in order).
+fn place(store: &MemoryStore, plan: &Plan<'_>) -> Place {
+    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
+    let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
+    let shard = (hash >> 40) as usize & (store.shards.len() - 1);
+    let found = lock(&store.shards[shard].0)
+        .tenants
+        .find(hash, |e| e.is(tool, tenant, plan.untenanted))
+        .map(|e| e.tool.clone());
+    let cell = found.unwrap_or_else(|| store.tool_cell(tool));
+    let period = note_period(&cell, plan);
+    Place {
+        hash,
+        shard,
+        cell,
+        period,
+    }
+}
+
+fn shard_of<'a, 'g>(
+    shards: &'a mut [(usize, MutexGuard<'g, Shard>)],
+    index: usize,
+) -> &'a mut Shard {
+    let at = shards
+        .binary_search_by_key(&index, |(i, _)| *i)
+        .expect("every plan's shard is locked");
+    &mut shards[at].1
+}
+
+/// The plan's tenant and instance states as stored (fresh where none is).
+fn read(shard: &Shard, plan: &Plan<'_>, place: &Place) -> Snapshot {
+    let entry = shard.tenants.find(place.hash, |e| {
+        e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
+    });
+    let instance = |e: &TenantEntry| {
+        let i = plan.instance?;
+        let at = e.instances.find(i.name).ok()?;
+        Some(e.instances.as_slice()[at].state(place.period))
+    };
+    Snapshot {
+        tool: NodeState::default(),
+        tenant: entry.map_or_else(NodeState::default, |e| e.state.state(place.period)),
+        instance: entry.and_then(|e| instance(e)).unwrap_or_default(),
+    }
+}
+
+/// Writes an admitted plan's tenant and instance states, adding its tenant's entry if new.
+fn write(
+    store: &MemoryStore,
+    shard: &mut Shard,
+    plan: &Plan<'_>,
+    place: &Place,
+    snap: &Snapshot,
+    expires: [u64; 3],
+) {
+    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
+    if let Some(entry) = shard
+        .tenants
+        .find_mut(place.hash, |e| e.is(tool, tenant, plan.untenanted))
+    {
+        let slot = plan.instance.map(|i| entry.instances.find(i.name));
+        write_back(entry, plan, snap, slot, expires, place.period);
+        return;
+    }
+    let mut entry = Box::new(TenantEntry {
+        tool: place.cell.clone(),
+        state: Packed::new(
+            tenant,
+            plan.untenanted,
+            &snap.tenant,
+            expires[1],
+            place.period,
+        ),
+        instances: super::Instances::None,
+    });
+    write_back(&mut entry, plan, snap, None, expires, place.period);
+    let hasher = &store.hasher;
+    shard.tenants.insert_unique(place.hash, entry, |e| {
+        hash_tenant(
+            hasher,
+            &e.tool.name,
+            super::tenant_name(e),
+            e.state.untenanted(),
+        )
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Timestamp;
+    use crate::{Caller, Cost, Policy, Store};
+
+    const POLICY: &str = r#"
+        [[tool]]
+        name = "chat.requests"
+        group = "chat"
+        unit = "calls"
+        rate = { limit = 60, per = "1m" }
+        lease = "off"
+        [tool.default_tenant]
+        ceiling = 3
+        burst = 3
+        [[tool]]
+        name = "chat.tokens"
+        group = "chat"
+        unit = "tokens"
+        rate = { limit = 10000, per = "1m" }
+        lease = "off"
+        [tool.default_tenant]
+        ceiling = 1000
+        burst = 1000
+    "#;
+
+    fn plans<'p>(policy: &'p Policy, caller: &'p Caller, tokens: f64) -> Vec<Plan<'p>> {
+        let now = Timestamp(1_767_225_600_000_000);
+        vec![
+            caller
+                .charged_as(policy, "chat.requests", Cost(1.0), now)
+                .unwrap(),
+            caller
+                .charged_as(policy, "chat.tokens", Cost(tokens), now)
+                .unwrap(),
+        ]
+    }
+
+    fn states(store: &MemoryStore, plans: &[Plan<'_>]) -> Vec<[Option<NodeState>; 3]> {
+        plans
+            .iter()
+            .map(|p| match store.inspect(&p.keys()) {
+                crate::store::Answer::Now(r) => r.unwrap(),
+                crate::store::Answer::Later(_) => unreachable!("the memory store answers at once"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn two_tools_are_charged_together_or_not_at_all() {
+        let policy = Policy::from_toml_str(POLICY).unwrap();
+        let store = MemoryStore::new();
+        let acme = Caller::new("acme");
+        let decide = |tokens| match store.decide(&plans(&policy, &acme, tokens)) {
+            crate::store::Answer::Now(r) => r.unwrap(),
+            crate::store::Answer::Later(_) => unreachable!(),
+        };
+        let Decision::Admitted(a) = decide(600.0) else {
+            panic!("both tools have room")
+        };
+        assert_eq!(a.len(), 2);
+        let costs: Vec<f64> = a.iter().map(|a| a.charge.cost).collect();
+        assert_eq!(costs, [1.0, 600.0]);
+        // 400 tokens left of the ceiling: 500 more is refused by the tokens tool, and the
+        // requests tool, which had room, is charged nothing.
+        let before = states(&store, &plans(&policy, &acme, 500.0));
+        let Decision::Refused(r) = decide(500.0) else {
+            panic!("the tokens ceiling refuses")
+        };
+        assert_eq!(r.tool(), "chat.tokens");
+        assert_eq!(before, states(&store, &plans(&policy, &acme, 500.0)));
+        assert!(matches!(decide(400.0), Decision::Admitted(_)));
+    }
+}
