@@ -135,6 +135,14 @@ macro_rules! suite {
             conformance::two_tools(&$factory)
         }
         #[test]
+        fn an_under_estimate_is_debt_paid_before_the_next_call() {
+            conformance::debt(&$factory)
+        }
+        #[test]
+        fn settling_counts_the_real_cost_at_every_level() {
+            conformance::settling(&$factory)
+        }
+        #[test]
         fn concurrency_caps_and_release() {
             conformance::concurrency(&$factory)
         }
@@ -1464,6 +1472,80 @@ pub fn cost_and_refund<F: Factory>(f: &F) {
     });
 }
 
+/// Debt: a call that used more than its estimate — more than was left — is charged all of
+/// it. Its levels go below empty and refill from there: the caller waits until the debt is
+/// paid, and a budget it overran refuses until its window ends. A refund never counts below
+/// zero.
+pub fn debt<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = policy_of(
+        f,
+        r#"
+        [[tool]]
+        name = "llm"
+        unit = "tokens"
+        rate = { limit = 6000, per = "1m" }
+        [tool.tenants.A]
+        ceiling = 600
+        burst = 600
+        [tool.tenants.B]
+        ceiling = 600
+        burst = 600
+        budgets = [{ period = "day", max = 1000 }]
+        "#,
+    )
+    .unwrap();
+    let (limiter, clock) = harness(&policy, f.store_in(&rt));
+    rt.block_on(async {
+        let a = Caller::new("A");
+        // Estimated 100, used 900: 300 tokens of debt (600 a minute: 30 s to pay).
+        let t = limiter.admit(&a, "llm", Cost(100.0)).await.unwrap();
+        limiter.settle(&t, Cost(900.0)).await;
+        let r = limiter.admit(&a, "llm", Cost(1.0)).await.unwrap_err();
+        let wait = r
+            .retry_after
+            .expect("a rate refusal says when")
+            .as_secs_f64();
+        assert!(
+            (29.0..=32.0).contains(&wait),
+            "the debt takes 30 s to pay, not {wait}"
+        );
+        clock.set(EPOCH.saturating_add(Duration::from_secs(25)));
+        assert!(
+            limiter.admit(&a, "llm", Cost(1.0)).await.is_err(),
+            "still in debt"
+        );
+        clock.set(EPOCH.saturating_add(Duration::from_secs(32)));
+        assert!(limiter.admit(&a, "llm", Cost(1.0)).await.is_ok(), "paid");
+
+        // B's day budget: 1,000 tokens; a call estimated at 500 used 1,400.
+        let b = Caller::new("B");
+        let t = limiter.admit(&b, "llm", Cost(500.0)).await.unwrap();
+        limiter.settle(&t, Cost(1400.0)).await;
+        clock.set(EPOCH.saturating_add(Duration::from_secs(3600)));
+        let r = limiter.admit(&b, "llm", Cost(1.0)).await.unwrap_err();
+        assert_eq!(
+            r.reason,
+            Reason::CapExceeded,
+            "the day's budget is overrun: {r}"
+        );
+
+        // A refund of a call settled to nothing counts it out, and never below zero.
+        let keys = limiter.call_keys(&a, "llm").unwrap();
+        clock.set(EPOCH.saturating_add(Duration::from_secs(7200)));
+        let t = limiter.admit(&a, "llm", Cost(50.0)).await.unwrap();
+        limiter.settle(&t, Cost(0.0)).await;
+        limiter.refund(&t).await;
+        let state = limiter.store().inspect(&keys).await.unwrap();
+        let tenant = state[1].as_ref().unwrap();
+        assert!(
+            tenant.total >= 0.0 && tenant.total < 1e-9,
+            "counted {}",
+            tenant.total
+        );
+    });
+}
+
 /// Concurrency: max_concurrency caps calls in flight; releasing gives the permit back.
 pub fn concurrency<F: Factory>(f: &F) {
     let rt = runtime();
@@ -1784,4 +1866,156 @@ pub fn two_tools<F: Factory>(f: &F) {
             },
         )
         .unwrap();
+}
+
+/// A tokens tool with every limit a model gateway sets: tool capacity and an hourly budget,
+/// a tenant's floor, ceiling and daily budget, template instances with ceilings, template
+/// tenants.
+const TOKENS: &str = r#"
+[[tool]]
+name = "llm"
+unit = "tokens"
+rate = { limit = 2000, per = "10s" }
+budgets = [{ period = "hour", max = 20000 }]
+[tool.tenants.A]
+floor = 200
+ceiling = 800
+budgets = [{ period = "day", max = 6000 }]
+[tool.tenants.A.default_instance]
+max_instances = 2
+ceiling = 400
+[tool.tenants.B]
+ceiling = 600
+[tool.default_tenant]
+max_tenants = 2
+ceiling = 300
+"#;
+
+/// One admitted call of [`settling`]: its ticket, what it is charged now, and when (after
+/// how many more calls) its body ends, with what it reports.
+struct Open {
+    ticket: Ticket,
+    charged: f64,
+    ends_in: usize,
+    /// The real cost, or (a stream cut off) what it reported before: `None` reports nothing.
+    end: Option<f64>,
+}
+
+/// Reserve, then settle: over any sequence of estimates, real costs (above and below the
+/// estimate), bodies that end calls later and streams cut off with part of their usage
+/// reported (or none: the estimate stands), every level's window counters and budgets
+/// count exactly each call's settled cost — what charging it up front would have counted.
+pub fn settling<F: Factory>(f: &F) {
+    let rt = runtime();
+    let policy = policy_of(f, TOKENS).unwrap();
+    let callers = vec![
+        Caller::new("A").with_instance("x"),
+        Caller::new("A").with_instance("y"),
+        Caller::new("B"),
+        Caller::new("C"),
+        Caller::new("D"),
+    ];
+    let ops = (
+        0usize..5,
+        0u64..1_500_000,
+        1u32..300,
+        0u32..500,
+        0usize..4,
+        prop_oneof![Just(None), (0u32..=100).prop_map(Some)],
+    );
+    runner(f.cases())
+        .run(&prop::collection::vec(ops, 20..90), |ops| {
+            let (limiter, clock) = harness(&policy, f.store_in(&rt));
+            let mut open: Vec<Open> = Vec::new();
+            let mut done: Vec<(Ticket, f64)> = Vec::new();
+            rt.block_on(async {
+                let mut t = 0u64;
+                for (k, (who, dt, estimate, real, ends_in, cut)) in ops.into_iter().enumerate() {
+                    t += dt;
+                    clock.set(EPOCH.saturating_add(Duration::from_micros(t)));
+                    let end = match cut {
+                        None => Some(real as f64),
+                        Some(0) => None,
+                        Some(pct) => Some((real * pct / 100) as f64),
+                    };
+                    if let Ok(ticket) = limiter.admit(&callers[who], "llm", Cost(estimate as f64)).await {
+                        open.push(Open { ticket, charged: estimate as f64, ends_in, end });
+                    }
+                    for o in open.iter_mut() {
+                        if o.ends_in == 0 {
+                            if let Some(x) = o.end {
+                                limiter.settle(&o.ticket, Cost(x)).await;
+                                o.charged = x;
+                            }
+                        }
+                    }
+                    let (ended, still): (Vec<Open>, Vec<Open>) =
+                        open.drain(..).partition(|o| o.ends_in == 0);
+                    done.extend(ended.into_iter().map(|o| (o.ticket, o.charged)));
+                    open = still.into_iter().map(|o| Open { ends_in: o.ends_in - 1, ..o }).collect();
+                    // Leases hold units charged ahead: back first, so each level counts calls.
+                    limiter.return_leases().await;
+                    let all = done.iter().map(|(t, c)| (t, *c)).chain(open.iter().map(|o| (&o.ticket, o.charged)));
+                    let expected = Counted::of(all);
+                    for caller in &callers {
+                        let keys = limiter.call_keys(caller, "llm").unwrap();
+                        let states = limiter.store().inspect(&keys).await.unwrap();
+                        for (level, (key, state)) in keys.encoded().iter().zip(&states).enumerate() {
+                            let (Some(key), Some(s)) = (key, state) else { continue };
+                            let want = expected.total(key, s.window);
+                            check(close(s.total, want), || {
+                                format!("op {k}: {caller:?} level {level}: window counts {} but the calls settled to {want}", s.total)
+                            })?;
+                            for b in s.budgets.iter() {
+                                let want = expected.budget(key, b.period, b.start);
+                                check(close(b.used, want), || {
+                                    format!("op {k}: {caller:?} level {level}: {:?} budget counts {} but the calls settled to {want}", b.period, b.used)
+                                })?;
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+        .unwrap();
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * (1.0 + a.abs().max(b.abs()))
+}
+
+/// What each level should count: every admitted call's settled cost, in the window (and
+/// budget windows) its admission was counted in.
+struct Counted(Vec<(String, f64, Vec<(tower_fairshare::BudgetPeriod, f64)>, f64)>);
+
+impl Counted {
+    fn of<'t>(calls: impl Iterator<Item = (&'t Ticket, f64)>) -> Counted {
+        let mut out = Vec::new();
+        for (ticket, cost) in calls {
+            let a = ticket.admission().expect("metered");
+            for (level, key) in a.keys.encoded().into_iter().enumerate() {
+                let charged = &a.charge.levels[level];
+                if let (Some(key), true) = (key, charged.present) {
+                    out.push((key, a.charge.window, charged.budgets.iter().collect(), cost));
+                }
+            }
+        }
+        Counted(out)
+    }
+
+    fn total(&self, key: &str, window: f64) -> f64 {
+        self.0
+            .iter()
+            .filter(|(k, w, ..)| k == key && *w == window)
+            .map(|c| c.3)
+            .sum()
+    }
+
+    fn budget(&self, key: &str, period: tower_fairshare::BudgetPeriod, start: f64) -> f64 {
+        let counted = |c: &&(String, f64, Vec<(tower_fairshare::BudgetPeriod, f64)>, f64)| {
+            c.0 == key && c.2.contains(&(period, start))
+        };
+        self.0.iter().filter(counted).map(|c| c.3).sum()
+    }
 }
