@@ -85,6 +85,7 @@ pub(crate) struct Tool<'a> {
     pub(crate) group: Option<&'a str>,
 }
 
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 /// The key of a lone tool's own state (of a group's: the key its state would have as a tool
 /// of that name, which names the group's markers).
 pub(crate) fn tool_key(tool: &str) -> String {

@@ -78,6 +78,8 @@ pub(crate) struct Spent {
     pub(crate) fetch: Option<(f64, CallKeys)>,
     /// The tool's period in whole seconds (a ticket's `RateLimit` window).
     pub(crate) window_secs: u64,
+    /// The tool's unit.
+    pub(crate) unit: crate::policy::Unit,
 }
 
 /// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
@@ -247,6 +249,7 @@ impl Lease {
             part,
             fetch,
             window_secs,
+            unit: self.tool.unit(),
         })
     }
 
@@ -266,6 +269,7 @@ impl Lease {
             part,
             fetch: None,
             window_secs: self.tool.period().as_secs_ceil(),
+            unit: self.tool.unit(),
         })
     }
 

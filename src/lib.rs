@@ -100,8 +100,9 @@ pub use identity::{Caller, Cost};
 pub use layer::{
     default_refusal_response, grpc_code, http_status, BufferedBody, CallerFromExtensions, Describe,
     Described, DescribedFuture, DescribedLayer, FairShare, FairShareError, FairShareLayer,
-    FairShareMcp, Identify, McpCall, McpFuture, McpLayer, McpRefusals, RequestHead, ResponseBody,
-    ResponseFuture, ToolName, MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
+    FairShareMcp, FairShareModel, Identify, McpCall, McpFuture, McpLayer, McpRefusals, MeteredBody,
+    ModelCallLayer, ModelFuture, RequestHead, ResponseBody, ResponseFuture, ToolName, Usage,
+    MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
 };
 pub use limiter::{Limiter, Ticket, MAX_TOOLS_PER_CALL};
 pub use policy::{

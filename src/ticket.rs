@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use crate::admission::{Refusal, Scope};
 use crate::lease::Part;
+use crate::policy::Unit;
 use crate::store::Admission;
 
 /// An admitted call: what to correct, refund or release later, and the figures of its
@@ -36,6 +37,7 @@ pub struct Ticket {
     pub(crate) admission: Option<Charged>,
     pub(crate) shadow_refusal: Option<Refusal>,
     pub(crate) window_secs: u64,
+    pub(crate) unit: Unit,
 }
 
 /// What the store charged for an admitted call.
@@ -49,21 +51,23 @@ pub(crate) enum Charged {
 
 impl Ticket {
     /// A ticket of a call the store admitted on its own, or spent from a lease's grant.
-    pub(crate) fn of(charged: Charged, window_secs: u64) -> Ticket {
+    pub(crate) fn of(charged: Charged, window_secs: u64, unit: Unit) -> Ticket {
         Ticket {
             admission: Some(charged),
             shadow_refusal: None,
             window_secs,
+            unit,
         }
     }
 
     /// A ticket of a call let through without a charge: unmetered (the store failed and the
     /// tool fails open) or, in shadow mode, refused by `shadow`.
-    pub(crate) fn uncharged(shadow: Option<Refusal>, window_secs: u64) -> Ticket {
+    pub(crate) fn uncharged(shadow: Option<Refusal>, window_secs: u64, unit: Unit) -> Ticket {
         Ticket {
             admission: None,
             shadow_refusal: shadow,
             window_secs,
+            unit,
         }
     }
 
@@ -128,6 +132,12 @@ impl Ticket {
         self.shadow_refusal.as_ref()
     }
 
+    /// What a unit of the tool is (calls, tokens, seconds): what [`cost`](Self::cost),
+    /// [`quota`](Self::quota) and [`remaining`](Self::remaining) count.
+    pub fn unit(&self) -> Unit {
+        self.unit
+    }
+
     /// The tool's period in whole seconds (the `w` of `RateLimit-Policy`).
     pub fn window_secs(&self) -> u64 {
         self.window_secs
@@ -154,6 +164,7 @@ impl Ticket {
             admission: self.admission.take(),
             shadow_refusal: None,
             window_secs: self.window_secs,
+            unit: self.unit,
         }
     }
 }

@@ -715,6 +715,11 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
     r.limit = Some(f.limit);
     r.used = Some(f.used);
     r.window_secs = f.window_secs;
+    r.unit = match f.window {
+        Label::Word("in_flight") => Some(crate::policy::Unit::Calls),
+        Label::Word("callers") => None,
+        _ => Some(tool.unit()),
+    };
     if f.wait.is_finite() {
         let wait = f.wait.max(1.0).ceil();
         r.retry_after = Some(Duration::from_micros(wait as u64));

@@ -116,6 +116,9 @@ pub struct RefusalDetails {
     /// Length of that window in seconds (the `w` of `RateLimit-Policy`), when it is a window
     /// of time.
     pub window_secs: Option<u64>,
+    /// What `limit` and `used` count: the refusing tool's unit (calls, tokens, seconds), when
+    /// the refusal is about them.
+    pub unit: Option<crate::policy::Unit>,
     /// When the call could next succeed (absent when it never can).
     pub reset_at: Option<Timestamp>,
     /// How long to wait before retrying (absent when it never can).
@@ -226,6 +229,7 @@ impl Refusal {
             limit: None,
             used: None,
             window_secs: None,
+            unit: None,
             reset_at: None,
             retry_after: None,
             retryable: false,
@@ -284,6 +288,8 @@ impl Refusal {
         json_num(o, self.limit)?;
         o.write_str(",\"used\":")?;
         json_num(o, self.used)?;
+        o.write_str(",\"unit\":")?;
+        json_opt(o, self.unit.map(crate::policy::Unit::as_str))?;
         o.write_str(",\"reset_at\":")?;
         match self.reset_at {
             Some(t) => {

@@ -3,7 +3,6 @@
 
 mod jsonrpc;
 
-use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
@@ -11,10 +10,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -23,9 +22,10 @@ pub use jsonrpc::REFUSED as MCP_REFUSED;
 use super::body::ResponseBody;
 use super::layer::{FairShareLayer, Shared};
 use super::refusal::{admitted_headers, render};
-use super::select::{Identity, RequestHead};
+pub use super::request::BufferedBody;
+use super::request::{identify, read_body, Answer, Unread};
 use super::Held;
-use crate::identity::{Caller, Cost};
+use crate::identity::Cost;
 use crate::Refusal;
 
 /// The largest body read by default: 4 MiB.
@@ -275,9 +275,6 @@ where
     }
 }
 
-/// A response of this layer's own, or of the app's identification, sent instead.
-type Answer<ResB> = Response<ResponseBody<ResB>>;
-
 /// One request: its body read, its message found, decided, and handed on or answered.
 async fn serve<S, B, ResB>(
     mut inner: S,
@@ -307,7 +304,7 @@ where
     };
     let caller = match identify(&shared, &parts) {
         Ok(c) => c,
-        Err(answer) => return Ok(answer),
+        Err(res) => return Ok((*res).map(|b| ResponseBody::refusal(Some(b)))),
     };
     let cost = found
         .cost
@@ -395,26 +392,6 @@ fn find_call<ResB>(method: &Method, body: &[u8], options: &Options) -> Result<Fo
     }
 }
 
-/// The caller, as the layer identifies callers (none: anonymous), or the app's own rejection
-/// (then nothing is decided or charged).
-fn identify<ResB>(shared: &Shared, parts: &http::request::Parts) -> Result<Caller, Answer<ResB>> {
-    let caller = match &shared.identify {
-        Identity::Extension => parts.extensions.get::<Caller>().cloned(),
-        Identity::With(identify) => {
-            let head = RequestHead {
-                method: &parts.method,
-                uri: &parts.uri,
-                headers: &parts.headers,
-                extensions: &parts.extensions,
-            };
-            identify
-                .identify_or_reject(&head)
-                .map_err(|res| (*res).map(|b| ResponseBody::refusal(Some(b))))?
-        }
-    };
-    Ok(caller.unwrap_or_default())
-}
-
 /// An admitted call's response: its charge settled to a `Cost` it reports, the RateLimit
 /// headers if asked, and its permits (if any) in the body, so that a stream holds them until
 /// it ends or the client leaves.
@@ -468,108 +445,4 @@ fn answer<ResB>(status: StatusCode, body: Bytes) -> Response<ResponseBody<ResB>>
     res.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     res
-}
-
-/// Why a request body was not read.
-enum Unread {
-    TooLarge,
-    Failed,
-}
-
-/// `body`, whole, if it is at most `max` bytes (one frame is kept as it came, without a copy).
-async fn read_body<B: Body>(body: B, max: usize) -> Result<Bytes, Unread> {
-    let mut body = std::pin::pin!(body);
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut len = 0;
-    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        let Ok(mut data) = frame.map_err(|_| Unread::Failed)?.into_data() else {
-            continue; // trailers
-        };
-        len += data.remaining();
-        if len > max {
-            return Err(Unread::TooLarge);
-        }
-        chunks.push(data.copy_to_bytes(data.remaining()));
-    }
-    Ok(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().expect("one chunk"),
-        _ => Bytes::from(chunks.concat()),
-    })
-}
-
-/// A request body [`McpLayer`] read whole: what the service behind it gets, byte for byte as
-/// the client sent it.
-#[derive(Clone, Debug, Default)]
-pub struct BufferedBody(Option<Bytes>);
-
-impl BufferedBody {
-    /// The body's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or_default()
-    }
-}
-
-impl Body for BufferedBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let data = self.get_mut().0.take().filter(|b| !b.is_empty());
-        Poll::Ready(data.map(|b| Ok(Frame::data(b))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.bytes().is_empty()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.bytes().len() as u64)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A body of these frames, one at a time.
-    struct Frames(Vec<Bytes>);
-
-    impl Body for Frames {
-        type Data = Bytes;
-        type Error = Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-            let next = (!self.0.is_empty()).then(|| self.0.remove(0));
-            Poll::Ready(next.map(|b| Ok(Frame::data(b))))
-        }
-    }
-
-    fn frames(parts: &[&'static str]) -> Frames {
-        Frames(
-            parts
-                .iter()
-                .map(|p| Bytes::from_static(p.as_bytes()))
-                .collect(),
-        )
-    }
-
-    #[tokio::test]
-    async fn a_body_is_read_whole_up_to_its_limit() {
-        let read = read_body(frames(&["{\"a\":", "1", "}"]), 7).await;
-        assert_eq!(read.ok().as_deref(), Some(&b"{\"a\":1}"[..]));
-        assert!(matches!(
-            read_body(frames(&["{\"a\":", "12", "}"]), 7).await,
-            Err(Unread::TooLarge)
-        ));
-        let body = BufferedBody(Some(Bytes::from_static(b"xy")));
-        assert_eq!(body.size_hint().exact(), Some(2));
-        assert_eq!(read_body(body, 2).await.ok().as_deref(), Some(&b"xy"[..]));
-    }
 }

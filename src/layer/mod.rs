@@ -21,7 +21,9 @@ mod generic;
 #[allow(clippy::module_inception)]
 mod layer;
 mod mcp;
+mod model;
 mod refusal;
+mod request;
 mod select;
 mod service;
 
@@ -34,6 +36,7 @@ pub use body::ResponseBody;
 pub use generic::{Describe, Described, DescribedFuture, DescribedLayer, FairShareError};
 pub use layer::FairShareLayer;
 pub use mcp::{BufferedBody, FairShareMcp, McpCall, McpFuture, McpLayer, McpRefusals, MCP_REFUSED};
+pub use model::{FairShareModel, MeteredBody, ModelCallLayer, ModelFuture, Usage};
 /// The refusal response the layer sends, for `IntoResponse for Refusal` (feature `axum`).
 #[cfg(feature = "axum")]
 pub(crate) use refusal::response as refusal_response;
@@ -50,10 +53,15 @@ use crate::store::Store;
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// The outcome of a call charged to several tools: a ticket per tool, or the refusal.
+pub(crate) type AllOutcome = Result<Vec<Ticket>, crate::Refusal>;
+
 /// The limiter, with its store and clock types erased, as the layer uses it.
 pub(crate) trait Limits: Send + Sync + 'static {
     /// Every step of a call that needs no waiting (see [`Limiter::begin`]).
     fn begin(&self, caller: &Caller, tool: &str, cost: Cost) -> Begun;
+    /// Decides a call charged to several tools at once (see [`Limiter::admit_all`]).
+    fn admit_all(&self, caller: Caller, charges: Vec<(Arc<str>, Cost)>) -> BoxFuture<AllOutcome>;
     /// Gives back the permits of a call that ended, without waiting for the store.
     fn release(&self, ticket: Ticket);
     /// Corrects a call's charge to its `actual` cost, without waiting for the store.
@@ -63,6 +71,14 @@ pub(crate) trait Limits: Send + Sync + 'static {
 impl<S: Store, C: Clock> Limits for Limiter<S, C> {
     fn begin(&self, caller: &Caller, tool: &str, cost: Cost) -> Begun {
         Limiter::begin(self, caller, tool, cost)
+    }
+
+    fn admit_all(&self, caller: Caller, charges: Vec<(Arc<str>, Cost)>) -> BoxFuture<AllOutcome> {
+        let this = self.clone();
+        Box::pin(async move {
+            let charges: Vec<(&str, Cost)> = charges.iter().map(|(t, c)| (&**t, *c)).collect();
+            this.admit_all(&caller, &charges).await
+        })
     }
 
     fn release(&self, ticket: Ticket) {

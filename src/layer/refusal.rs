@@ -8,6 +8,7 @@ use http::{HeaderMap, Response, StatusCode};
 
 use crate::admission::{Reason, Refusal, Scope};
 use crate::limiter::Ticket;
+use crate::policy::Unit;
 
 /// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10).
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -104,11 +105,12 @@ fn value(render: impl FnOnce(&mut StackBuf<64>) -> fmt::Result) -> HeaderValue {
     .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
-/// `"{scope}";q={quota};w={window}`. The header's quota is a whole number of units: a
-/// fractional one is stated over as many windows as make it whole (0.25 a second is `q=1;w=4`,
-/// 2.5 a minute `q=5;w=120`, up to 60 windows), else rounded down (and at least 1 unit over
-/// the time it takes to accrue, when below one).
-fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
+/// `"{scope}";q={quota};w={window}`, and `;qu="tokens"` (or `"seconds"`) for a tool whose
+/// unit is not a call (the quota unit; a call, the default, is the draft's `"requests"`). The
+/// header's quota is a whole number of units: a fractional one is stated over as many windows
+/// as make it whole (0.25 a second is `q=1;w=4`, 2.5 a minute `q=5;w=120`, up to 60 windows),
+/// else rounded down (and at least 1 unit over the time it takes to accrue, when below one).
+fn policy_value(scope: Scope, quota: f64, window_secs: u64, unit: Option<Unit>) -> HeaderValue {
     let (q, w) = whole_quota(quota, window_secs);
     value(|o| {
         o.write_str(match scope {
@@ -118,7 +120,12 @@ fn policy_value(scope: Scope, quota: f64, window_secs: u64) -> HeaderValue {
         })?;
         number(o, q)?;
         o.write_str(";w=")?;
-        o.write_str(itoa::Buffer::new().format(w))
+        o.write_str(itoa::Buffer::new().format(w))?;
+        match unit {
+            Some(Unit::Tokens) => o.write_str(";qu=\"tokens\""),
+            Some(Unit::Seconds) => o.write_str(";qu=\"seconds\""),
+            _ => Ok(()),
+        }
     })
 }
 
@@ -163,7 +170,7 @@ fn refusal_rate_headers(r: &Refusal, headers: &mut HeaderMap) {
         return;
     };
     let scope = r.scope.unwrap_or(Scope::Tool);
-    headers.insert(RATELIMIT_POLICY, policy_value(scope, limit, w));
+    headers.insert(RATELIMIT_POLICY, policy_value(scope, limit, w, r.unit));
     headers.insert(RATELIMIT, remaining_value(scope, 0.0, r.retry_after_secs()));
 }
 
@@ -281,7 +288,7 @@ pub(crate) fn admitted_headers(t: &Ticket, headers: &mut HeaderMap) {
     let reset = reset_in.as_micros().div_ceil(1_000_000) as u64;
     headers.insert(
         RATELIMIT_POLICY,
-        policy_value(scope, quota, t.window_secs()),
+        policy_value(scope, quota, t.window_secs(), Some(t.unit())),
     );
     headers.insert(
         RATELIMIT,
@@ -427,8 +434,8 @@ mod tests {
             for (scope, quota, window) in calls {
                 let scope = [Scope::Tool, Scope::Tenant, Scope::Instance][scope];
                 proptest::prop_assert_eq!(
-                    policy_value(scope, quota, window),
-                    policy_value(scope, quota, window),
+                    policy_value(scope, quota, window, None),
+                    policy_value(scope, quota, window, None),
                     "{:?} {} {}", scope, quota, window
                 );
             }
@@ -473,19 +480,33 @@ mod tests {
     #[test]
     fn header_values_are_whole_numbers() {
         assert_eq!(
-            policy_value(Scope::Tenant, 136.0, 60),
+            policy_value(Scope::Tenant, 136.0, 60, None),
             "\"tenant\";q=136;w=60"
         );
         // Fractional quotas: whole units over as many windows as it takes (was `q=0`).
-        assert_eq!(policy_value(Scope::Tool, 0.25, 1), "\"tool\";q=1;w=4");
-        assert_eq!(policy_value(Scope::Tool, 2.5, 60), "\"tool\";q=5;w=120");
-        assert_eq!(policy_value(Scope::Tool, 0.001, 60), "\"tool\";q=1;w=60000");
+        assert_eq!(policy_value(Scope::Tool, 0.25, 1, None), "\"tool\";q=1;w=4");
         assert_eq!(
-            policy_value(Scope::Tool, 100.007, 60),
+            policy_value(Scope::Tenant, 4000.0, 60, Some(Unit::Tokens)),
+            "\"tenant\";q=4000;w=60;qu=\"tokens\""
+        );
+        assert_eq!(
+            policy_value(Scope::Tenant, 60.0, 60, Some(Unit::Calls)),
+            "\"tenant\";q=60;w=60"
+        );
+        assert_eq!(
+            policy_value(Scope::Tool, 2.5, 60, None),
+            "\"tool\";q=5;w=120"
+        );
+        assert_eq!(
+            policy_value(Scope::Tool, 0.001, 60, None),
+            "\"tool\";q=1;w=60000"
+        );
+        assert_eq!(
+            policy_value(Scope::Tool, 100.007, 60, None),
             "\"tool\";q=100;w=60"
         );
         assert_eq!(
-            policy_value(Scope::Tool, 1.5e16, 1),
+            policy_value(Scope::Tool, 1.5e16, 1, None),
             "\"tool\";q=15000000000000000;w=1"
         );
         assert_eq!(

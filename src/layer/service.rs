@@ -315,6 +315,13 @@ mod tests {
                 limiter.admit(&caller, &tool, cost).await
             }))
         }
+        fn admit_all(
+            &self,
+            caller: Caller,
+            charges: Vec<(Arc<str>, Cost)>,
+        ) -> crate::layer::BoxFuture<crate::layer::AllOutcome> {
+            Limits::admit_all(&self.0, caller, charges)
+        }
         fn release(&self, ticket: Ticket) {
             Limits::release(&self.0, ticket)
         }

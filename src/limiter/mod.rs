@@ -421,7 +421,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if let Some((size, keys)) = spent.fetch {
             self.fetch_ahead(caller, tool, keys, size);
         }
-        let ticket = Ticket::of(Charged::Leased(spent.grant, spent.part), spent.window_secs);
+        let ticket = Ticket::of(
+            Charged::Leased(spent.grant, spent.part),
+            spent.window_secs,
+            spent.unit,
+        );
         let load = || match policy {
             Some(p) => arc_swap::Guard::from_inner(p.clone()),
             None => inner.policy.load(),
@@ -446,7 +450,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let window_secs = tp.period().as_secs_ceil();
         let tool = tp.name();
         let outcome = match decided {
-            Decided::Own(charged) => Ok(Ticket::of(charged, window_secs)),
+            Decided::Own(charged) => Ok(Ticket::of(charged, window_secs, tp.unit())),
             Decided::Refused(mut r) => {
                 // Name the caller's instance even when instances are not limited separately.
                 if let (None, false, Some(i)) =
@@ -456,7 +460,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
                 match tp.enforce() {
                     true => Err(r),
-                    false => Ok(Ticket::uncharged(Some(r), window_secs)),
+                    false => Ok(Ticket::uncharged(Some(r), window_secs, tp.unit())),
                 }
             }
             Decided::Failed(e) => self.store_failed(caller, tp, e),
@@ -483,7 +487,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         telemetry::store_error(tp.name_arc(), kind, if allow { "allow" } else { "deny" });
         if allow {
-            return Ok(Ticket::uncharged(None, tp.period().as_secs_ceil()));
+            return Ok(Ticket::uncharged(
+                None,
+                tp.period().as_secs_ceil(),
+                tp.unit(),
+            ));
         }
         let mut r = caller.denial(crate::Reason::StoreUnavailable, tool, "store");
         r.retryable = true;

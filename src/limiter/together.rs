@@ -318,6 +318,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     Standing::Shadowed(r) => Ok(Ticket::uncharged(
                         Some(r).filter(|r| r.detail != Some(UNMETERED)),
                         plan.tool.period().as_secs_ceil(),
+                        plan.tool.unit(),
                     )),
                     Standing::Open => unreachable!("every part of an admitted call is decided"),
                 };

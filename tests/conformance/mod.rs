@@ -1987,7 +1987,15 @@ fn close(a: f64, b: f64) -> bool {
 
 /// What each level should count: every admitted call's settled cost, in the window (and
 /// budget windows) its admission was counted in.
-struct Counted(Vec<(String, f64, Vec<(tower_fairshare::BudgetPeriod, f64)>, f64)>);
+struct Counted(Vec<CountedAt>);
+
+/// One call at one level: the level's key, the call's window, its budget windows, its cost.
+struct CountedAt {
+    key: String,
+    window: f64,
+    budgets: Vec<(tower_fairshare::BudgetPeriod, f64)>,
+    cost: f64,
+}
 
 impl Counted {
     fn of<'t>(calls: impl Iterator<Item = (&'t Ticket, f64)>) -> Counted {
@@ -1997,7 +2005,12 @@ impl Counted {
             for (level, key) in a.keys.encoded().into_iter().enumerate() {
                 let charged = &a.charge.levels[level];
                 if let (Some(key), true) = (key, charged.present) {
-                    out.push((key, a.charge.window, charged.budgets.iter().collect(), cost));
+                    out.push(CountedAt {
+                        key,
+                        window: a.charge.window,
+                        budgets: charged.budgets.iter().collect(),
+                        cost,
+                    });
                 }
             }
         }
@@ -2005,17 +2018,12 @@ impl Counted {
     }
 
     fn total(&self, key: &str, window: f64) -> f64 {
-        self.0
-            .iter()
-            .filter(|(k, w, ..)| k == key && *w == window)
-            .map(|c| c.3)
-            .sum()
+        let at = |c: &&CountedAt| c.key == key && c.window == window;
+        self.0.iter().filter(at).map(|c| c.cost).sum()
     }
 
     fn budget(&self, key: &str, period: tower_fairshare::BudgetPeriod, start: f64) -> f64 {
-        let counted = |c: &&(String, f64, Vec<(tower_fairshare::BudgetPeriod, f64)>, f64)| {
-            c.0 == key && c.2.contains(&(period, start))
-        };
-        self.0.iter().filter(counted).map(|c| c.3).sum()
+        let at = |c: &&CountedAt| c.key == key && c.budgets.contains(&(period, start));
+        self.0.iter().filter(at).map(|c| c.cost).sum()
     }
 }
