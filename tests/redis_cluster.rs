@@ -164,6 +164,77 @@ fn a_tools_keys_share_one_slot_and_tools_spread_over_the_masters() {
     );
 }
 
+/// Tools of one group keep their keys in one slot and are decided in one step on the
+/// cluster; a store asked to decide tools of different groups together says what to change
+/// (instead of the cluster's `CROSSSLOT`), and nothing is charged.
+#[test]
+fn a_group_is_decided_in_one_slot_and_tools_apart_are_refused_clearly() {
+    use tower_fairshare::admission::engine::{LevelRef, Plan};
+    use tower_fairshare::StoreError;
+    let cluster = RedisCluster::start();
+    let mut toml = String::new();
+    for (name, group) in [
+        ("chat.requests", "chat"),
+        ("chat.tokens", "chat"),
+        ("search", "search"),
+    ] {
+        toml += &format!(
+            "[[tool]]\nname = \"{name}\"\ngroup = \"{group}\"\nunit = \"calls\"\nrate = {{ limit = 100, per = \"1m\" }}\nlease = \"off\"\n[tool.tenants.A]\nceiling = 10\n"
+        );
+    }
+    let policy = Policy::from_toml_str(&toml).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = RedisStore::cluster_builder(cluster.urls())
+            .injected_clock()
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy.clone(), store.clone(), ManualClock::new(EPOCH));
+        let a = Caller::new("A");
+        let both = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(1.0))];
+        let tickets = limiter.admit_all(&a, &both).await.unwrap();
+        assert_eq!(tickets.len(), 2);
+        let keys = |tool| limiter.call_keys(&a, tool).unwrap().encoded();
+        let [req_tool, req_tenant, _] = keys("chat.requests");
+        let [tok_tool, ..] = keys("chat.tokens");
+        let tags: HashSet<&str> = [&req_tool, &req_tenant, &tok_tool]
+            .iter()
+            .map(|k| hash_tag(k.as_deref().unwrap()))
+            .collect();
+        assert_eq!(tags.len(), 1, "one slot for the group: {tags:?}");
+        // Tools apart, asked of the store directly.
+        let name: Arc<str> = Arc::from("A");
+        let plan = |tool: &str| {
+            let tp = policy.tool(tool).unwrap();
+            Plan {
+                now: EPOCH,
+                cost: 1.0,
+                tool: tp,
+                tenant: LevelRef {
+                    name: &name,
+                    policy: tp.tenant(&name).unwrap(),
+                },
+                instance: None,
+                untenanted: false,
+            }
+        };
+        let r = store.decide(&[plan("chat.requests"), plan("search")]).await;
+        match r {
+            Err(StoreError::Protocol(m)) => assert!(m.contains("group"), "{m}"),
+            other => panic!("tools apart were decided: {other:?}"),
+        }
+        let search = limiter.call_keys(&a, "search").unwrap();
+        assert!(
+            store.inspect(&search).await.unwrap()[1].is_none(),
+            "nothing charged"
+        );
+    });
+}
+
 /// Exactness on the cluster: 2 replicas, 32 tasks each, Redis TIME.
 #[test]
 fn replicas_on_a_cluster_share_one_exact_budget() {

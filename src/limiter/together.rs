@@ -374,3 +374,138 @@ fn apart(before: &[Plan<'_>], plan: &Plan<'_>, i: usize) -> Option<Apart> {
     let first = before.first()?;
     (first.tool.group() != plan.tool.group()).then_some(Apart::Groups)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::clock::{ManualClock, Timestamp};
+    use crate::{Caller, Cost, Limiter, MemoryStore, Policy, Reason, Store};
+
+    const EPOCH: Timestamp = Timestamp(1_767_225_600_000_000);
+
+    fn limiter(toml: &str) -> Limiter<MemoryStore, ManualClock> {
+        let policy = Policy::from_toml_str(toml).unwrap();
+        Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH))
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    const TWO: &str = r#"
+        [[tool]]
+        name = "a"
+        group = "g"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 60
+        burst = 60
+        [[tool]]
+        name = "b"
+        group = "g"
+        unit = "tokens"
+        rate = { limit = 6000, per = "1m" }
+        [tool.default_tenant]
+        ceiling = 600
+        burst = 600
+        [[tool]]
+        name = "apart"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.default_tenant]
+    "#;
+
+    #[test]
+    fn tools_apart_or_named_twice_are_refused_and_charge_nothing() {
+        let l = limiter(TWO);
+        let acme = Caller::new("acme");
+        block_on(async {
+            let r = l
+                .admit_all(&acme, &[("a", Cost(1.0)), ("apart", Cost(1.0))])
+                .await
+                .unwrap_err();
+            assert_eq!(
+                (r.reason, r.detail),
+                (Reason::PermissionDenied, Some("tools_not_grouped"))
+            );
+            assert!(!r.retryable);
+            let r = l
+                .admit_all(&acme, &[("a", Cost(1.0)), ("a", Cost(1.0))])
+                .await
+                .unwrap_err();
+            assert_eq!(r.detail, Some("tool_charged_twice"));
+            let keys = l.call_keys(&acme, "a").unwrap();
+            assert_eq!(
+                l.store().inspect(&keys).await.unwrap()[1],
+                None,
+                "nothing charged"
+            );
+        });
+    }
+
+    /// With leases (the default), most calls of a busy caller are spent from its leases on
+    /// both tools; when one tool refuses, what the other part spent goes back to its lease,
+    /// and the store counts exactly the calls admitted once the leases are given back.
+    #[test]
+    fn parts_spent_from_leases_go_back_when_another_tool_refuses() {
+        let l = limiter(TWO);
+        let acme = Caller::new("acme");
+        block_on(async {
+            let mut admitted = 0.0;
+            for i in 0..200u64 {
+                l.clock()
+                    .set(EPOCH.saturating_add(std::time::Duration::from_millis(i)));
+                if l.admit_all(&acme, &[("a", Cost(1.0)), ("b", Cost(20.0))])
+                    .await
+                    .is_ok()
+                {
+                    admitted += 1.0;
+                }
+            }
+            // b's burst, 600 tokens, is 30 calls; a would have taken 60.
+            assert!((30.0..=32.0).contains(&admitted), "{admitted}");
+            assert!(l.leased_units() > 0.0, "a's calls are spent from a lease");
+            l.return_leases().await;
+            let a = l
+                .store()
+                .inspect(&l.call_keys(&acme, "a").unwrap())
+                .await
+                .unwrap();
+            let b = l
+                .store()
+                .inspect(&l.call_keys(&acme, "b").unwrap())
+                .await
+                .unwrap();
+            assert_eq!(a[1].unwrap().total, admitted, "a counts the calls admitted");
+            assert_eq!(
+                b[1].unwrap().total,
+                admitted * 20.0,
+                "b counts their tokens"
+            );
+        });
+    }
+
+    /// A tool in shadow mode never refuses a call: its refusal is logged and its part let
+    /// through uncharged, and the enforcing tool still decides.
+    #[test]
+    fn a_shadow_tool_lets_its_part_through_and_the_other_still_decides() {
+        let l = limiter(&TWO.replacen("name = \"b\"", "name = \"b\"\nenforce = false", 1));
+        let acme = Caller::new("acme");
+        block_on(async {
+            let t = l
+                .admit_all(&acme, &[("a", Cost(1.0)), ("b", Cost(5000.0))])
+                .await
+                .unwrap();
+            assert!(t[1].shadow_refusal().is_some() && t[1].cost().is_none());
+            assert_eq!(t[0].cost(), Some(1.0));
+            let r = l
+                .admit_all(&acme, &[("a", Cost(100.0)), ("b", Cost(1.0))])
+                .await
+                .unwrap_err();
+            assert_eq!(r.tool(), "a");
+        });
+    }
+}
