@@ -6,6 +6,7 @@
 //! `valgrind --tool=callgrind` at N and 2N, the difference divided by N is one decision's
 //! marginal cost (`scripts/callgrind-decision` does this). `FS_TOOL=leased` decides on the
 //! leasing tool instead, `FS_TOOL=flat` on a tool of two levels (no budget, no instance level);
+//! `FS_TOOL=two` (`leased-two`) charges each call to two tools at once (leasing);
 //! `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
 //! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own;
 //! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
@@ -151,6 +152,22 @@ fn main() {
                     s.bare(&who, std::hint::black_box("search"), 1.0)
                 };
                 admitted += u64::from(t.is_some());
+            }
+            assert_eq!(admitted, n);
+            return;
+        }
+        if let Some(two) = match tool.as_str() {
+            "two" => Some(["chat.requests", "chat.tokens"]),
+            "leased-two" => Some(["leased.requests", "leased.tokens"]),
+            _ => None,
+        } {
+            // A call charged to two tools at once (`Limiter::admit_all`).
+            let l = limiter();
+            let who = callers("tenant", 1);
+            let charges = [(two[0], Cost(1.0)), (two[1], Cost(1.0))];
+            let mut admitted = 0u64;
+            for _ in 0..n {
+                admitted += u64::from(now(l.admit_all(&who[0], &charges)).is_ok());
             }
             assert_eq!(admitted, n);
             return;

@@ -286,6 +286,19 @@ fn decisions(c: &mut Criterion) {
         b.iter(|| now(l.admit(black_box(&one[0]), "leased", Cost(1.0))).is_ok())
     });
 
+    // A call charged to two tools at once (a request and its tokens), decided at the store
+    // and leased: against one tool, above.
+    let l = limiter();
+    let two = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(1.0))];
+    g.bench_function("fairshare two tools 1 caller", |b| {
+        b.iter(|| now(l.admit_all(black_box(&one[0]), black_box(&two))).is_ok())
+    });
+    let l = limiter();
+    let two = [("leased.requests", Cost(1.0)), ("leased.tokens", Cost(1.0))];
+    g.bench_function("fairshare leased two tools 1 caller", |b| {
+        b.iter(|| now(l.admit_all(black_box(&one[0]), black_box(&two))).is_ok())
+    });
+
     // Threaded: each thread cycles over 64 callers, of its own tenants or of one shared tenant.
     for (name, threads, shared, tool) in [
         ("fairshare 1 thread", 1, false, "search"),
@@ -894,6 +907,68 @@ return {1, 0}
     }
 }
 
+/// A model call through `model_calls()`: a chat request's JSON body read for its estimate,
+/// the tools decided, the service's JSON answer read to its end and its `usage` settled.
+/// Charged to one tool (its tokens) or to two (a request and its tokens), decided at the store
+/// or leased: what a second tool adds to a call.
+fn model_calls(c: &mut Criterion) {
+    use tower_fairshare::BufferedBody;
+    let mut g = c.benchmark_group("model call");
+    const ASK: &[u8] =
+        br#"{"model":"m","max_tokens":100,"messages":[{"role":"user","content":"hello"}]}"#;
+    let model = || {
+        service_fn(|_req: Request<BufferedBody>| async {
+            let mut res = Response::new(Body::new(Full::new(Bytes::from_static(
+                br#"{"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":30,"total_tokens":50}}"#,
+            ))));
+            res.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            Ok::<_, Infallible>(res)
+        })
+    };
+    let ask = || {
+        let mut req = Request::post("/v1/chat/completions")
+            .body(Body::new(Full::new(Bytes::from_static(ASK))))
+            .expect("a valid request");
+        req.extensions_mut()
+            .insert(Caller::new("t").with_instance("a"));
+        req
+    };
+    for (name, tools) in [
+        ("one tool", &["chat.tokens"][..]),
+        ("two tools", &["chat.requests", "chat.tokens"][..]),
+        ("leased one tool", &["leased.tokens"][..]),
+        (
+            "leased two tools",
+            &["leased.requests", "leased.tokens"][..],
+        ),
+    ] {
+        let mut layer = FairShareLayer::new(limiter()).model_calls();
+        for t in tools {
+            layer = match t.ends_with(".requests") {
+                true => layer.requests(*t),
+                false => layer.tokens(*t),
+            };
+        }
+        let mut svc = layer.layer(model());
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                ask,
+                |req: Request<Body>| {
+                    let svc = now(ServiceExt::<Request<Body>>::ready(&mut svc)).expect("ready");
+                    let res = now(svc.call(req)).expect("a response");
+                    assert_eq!(res.status(), StatusCode::OK);
+                    now(http_body_util::BodyExt::collect(res.into_body())).is_ok()
+                },
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    g.finish();
+}
+
 fn main() {
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
@@ -902,6 +977,7 @@ fn main() {
     decisions(&mut c);
     floor(&mut c);
     layers(&mut c);
+    model_calls(&mut c);
     c.final_summary();
 
     // `cargo test --benches` runs each bench once: keep the memory part small there too.

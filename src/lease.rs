@@ -540,12 +540,13 @@ impl Leases {
         });
     }
 
-    /// Puts back what a call spent from its lease (`spent`, on `plan`'s path) when the call is
-    /// not admitted after all (another tool it is charged to refused it): into the lease while
-    /// it holds that grant, else pushed to `returns` to go back to the store.
-    pub(crate) fn unspend(&self, plan: &Plan<'_>, spent: Spent, returns: &mut Vec<Return>) {
+    /// Puts back what a call spent from its lease when the call is not admitted after all
+    /// (another tool it is charged to refused it): into the lease while it holds that grant,
+    /// else pushed to `returns` to go back to the store.
+    pub(crate) fn unspend(&self, spent: Spent, returns: &mut Vec<Return>) {
         let mut back = Some(spent);
-        self.renew(Path::of_plan(plan), |l| {
+        let keys = back.as_ref().map(|s| s.grant.keys.clone()).expect("spent");
+        self.renew(Path::of(&keys), |l| {
             let Some(s) =
                 back.take_if(|s| l.grant.as_ref().is_some_and(|g| Arc::ptr_eq(g, &s.grant)))
             else {

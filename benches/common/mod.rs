@@ -60,6 +60,54 @@ lease = "off"
 [tool.default_tenant]
 max_tenants = 2000000
 
+# A model call's two tools, charged together (`Limiter::admit_all`): each as "search", decided
+# at the store; and the same pair leasing, as by default.
+[[tool]]
+name = "chat.requests"
+group = "chat"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+lease = "off"
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+[[tool]]
+name = "chat.tokens"
+group = "chat"
+unit = "tokens"
+rate = { limit = 1000000000000, per = "1s" }
+lease = "off"
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+[[tool]]
+name = "leased.requests"
+group = "leased.chat"
+unit = "calls"
+rate = { limit = 1000000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
+[[tool]]
+name = "leased.tokens"
+group = "leased.chat"
+unit = "tokens"
+rate = { limit = 1000000000000, per = "1s" }
+[tool.default_tenant]
+max_tenants = 2000000
+budgets = [{ period = "day", max = 1e15 }]
+[tool.default_tenant.default_instance]
+max_instances = 100
+
 [[tool]]
 name = "exhausted"
 unit = "calls"

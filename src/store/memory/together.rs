@@ -12,94 +12,113 @@ use super::{
 use crate::admission::engine::{self, NodeState, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
 
-/// One plan's place: its tenant's hash and shard, its tool's cell.
-struct Place {
+/// One plan's place: its tenant's hash and shard, its tool's cell; and, as it is decided, its
+/// states and what it admitted.
+struct Place<'g> {
     hash: u64,
     shard: usize,
     cell: Arc<ToolCell>,
     period: f64,
+    tool: Option<MutexGuard<'g, ToolEntry>>,
+    snap: Snapshot,
+    admitted: Option<engine::Admitted>,
 }
+
+/// The most tools a call is charged to (the limiter refuses more).
+const MAX: usize = crate::limiter::MAX_TOOLS_PER_CALL;
 
 /// Decides `plans` (of distinct tools) together: all admitted and written, or the first
 /// refusal and nothing written.
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
-    let places: Vec<Place> = plans.iter().map(|p| place(store, p)).collect();
-    let mut shard_order: Vec<usize> = places.iter().map(|p| p.shard).collect();
-    shard_order.sort_unstable();
-    shard_order.dedup();
-    let mut shards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_order
+    let n = plans.len().min(MAX);
+    let cells: Vec<Arc<ToolCell>> = plans[..n]
         .iter()
-        .map(|&i| (i, lock(&store.shards[i].0)))
+        .map(|p| store.tool_cell(p.tool.name()))
         .collect();
-    let mut tool_order: Vec<usize> = (0..places.len()).collect();
-    tool_order.sort_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
-    let mut tools: Vec<Option<MutexGuard<'_, ToolEntry>>> =
-        (0..places.len()).map(|_| None).collect();
-    for i in tool_order {
-        tools[i] = Some(lock(&places[i].cell.inner));
+    let mut places: Vec<Place<'_>> = plans[..n]
+        .iter()
+        .zip(&cells)
+        .map(|(p, cell)| place(store, p, cell.clone()))
+        .collect();
+    let mut order: [usize; MAX] = std::array::from_fn(|i| i);
+    order[..n].sort_unstable_by_key(|&i| places[i].shard);
+    let mut shards: [Option<(usize, MutexGuard<'_, Shard>)>; MAX] = Default::default();
+    let mut locked = 0;
+    for &i in &order[..n] {
+        let shard = places[i].shard;
+        if locked == 0
+            || shards[locked - 1]
+                .as_ref()
+                .is_some_and(|(s, _)| *s != shard)
+        {
+            shards[locked] = Some((shard, lock(&store.shards[shard].0)));
+            locked += 1;
+        }
     }
-    let mut decided = Vec::with_capacity(plans.len());
-    for ((plan, place), tool) in plans.iter().zip(&places).zip(&tools) {
-        let shard = shard_of(&mut shards, place.shard);
-        let mut snap = read(shard, plan, place);
-        snap.tool = tool.as_ref().expect("locked").state;
-        match engine::decide(plan, &mut snap) {
-            Ok(admitted) => decided.push((admitted, snap)),
+    let shards = &mut shards[..locked];
+    order[..n].sort_unstable_by(|&a, &b| cells[a].name.cmp(&cells[b].name));
+    for &i in &order[..n] {
+        places[i].tool = Some(lock(&cells[i].inner));
+    }
+    for (plan, place) in plans.iter().zip(places.iter_mut()) {
+        read(shard_of(shards, place.shard), plan, place);
+        match engine::decide(plan, &mut place.snap) {
+            Ok(a) => place.admitted = Some(a),
             Err(r) => return Decision::Refused(r),
         }
     }
-    let mut admissions = Vec::with_capacity(plans.len());
-    for (i, (admitted, snap)) in decided.into_iter().enumerate() {
-        let (plan, place) = (&plans[i], &places[i]);
-        let expires = admitted.expires.map(micros_ceil);
-        let tool = tools[i].as_mut().expect("locked");
-        tool.state = snap.tool;
+    let admitted = plans.iter().zip(places.iter_mut()).map(|(plan, place)| {
+        let a = place.admitted.take().expect("admitted");
+        let expires = a.expires.map(micros_ceil);
+        let tool = place.tool.as_mut().expect("locked");
+        tool.state = place.snap.tool;
         tool.expires = expires[0];
-        write(
-            store,
-            shard_of(&mut shards, place.shard),
-            plan,
-            place,
-            &snap,
-            expires,
-        );
-        admissions.push(Arc::new(admitted.into_admission(plan.keys(), 0)));
-    }
-    Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
+        write(store, shard_of(shards, place.shard), plan, place, expires);
+        Arc::new(a.into_admission(plan.keys(), 0))
+    });
+    Decision::Admitted(Admissions::of(admitted).expect("a call of several tools"))
 }
 
-/// Where `plan`'s states live. The cell is the one the tenant's entry points to if it has
-/// one (looked up under its shard's lock, released before every lock is taken in order).
-fn place(store: &MemoryStore, plan: &Plan<'_>) -> Place {
+/// Where `plan`'s states live: its tenant's hash and shard, and its tool's `cell`.
+fn place<'g>(store: &MemoryStore, plan: &Plan<'_>, cell: Arc<ToolCell>) -> Place<'g> {
     let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
     let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
     let shard = (hash >> 40) as usize & (store.shards.len() - 1);
-    let found = lock(&store.shards[shard].0)
-        .tenants
-        .find(hash, |e| e.is(tool, tenant, plan.untenanted))
-        .map(|e| e.tool.clone());
-    let cell = found.unwrap_or_else(|| store.tool_cell(tool));
     let period = note_period(&cell, plan);
     Place {
         hash,
         shard,
         cell,
         period,
+        tool: None,
+        snap: Snapshot::default(),
+        admitted: None,
     }
 }
 
 fn shard_of<'a, 'g>(
-    shards: &'a mut [(usize, MutexGuard<'g, Shard>)],
+    shards: &'a mut [Option<(usize, MutexGuard<'g, Shard>)>],
     index: usize,
 ) -> &'a mut Shard {
-    let at = shards
-        .binary_search_by_key(&index, |(i, _)| *i)
+    let (_, guard) = shards
+        .iter_mut()
+        .flatten()
+        .find(|(i, _)| *i == index)
         .expect("every plan's shard is locked");
-    &mut shards[at].1
+    guard
+}
+
+/// The plan's states as stored (fresh where none is), into its place's snapshot.
+fn read(shard: &Shard, plan: &Plan<'_>, place: &mut Place<'_>) {
+    let snap = states(shard, plan, place);
+    place.snap = Snapshot {
+        tool: place.tool.as_ref().expect("locked").state,
+        ..snap
+    };
 }
 
 /// The plan's tenant and instance states as stored (fresh where none is).
-fn read(shard: &Shard, plan: &Plan<'_>, place: &Place) -> Snapshot {
+fn states(shard: &Shard, plan: &Plan<'_>, place: &Place<'_>) -> Snapshot {
     let entry = shard.tenants.find(place.hash, |e| {
         e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
     });
@@ -120,10 +139,10 @@ fn write(
     store: &MemoryStore,
     shard: &mut Shard,
     plan: &Plan<'_>,
-    place: &Place,
-    snap: &Snapshot,
+    place: &Place<'_>,
     expires: [u64; 3],
 ) {
+    let snap = &place.snap;
     let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
     if let Some(entry) = shard
         .tenants
