@@ -95,8 +95,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// // tool, and the requests tool is charged nothing for it.
     /// let refusal = limiter.admit_all(&acme, &call).await.unwrap_err();
     /// assert_eq!(refusal.tool(), "chat.tokens");
-    /// // The call used 1,200 tokens: settled, the rest comes back.
-    /// limiter.settle(&tickets[1], Cost(1200.0)).await;
+    /// // The call used 800 tokens: settled, the rest comes back (3,200 left).
+    /// limiter.settle(&tickets[1], Cost(800.0)).await;
     /// assert!(limiter.admit_all(&acme, &call).await.is_ok());
     /// # });
     /// ```
