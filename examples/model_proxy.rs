@@ -219,7 +219,7 @@ async fn main() {
     for a in agents {
         a.await.expect("an agent");
     }
-    println!("\nin {seconds} s (each team: 6,000 tokens a minute, a burst of 2,000):");
+    println!("\nin {seconds} s (each team: 6,000 tokens a minute, a burst of 3,000):");
     println!(
         "{:<10} {:>9} {:>8} {:>8}",
         "team", "admitted", "refused", "tokens"
@@ -232,7 +232,7 @@ async fn main() {
             t.tokens.load(Relaxed)
         );
     }
-    println!("research is held to its 2,000 + 6,000 × {seconds}/60 = 3,000 tokens (and one call's overshoot), support is never refused");
+    println!("research is held to its 3,000 + 6,000 × {seconds}/60 = 4,000 tokens (and one call's overshoot), support is never refused");
     if std::env::args().any(|a| a == "--serve") {
         println!("serving until interrupted");
         let _ = server.await;

@@ -308,6 +308,25 @@ struct Row {
     instances: Option<Vec<Row>>,
 }
 
+impl Row {
+    /// Every caller the policy does not list: their refusals only.
+    fn others(refused: HashMap<&'static str, u64>) -> Row {
+        Row {
+            name: "other".to_owned(),
+            floor: 0.0,
+            weight: 0.0,
+            share: 0.0,
+            ceiling: 0.0,
+            used: 0.0,
+            borrowed: 0.0,
+            in_flight: 0.0,
+            budgets: Vec::new(),
+            refused,
+            instances: None,
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct ToolView {
     name: String,
@@ -467,49 +486,15 @@ impl<S: Store, C: Clock> Console<S, C> {
             let Some(ta) = alloc.tenants.iter().find(|a| a.name == t.name()) else {
                 continue;
             };
-            let keys = keys_of(tp, &t.name, None);
-            let states = limiter.store().inspect_at(&keys, now).await?;
-            if let Some(s) = states[0] {
-                tool_state = Some(s);
-            }
-            let s = states[1].unwrap_or_default();
-            let (used, budgets) = used_now(&s, window, now, &t.budgets);
-            let counts = limiter.recorder().counts(tp.name(), Some(t.name()));
-            let instances = match q.get("tenant").is_some_and(|x| x == t.name()) {
-                true => Some(self.instance_rows(tp, t, ta, window, now).await?),
-                false => None,
-            };
-            tenants.push(Row {
-                name: t.name.to_string(),
-                floor: ta.floor,
-                weight: ta.weight,
-                share: ta.share,
-                ceiling: ta.ceiling,
-                used,
-                borrowed: (used - ta.floor - ta.share).max(0.0),
-                in_flight: s.in_flight,
-                budgets,
-                refused: by_reason(counts),
-                instances,
-            });
+            let (row, tool) = self.tenant_row(tp, t, ta, q, window, now).await?;
+            tool_state = tool.or(tool_state);
+            tenants.push(row);
         }
         // Every caller the policy does not list, refusals only (no state is read for
         // names the policy does not know).
         let counts = limiter.recorder().counts(tp.name(), None);
         if counts.iter().any(|n| *n > 0) {
-            tenants.push(Row {
-                name: "other".to_owned(),
-                floor: 0.0,
-                weight: 0.0,
-                share: 0.0,
-                ceiling: 0.0,
-                used: 0.0,
-                borrowed: 0.0,
-                in_flight: 0.0,
-                budgets: Vec::new(),
-                refused: by_reason(counts),
-                instances: None,
-            });
+            tenants.push(Row::others(by_reason(counts)));
         }
         if tp.tenants().is_empty() {
             let keys = keys_of(tp, &Arc::from(""), None);
@@ -534,6 +519,43 @@ impl<S: Store, C: Clock> Console<S, C> {
             },
             policy: PolicyView::of(tp, &limiter.store().policy_disagreements()),
         })
+    }
+
+    /// The row of listed tenant `t` (its instances too when the query names it), and the
+    /// tool's state as read with it.
+    async fn tenant_row(
+        &self,
+        tp: &ToolPolicy,
+        t: &crate::policy::LevelPolicy,
+        ta: &crate::policy::TenantAllocation,
+        q: &HashMap<String, String>,
+        window: f64,
+        now: Timestamp,
+    ) -> Result<(Row, Option<crate::admission::engine::NodeState>), crate::StoreError> {
+        let limiter = &self.limiter;
+        let keys = keys_of(tp, &t.name, None);
+        let states = limiter.store().inspect_at(&keys, now).await?;
+        let s = states[1].unwrap_or_default();
+        let (used, budgets) = used_now(&s, window, now, &t.budgets);
+        let counts = limiter.recorder().counts(tp.name(), Some(t.name()));
+        let instances = match q.get("tenant").is_some_and(|x| x == t.name()) {
+            true => Some(self.instance_rows(tp, t, ta, window, now).await?),
+            false => None,
+        };
+        let row = Row {
+            name: t.name.to_string(),
+            floor: ta.floor,
+            weight: ta.weight,
+            share: ta.share,
+            ceiling: ta.ceiling,
+            used,
+            borrowed: (used - ta.floor - ta.share).max(0.0),
+            in_flight: s.in_flight,
+            budgets,
+            refused: by_reason(counts),
+            instances,
+        };
+        Ok((row, states[0]))
     }
 
     /// The rows of tenant `t`'s listed instances.

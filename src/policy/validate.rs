@@ -170,141 +170,139 @@ fn groups_apart_from_tools(cx: &mut Ctx, tools: &[Arc<ToolPolicy>]) {
 }
 
 fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
+    let mut tp = tool_alone(cx, &raw, path);
+    // First pass: each tenant's own numbers.
+    for (name, t) in &raw.tenants.0 {
+        let tpath = format!("{path}.tenants.{name}");
+        cx.name(&tpath, name);
+        tp.tenant_index.insert(name.clone(), tp.tenants.len());
+        let mut level = tenant(cx, name, t, &tpath, tp.burst, false);
+        level.position = tp.tenants.len();
+        tp.tenants.push(level);
+    }
+    let default_path = format!("{path}.default_tenant");
+    tp.default_tenant = raw
+        .default_tenant
+        .as_ref()
+        .map(|t| tenant(cx, "*", t, &default_path, tp.burst, true));
+    tp.plans = plans_of(cx, &raw.plans, raw.unknown_plan, path, tp.burst);
+    let open = raw.default_ceiling == Some(DefaultCeiling::Capacity);
+    share_out(cx, &mut tp, path, open);
+    tp.burst = tool_burst(cx, path, tp.burst, raw.burst.is_some(), banks(&tp));
+    floor_within_budgets(cx, path, tp.reserved_floors, tp.period, &tp.budgets);
+    budgets_split(cx, path, &tp.budgets, &tp.tenants);
+    tp
+}
+
+/// The tool's own numbers, before its callers: name, group, capacity, period, burst, tiers,
+/// caps, budgets, leases.
+fn tool_alone(cx: &mut Ctx, raw: &RawTool, path: &str) -> ToolPolicy {
     cx.name(format!("{path}.name"), &raw.name);
     if let Some(g) = &raw.group {
         cx.name(format!("{path}.group"), g);
     }
-    let fingerprint = fingerprint(&raw);
-    let raw_default_ceiling = raw.default_ceiling;
     let limit_path = format!("{path}.rate.limit");
     let capacity = cx.units(&limit_path, raw.rate.limit);
     let period = period_of(cx, &raw.rate.per, path);
     if capacity < 1.0 {
+        let per = raw.rate.per.clone();
         cx.err(
             &limit_path,
             Problem::BelowOneUnit {
                 limit: capacity,
-                per: raw.rate.per.clone(),
+                per,
             },
         );
     }
-    let burst = match raw.burst {
-        Some(b) => cx.burst(&format!("{path}.burst"), b),
-        None => default_burst(capacity),
-    };
-    let tiers = tiers_of(cx, raw.tier, raw.tiers, path);
     let require_tenant = raw.require_tenant.unwrap_or(true);
     if !require_tenant && raw.default_tenant.is_none() {
-        cx.err(
-            format!("{path}.require_tenant"),
-            Problem::UntenantedNeedsTemplate,
-        );
+        let p = format!("{path}.require_tenant");
+        cx.err(p, Problem::UntenantedNeedsTemplate);
     }
-    let max_concurrency = raw
-        .max_concurrency
-        .map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
-    let budgets = cx.budgets(path, &raw.budgets);
-    let lease_max = lease_of(cx, raw.lease.as_ref(), path);
-
-    // First pass: each tenant's own numbers.
-    let mut tenants = Vec::new();
-    let mut tenant_index = super::NameIndex::default();
-    for (name, t) in &raw.tenants.0 {
-        let tpath = format!("{path}.tenants.{name}");
-        cx.name(&tpath, name);
-        tenant_index.insert(name.clone(), tenants.len());
-        let mut level = tenant(cx, name, t, &tpath, burst, false);
-        level.position = tenants.len();
-        tenants.push(level);
-    }
-    let default_tenant = raw
-        .default_tenant
-        .as_ref()
-        .map(|t| tenant(cx, "*", t, &format!("{path}.default_tenant"), burst, true));
-    let mut plans = plans_of(cx, &raw.plans, raw.unknown_plan, path, burst);
-
-    // Floors against capacity.
-    let configured_floor: f64 = tenants.iter().map(|t| t.reserved_floor).sum();
-    let templates = || default_tenant.iter().chain(plans.iter().map(|(_, t)| t));
-    let template_floor: f64 = templates()
-        .map(|t| t.reserved_floor * t.max_tracked as f64)
-        .sum();
-    let reserved_floors = configured_floor + template_floor;
-    check_reserved_floors(cx, path, reserved_floors, capacity);
-
-    let configured_weight: f64 = tenants.iter().map(|t| t.weight).sum();
-    let template_weight: f64 = templates().map(|t| t.weight).sum();
-    let max_weight = tenants
-        .iter()
-        .chain(templates())
-        .map(|t| t.weight)
-        .fold(0.0, f64::max);
-    let spare = (capacity - reserved_floors).max(0.0);
-    let weight_once = configured_weight + template_weight;
-
-    // Second pass: shares, ceilings and each tenant's instances.
-    // A caller without a ceiling of its own: its nominal allocation, or (`default_ceiling =
-    // "capacity"`) everything not reserved for others.
-    let open = raw_default_ceiling == Some(DefaultCeiling::Capacity);
-    let shares = Shares {
-        max_weight,
-        burst,
-        weight_once,
-        period,
-        spare,
-        capacity,
-        open,
-    };
-    for t in tenants.iter_mut() {
-        let tpath = format!("{path}.tenants.{}", t.name);
-        finish_tenant(cx, t, &tpath, &shares);
-    }
-    let mut default_tenant = default_tenant;
-    if let Some(t) = default_tenant.as_mut() {
-        finish_tenant(cx, t, &format!("{path}.default_tenant"), &shares);
-    }
-    for (name, t) in plans.iter_mut() {
-        finish_tenant(cx, t, &format!("{path}.plans.{name}"), &shares);
-    }
-
-    let configured_tenant_burst: f64 = tenants.iter().map(|t| t.burst).sum();
-    let banks = configured_tenant_burst
-        + default_tenant
-            .iter()
-            .chain(plans.iter().map(|(_, t)| t))
-            .map(|t| t.burst)
-            .sum::<f64>();
-    let burst = tool_burst(cx, path, burst, raw.burst.is_some(), banks);
-
-    floor_within_budgets(cx, path, reserved_floors, period, &budgets);
-
-    budgets_split(cx, path, &budgets, &tenants);
-
+    let concurrency_path = format!("{path}.max_concurrency");
     ToolPolicy {
         group: Arc::from(raw.group.as_deref().unwrap_or(&raw.name)),
-        name: Arc::from(raw.name),
+        name: Arc::from(raw.name.as_str()),
         unit: raw.unit,
         capacity,
         period,
         period_label: Arc::from(period.label()),
-        burst,
-        tiers,
+        burst: match raw.burst {
+            Some(b) => cx.burst(&format!("{path}.burst"), b),
+            None => default_burst(capacity),
+        },
+        tiers: tiers_of(cx, raw.tier.clone(), raw.tiers.clone(), path),
         require_tenant,
-        max_concurrency,
-        budgets,
+        max_concurrency: raw
+            .max_concurrency
+            .map(|m| cx.count(&concurrency_path, m) as u32),
+        budgets: cx.budgets(path, &raw.budgets),
         enforce: raw.enforce.unwrap_or(true),
         on_store_error: raw.on_store_error.unwrap_or_default(),
-        lease_max,
-        tenants,
-        tenant_index,
-        default_tenant,
-        plans,
+        lease_max: lease_of(cx, raw.lease.as_ref(), path),
+        tenants: Vec::new(),
+        tenant_index: super::NameIndex::default(),
+        default_tenant: None,
+        plans: Vec::new(),
         unknown_plan: raw.unknown_plan.unwrap_or_default(),
-        reserved_floors,
-        configured_weight,
-        configured_tenant_burst,
-        fingerprint,
+        reserved_floors: 0.0,
+        configured_weight: 0.0,
+        configured_tenant_burst: 0.0,
+        fingerprint: fingerprint(raw),
     }
+}
+
+/// The tool's callers' floors checked against its capacity, and the spare shared out: each
+/// caller's share, ceiling and instances (a caller without a ceiling of its own gets its
+/// nominal allocation, or with `open` — `default_ceiling = "capacity"` — everything not
+/// reserved for others).
+fn share_out(cx: &mut Ctx, tp: &mut ToolPolicy, path: &str, open: bool) {
+    let configured_floor: f64 = tp.tenants.iter().map(|t| t.reserved_floor).sum();
+    let template_floor: f64 = templates(tp)
+        .map(|t| t.reserved_floor * t.max_tracked as f64)
+        .sum();
+    tp.reserved_floors = configured_floor + template_floor;
+    check_reserved_floors(cx, path, tp.reserved_floors, tp.capacity);
+    tp.configured_weight = tp.tenants.iter().map(|t| t.weight).sum();
+    let template_weight: f64 = templates(tp).map(|t| t.weight).sum();
+    let max_weight = tp
+        .tenants
+        .iter()
+        .chain(templates(tp))
+        .map(|t| t.weight)
+        .fold(0.0, f64::max);
+    let shares = Shares {
+        max_weight,
+        burst: tp.burst,
+        weight_once: tp.configured_weight + template_weight,
+        period: tp.period,
+        spare: (tp.capacity - tp.reserved_floors).max(0.0),
+        capacity: tp.capacity,
+        open,
+    };
+    for t in tp.tenants.iter_mut() {
+        let tpath = format!("{path}.tenants.{}", t.name);
+        finish_tenant(cx, t, &tpath, &shares);
+    }
+    if let Some(t) = tp.default_tenant.as_mut() {
+        finish_tenant(cx, t, &format!("{path}.default_tenant"), &shares);
+    }
+    for (name, t) in tp.plans.iter_mut() {
+        finish_tenant(cx, t, &format!("{path}.plans.{name}"), &shares);
+    }
+    tp.configured_tenant_burst = tp.tenants.iter().map(|t| t.burst).sum();
+}
+
+/// Every caller's share bank at the tool: the listed tenants' bursts and each template's.
+fn banks(tp: &ToolPolicy) -> f64 {
+    tp.configured_tenant_burst + templates(tp).map(|t| t.burst).sum::<f64>()
+}
+
+/// The tool's templates: `default_tenant`, then each plan's.
+fn templates(tp: &ToolPolicy) -> impl Iterator<Item = &LevelPolicy> {
+    tp.default_tenant
+        .iter()
+        .chain(tp.plans.iter().map(|(_, t)| t))
 }
 
 /// A tool's fingerprint: 64-bit FNV-1a of its policy as written, serialized as JSON (numbers

@@ -301,7 +301,6 @@ impl Worker {
         (batch, decided): (Batch, Decided),
         next: Option<Batch>,
     ) -> Option<(Batch, Read)> {
-        let injected = sh.config.time == TimeSource::Injected;
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         match cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await {
             Ok(c) if c.written => {
@@ -309,30 +308,7 @@ impl Worker {
                 cache.wrote(&batch, &decided);
                 cache.landed(&batch, &decided.outcomes);
                 batch.answer(sh, decided.outcomes);
-                match (next, c.read) {
-                    (Some(n), Some(r)) => {
-                        if self.read_from_redis(sh, cache, &n, &r).await {
-                            queue.put_front(n);
-                            return None;
-                        }
-                        cache.read_from_redis(&n, &r);
-                        Some((n, r))
-                    }
-                    // Taken before the write only to see whether it needed a read: it takes the
-                    // calls that came in during the round trip too (they would otherwise wait
-                    // for the next one).
-                    (Some(n), None) => {
-                        let n = queue.grow(n, injected);
-                        match cache.read(&n, sh.config.time) {
-                            Some(r) => Some((n, r)),
-                            None => {
-                                queue.put_front(n);
-                                None
-                            }
-                        }
-                    }
-                    (None, _) => None,
-                }
+                self.after_write(sh, queue, cache, next, c.read).await
             }
             Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
                 cache.conflict();
@@ -374,6 +350,42 @@ impl Worker {
                 }
                 None
             }
+        }
+    }
+
+    /// After a write landed: the next batch with its read (from Redis, in the write's round
+    /// trip, or from the cache), if there is one to decide now.
+    async fn after_write(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        next: Option<Batch>,
+        read: Option<Read>,
+    ) -> Option<(Batch, Read)> {
+        match (next, read) {
+            (Some(n), Some(r)) => {
+                if self.read_from_redis(sh, cache, &n, &r).await {
+                    queue.put_front(n);
+                    return None;
+                }
+                cache.read_from_redis(&n, &r);
+                Some((n, r))
+            }
+            // Taken before the write only to see whether it needed a read: it takes the calls
+            // that came in during the round trip too (they would otherwise wait for the next
+            // one).
+            (Some(n), None) => {
+                let n = queue.grow(n, sh.config.time == TimeSource::Injected);
+                match cache.read(&n, sh.config.time) {
+                    Some(r) => Some((n, r)),
+                    None => {
+                        queue.put_front(n);
+                        None
+                    }
+                }
+            }
+            (None, _) => None,
         }
     }
 
@@ -1499,50 +1511,11 @@ fn cycle_args(
     let mut checked = 0;
     let mut write_args: Vec<Vec<u8>> = Vec::new();
     if let Some((batch, d)) = write {
-        let n = batch.keys.records.len();
         keys.extend(batch.keys.records.iter().cloned());
         keys.extend(batch.keys.zsets.iter().cloned());
         write_keys = keys.len();
-        checked = n;
-        write_args.extend(d.versions.iter().cloned());
-        let writes: Vec<usize> = (0..n).filter(|i| d.written[*i]).collect();
-        write_args.push(writes.len().to_string().into_bytes());
-        let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
-        for &i in &writes {
-            let rec = d.records[i].as_ref().expect("a written record");
-            write_args.push((i + 1).to_string().into_bytes());
-            write_args.push(rec.encode(sh.replicas.write_format()));
-            write_args.push(if d.decided[i] {
-                let mut keep = rec.expires;
-                if d.holds[i] {
-                    keep = keep.max(d.now + permit_ttl_us);
-                }
-                ttl_ms(keep, d.now)
-                    .max(sh.least_ttl_ms())
-                    .to_string()
-                    .into_bytes()
-            } else {
-                Vec::new()
-            });
-        }
-        let changed: Vec<usize> = (0..d.zsets.len())
-            .filter(|z| !d.zsets[*z].adds.is_empty() || d.zsets[*z].prune.is_some())
-            .collect();
-        write_args.push(changed.len().to_string().into_bytes());
-        for z in changed {
-            let zc = &d.zsets[z];
-            write_args.push((n + z + 1).to_string().into_bytes());
-            write_args.push(zc.prune.map_or_else(Vec::new, |p| score(p).into_bytes()));
-            write_args.push(
-                zc.ttl_ms
-                    .map_or_else(Vec::new, |t| t.to_string().into_bytes()),
-            );
-            write_args.push(zc.adds.len().to_string().into_bytes());
-            for (s, m) in &zc.adds {
-                write_args.push(score(*s).into_bytes());
-                write_args.push(m.clone());
-            }
-        }
+        checked = batch.keys.records.len();
+        write_args = write_of(sh, batch, d);
     }
     let (read_now, read_records) = match next {
         Some(b) => {
@@ -1564,7 +1537,7 @@ fn cycle_args(
     keys.push(turn.marker.to_owned());
     keys.push(turn.key.to_owned());
     args.push(sh.ids.next().to_le_bytes().to_vec());
-    args.push(super::upkeep::MARKER_TTL.as_secs().to_string().into_bytes());
+    args.push(super::wire::MARKER_TTL.as_secs().to_string().into_bytes());
     args.push(turn.me.as_bytes().to_vec());
     args.push(if turn.claim {
         b"1".to_vec()
@@ -1572,6 +1545,50 @@ fn cycle_args(
         b"0".to_vec()
     });
     (keys, args)
+}
+
+/// The write part of the batch script's arguments: the versions read, then each record
+/// written (its key's place, its bytes, its TTL) and each permits zset changed.
+fn write_of(sh: &Shared, batch: &Batch, d: &Decided) -> Vec<Vec<u8>> {
+    let n = batch.keys.records.len();
+    let mut args: Vec<Vec<u8>> = d.versions.clone();
+    let writes: Vec<usize> = (0..n).filter(|i| d.written[*i]).collect();
+    args.push(writes.len().to_string().into_bytes());
+    let permit_ttl_us = sh.config.permit_ttl.as_micros() as f64;
+    for &i in &writes {
+        let rec = d.records[i].as_ref().expect("a written record");
+        args.push((i + 1).to_string().into_bytes());
+        args.push(rec.encode(sh.replicas.write_format()));
+        args.push(if d.decided[i] {
+            let mut keep = rec.expires;
+            if d.holds[i] {
+                keep = keep.max(d.now + permit_ttl_us);
+            }
+            let ttl = ttl_ms(keep, d.now).max(sh.least_ttl_ms());
+            ttl.to_string().into_bytes()
+        } else {
+            Vec::new()
+        });
+    }
+    let changed: Vec<usize> = (0..d.zsets.len())
+        .filter(|z| !d.zsets[*z].adds.is_empty() || d.zsets[*z].prune.is_some())
+        .collect();
+    args.push(changed.len().to_string().into_bytes());
+    for z in changed {
+        let zc = &d.zsets[z];
+        args.push((n + z + 1).to_string().into_bytes());
+        args.push(zc.prune.map_or_else(Vec::new, |p| score(p).into_bytes()));
+        args.push(
+            zc.ttl_ms
+                .map_or_else(Vec::new, |t| t.to_string().into_bytes()),
+        );
+        args.push(zc.adds.len().to_string().into_bytes());
+        for (s, m) in &zc.adds {
+            args.push(score(*s).into_bytes());
+            args.push(m.clone());
+        }
+    }
+    args
 }
 
 fn score(x: f64) -> String {

@@ -13,11 +13,6 @@ use super::{lock, wire, Shared};
 use crate::clock::Timestamp;
 use crate::store::StoreError;
 
-/// How long a tool's epoch marker outlives the last read or check that saw it: longer than any
-/// record of the tool can live (a month's budget), so a marker that is missing means its
-/// records are gone too — lost, or never written.
-pub(super) const MARKER_TTL: Duration = Duration::from_secs(32 * 86_400);
-
 /// How often a store reads the epoch markers of the tools it decides for, so that a loss is
 /// noticed (and healed) on a tool this replica is not calling.
 const EPOCH_CHECK_EVERY: Duration = Duration::from_secs(1);
@@ -173,7 +168,7 @@ impl Shared {
         let mut key = self.config.namespace.clone();
         key.push_str(&wire::epoch_key(&crate::key::tool_key(tool)));
         let mine = self.ids.next().to_le_bytes().to_vec();
-        let ttl = MARKER_TTL.as_secs();
+        let ttl = wire::MARKER_TTL.as_secs();
         // Plain commands, not a script: a check never shows up as a decision in Redis's
         // command statistics.
         let mut set = redis::cmd("SET");

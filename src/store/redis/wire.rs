@@ -10,6 +10,11 @@ pub(super) fn permits_key(state_key: &str) -> String {
     suffixed(state_key, '!')
 }
 
+/// How long a tool's epoch marker outlives the last read or check that saw it: longer than any
+/// record of the tool can live (a month's budget), so a marker that is missing means its
+/// records are gone too — lost, or never written.
+pub(super) const MARKER_TTL: std::time::Duration = std::time::Duration::from_secs(32 * 86_400);
+
 /// The key of a tool's epoch marker: its state key and `@` (see [`permits_key`]).
 pub(super) fn epoch_key(tool_key: &str) -> String {
     suffixed(tool_key, '@')
