@@ -134,7 +134,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let inner = &*self.inner;
         let version = inner.version.load(Acquire);
         let now = || inner.clock.now();
-        let mut spent: Vec<Spent> = Vec::with_capacity(charges.len());
+        let mut spent: Vec<Spent> = Vec::new();
         for &(tool, cost) in charges.iter().take(MAX_TOOLS_PER_CALL) {
             match inner
                 .leases
@@ -174,7 +174,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charges: &[(&str, Cost)],
         now: Timestamp,
     ) -> Result<Vec<Part<'p>>, Refusal> {
-        let mut plans = Vec::with_capacity(charges.len());
+        let mut parts: Vec<Part<'p>> = Vec::with_capacity(charges.len());
+        let mut returns = Vec::new();
         for (i, &(tool, cost)) in charges.iter().enumerate() {
             let refused = |r| {
                 Err(self
@@ -185,28 +186,27 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 Ok(plan) => plan,
                 Err(r) => return refused(r),
             };
-            if let Some(why) = apart(&plans, &plan, i) {
+            if let Some(why) = apart(&parts, &plan, i) {
                 tracing::error!(tool, first = charges[0].0, "{why}");
                 let mut r = caller.denial(Reason::PermissionDenied, tool, why.detail());
                 r.retryable = false;
                 return refused(r);
             }
-            plans.push(plan);
+            parts.push(Part {
+                plan,
+                ask: plan.cost,
+                now: Standing::Open,
+            });
         }
-        let mut returns = Vec::new();
-        let parts = plans
-            .into_iter()
-            .map(|plan| {
-                let taken = lease::eligible(&plan)
-                    .then(|| self.inner.leases.take(&plan, can_fetch, &mut returns));
-                let (ask, now) = match taken {
-                    Some(Take::Hit(spent)) => (plan.cost, Standing::Spent(spent)),
-                    Some(Take::Miss { grant }) => (grant, Standing::Open),
-                    None => (plan.cost, Standing::Open),
-                };
-                Part { plan, ask, now }
-            })
-            .collect();
+        for part in parts.iter_mut() {
+            if !lease::eligible(&part.plan) {
+                continue;
+            }
+            match self.inner.leases.take(&part.plan, can_fetch, &mut returns) {
+                Take::Hit(spent) => part.now = Standing::Spent(spent),
+                Take::Miss { grant } => part.ask = grant,
+            }
+        }
         self.give_back(returns, now);
         Ok(parts)
     }
@@ -219,9 +219,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         parts: &mut [Part<'_>],
         now: Timestamp,
     ) -> Round {
-        let open: Vec<usize> = (0..parts.len())
-            .filter(|&i| matches!(parts[i].now, Standing::Open))
-            .collect();
+        let mut at = [0; MAX_TOOLS_PER_CALL];
+        let mut n = 0;
+        for (i, part) in parts.iter().enumerate() {
+            if matches!(part.now, Standing::Open) {
+                at[n] = i;
+                n += 1;
+            }
+        }
+        let open = &at[..n];
         if open.is_empty() {
             return Round::Done;
         }
@@ -237,8 +243,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         started.record(self.inner.store.kind());
         let granting = open.iter().any(|&i| parts[i].ask > parts[i].plan.cost);
         match decided {
-            Ok(Decision::Admitted(a)) => self.admitted(caller, parts, &open, a, now),
-            Ok(Decision::Refused(_)) if granting => self.asked_too_much(parts, &open),
+            Ok(Decision::Admitted(a)) => self.admitted(caller, parts, open, a, now),
+            Ok(Decision::Refused(_)) if granting => self.asked_too_much(parts, open),
             Ok(Decision::Refused(r)) => {
                 let at = open
                     .iter()
@@ -255,7 +261,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     Err(r) => Round::Refused(r),
                 }
             }
-            Err(e) => self.failed(policy, caller, parts, &open, e),
+            Err(e) => self.failed(policy, caller, parts, open, e),
         }
     }
 
@@ -405,14 +411,17 @@ impl std::fmt::Display for Apart {
     }
 }
 
-fn apart(before: &[Plan<'_>], plan: &Plan<'_>, i: usize) -> Option<Apart> {
+fn apart(before: &[Part<'_>], plan: &Plan<'_>, i: usize) -> Option<Apart> {
     if i >= MAX_TOOLS_PER_CALL {
         return Some(Apart::TooMany);
     }
-    if before.iter().any(|p| p.tool.name() == plan.tool.name()) {
+    if before
+        .iter()
+        .any(|p| p.plan.tool.name() == plan.tool.name())
+    {
         return Some(Apart::TwoOfOne);
     }
-    let first = before.first()?;
+    let first = &before.first()?.plan;
     (first.tool.group() != plan.tool.group()).then_some(Apart::Groups)
 }
 

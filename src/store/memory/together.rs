@@ -12,94 +12,105 @@ use super::{
 use crate::admission::engine::{self, NodeState, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
 
-/// One plan's place: its tenant's hash and shard, its tool's cell; and, as it is decided, its
-/// states and what it admitted.
-struct Place<'g> {
+/// Where one plan's states live: its tenant's hash and shard, its tool's cell and period.
+struct Place {
     hash: u64,
     shard: usize,
     cell: Arc<ToolCell>,
     period: f64,
-    tool: Option<MutexGuard<'g, ToolEntry>>,
-    snap: Snapshot,
-    admitted: Option<engine::Admitted>,
 }
 
 /// The most tools a call is charged to (the limiter refuses more).
 const MAX: usize = crate::limiter::MAX_TOOLS_PER_CALL;
 
+/// The shards a call's tenants live in, each locked once, with its index.
+type Shards<'g> = [Option<(usize, MutexGuard<'g, Shard>)>; MAX];
+
 /// Decides `plans` (of distinct tools) together: all admitted and written, or the first
 /// refusal and nothing written.
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
-    let n = plans.len().min(MAX);
-    let cells: Vec<Arc<ToolCell>> = plans[..n]
-        .iter()
-        .map(|p| store.tool_cell(p.tool.name()))
-        .collect();
-    let mut places: Vec<Place<'_>> = plans[..n]
-        .iter()
-        .zip(&cells)
-        .map(|(p, cell)| place(store, p, cell.clone()))
-        .collect();
+    let plans = &plans[..plans.len().min(MAX)];
+    let places: Vec<Place> = plans.iter().map(|p| place(store, p)).collect();
+    let mut shards = lock_shards(store, &places);
+    let mut tools = lock_tools(&places);
+    // On the stack: a call's states are a few kilobytes, too large for the allocator's fast
+    // path.
+    let mut decided: [Option<(Snapshot, engine::Admitted)>; MAX] = Default::default();
+    for (i, (plan, place)) in plans.iter().zip(&places).enumerate() {
+        let mut snap = states(shard_of(&mut shards, place.shard), plan, place);
+        snap.tool = tools[i].as_ref().expect("locked").state;
+        match engine::decide(plan, &mut snap) {
+            Ok(admitted) => decided[i] = Some((snap, admitted)),
+            Err(r) => return Decision::Refused(r),
+        }
+    }
+    let parts = plans.iter().zip(&places).zip(tools.iter_mut());
+    let admitted = parts
+        .zip(&mut decided)
+        .map(|(((plan, place), tool), decided)| {
+            let (snap, a) = decided.take().expect("decided");
+            let expires = a.expires.map(micros_ceil);
+            let tool = tool.as_mut().expect("locked");
+            tool.state = snap.tool;
+            tool.expires = expires[0];
+            write(
+                store,
+                shard_of(&mut shards, place.shard),
+                plan,
+                place,
+                &snap,
+                expires,
+            );
+            Arc::new(a.into_admission(plan.keys(), 0))
+        });
+    Decision::Admitted(Admissions::of(admitted).expect("a call of several tools"))
+}
+
+/// Where `plan`'s states live.
+fn place(store: &MemoryStore, plan: &Plan<'_>) -> Place {
+    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
+    let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
+    let cell = store.tool_cell(tool);
+    Place {
+        hash,
+        shard: (hash >> 40) as usize & (store.shards.len() - 1),
+        period: note_period(&cell, plan),
+        cell,
+    }
+}
+
+/// The places' shards locked in shard order (the order a call of one tool takes one in).
+fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
-    order[..n].sort_unstable_by_key(|&i| places[i].shard);
-    let mut shards: [Option<(usize, MutexGuard<'_, Shard>)>; MAX] = Default::default();
+    let order = &mut order[..places.len()];
+    order.sort_unstable_by_key(|&i| places[i].shard);
+    let mut shards: Shards<'g> = Default::default();
     let mut locked = 0;
-    for &i in &order[..n] {
+    for &i in order.iter() {
         let shard = places[i].shard;
-        if locked == 0
-            || shards[locked - 1]
-                .as_ref()
-                .is_some_and(|(s, _)| *s != shard)
-        {
+        let held = locked > 0 && matches!(&shards[locked - 1], Some((s, _)) if *s == shard);
+        if !held {
             shards[locked] = Some((shard, lock(&store.shards[shard].0)));
             locked += 1;
         }
     }
-    let shards = &mut shards[..locked];
-    order[..n].sort_unstable_by(|&a, &b| cells[a].name.cmp(&cells[b].name));
-    for &i in &order[..n] {
-        places[i].tool = Some(lock(&cells[i].inner));
-    }
-    for (plan, place) in plans.iter().zip(places.iter_mut()) {
-        read(shard_of(shards, place.shard), plan, place);
-        match engine::decide(plan, &mut place.snap) {
-            Ok(a) => place.admitted = Some(a),
-            Err(r) => return Decision::Refused(r),
-        }
-    }
-    let admitted = plans.iter().zip(places.iter_mut()).map(|(plan, place)| {
-        let a = place.admitted.take().expect("admitted");
-        let expires = a.expires.map(micros_ceil);
-        let tool = place.tool.as_mut().expect("locked");
-        tool.state = place.snap.tool;
-        tool.expires = expires[0];
-        write(store, shard_of(shards, place.shard), plan, place, expires);
-        Arc::new(a.into_admission(plan.keys(), 0))
-    });
-    Decision::Admitted(Admissions::of(admitted).expect("a call of several tools"))
+    shards
 }
 
-/// Where `plan`'s states live: its tenant's hash and shard, and its tool's `cell`.
-fn place<'g>(store: &MemoryStore, plan: &Plan<'_>, cell: Arc<ToolCell>) -> Place<'g> {
-    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
-    let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
-    let shard = (hash >> 40) as usize & (store.shards.len() - 1);
-    let period = note_period(&cell, plan);
-    Place {
-        hash,
-        shard,
-        cell,
-        period,
-        tool: None,
-        snap: Snapshot::default(),
-        admitted: None,
+/// The places' tools locked in name order (after the shards, as a call of one tool locks
+/// its tool), held in the places' order.
+fn lock_tools(places: &[Place]) -> [Option<MutexGuard<'_, ToolEntry>>; MAX] {
+    let mut order: [usize; MAX] = std::array::from_fn(|i| i);
+    let order = &mut order[..places.len()];
+    order.sort_unstable_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
+    let mut tools: [Option<MutexGuard<'_, ToolEntry>>; MAX] = Default::default();
+    for &i in order.iter() {
+        tools[i] = Some(lock(&places[i].cell.inner));
     }
+    tools
 }
 
-fn shard_of<'a, 'g>(
-    shards: &'a mut [Option<(usize, MutexGuard<'g, Shard>)>],
-    index: usize,
-) -> &'a mut Shard {
+fn shard_of<'a>(shards: &'a mut Shards<'_>, index: usize) -> &'a mut Shard {
     let (_, guard) = shards
         .iter_mut()
         .flatten()
@@ -108,17 +119,8 @@ fn shard_of<'a, 'g>(
     guard
 }
 
-/// The plan's states as stored (fresh where none is), into its place's snapshot.
-fn read(shard: &Shard, plan: &Plan<'_>, place: &mut Place<'_>) {
-    let snap = states(shard, plan, place);
-    place.snap = Snapshot {
-        tool: place.tool.as_ref().expect("locked").state,
-        ..snap
-    };
-}
-
 /// The plan's tenant and instance states as stored (fresh where none is).
-fn states(shard: &Shard, plan: &Plan<'_>, place: &Place<'_>) -> Snapshot {
+fn states(shard: &Shard, plan: &Plan<'_>, place: &Place) -> Snapshot {
     let entry = shard.tenants.find(place.hash, |e| {
         e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
     });
@@ -139,10 +141,10 @@ fn write(
     store: &MemoryStore,
     shard: &mut Shard,
     plan: &Plan<'_>,
-    place: &Place<'_>,
+    place: &Place,
+    snap: &Snapshot,
     expires: [u64; 3],
 ) {
-    let snap = &place.snap;
     let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
     if let Some(entry) = shard
         .tenants
