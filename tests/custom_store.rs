@@ -111,3 +111,31 @@ impl conformance::Factory for Custom {
 }
 
 suite!(Custom);
+
+/// The same suite with every tool leasing, as by default: the grants a limiter asks for are
+/// decided by the custom store like any call.
+mod leased {
+    use super::{conformance, Custom, MapStore};
+    use crate::suite;
+    use tower_fairshare::Timestamp;
+
+    struct LeasedCustom;
+
+    impl conformance::Factory for LeasedCustom {
+        type S = MapStore;
+        fn store(&self) -> MapStore {
+            Custom.store()
+        }
+        fn count_states(&self, store: &MapStore) -> usize {
+            Custom.count_states(store)
+        }
+        fn expire(&self, store: &MapStore, now: Timestamp) {
+            Custom.expire(store, now)
+        }
+        fn leased(&self) -> bool {
+            true
+        }
+    }
+
+    suite!(LeasedCustom);
+}

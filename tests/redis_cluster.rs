@@ -26,6 +26,8 @@ struct Cluster {
     cluster: RedisCluster,
     /// The namespace of the current case, and how many cases there were.
     case: Mutex<(String, u64)>,
+    /// Whether the suite's tools lease (as by default) or decide every call at the store.
+    leased: bool,
 }
 
 impl Cluster {
@@ -33,6 +35,14 @@ impl Cluster {
         Cluster {
             cluster: RedisCluster::start(),
             case: Mutex::new((String::new(), 0)),
+            leased: false,
+        }
+    }
+
+    fn leased() -> Self {
+        Cluster {
+            leased: true,
+            ..Self::new()
         }
     }
 }
@@ -89,9 +99,20 @@ impl conformance::Factory for Cluster {
     fn cases(&self) -> u32 {
         4
     }
+    fn leased(&self) -> bool {
+        self.leased
+    }
 }
 
 suite!(Cluster::new());
+
+/// The same suite with every tool leasing, as by default.
+mod leased {
+    use super::{conformance, Cluster};
+    use crate::suite;
+
+    suite!(Cluster::leased());
+}
 
 /// Every key of one tool is in one slot (so on one master), and tools spread over the masters.
 #[test]
