@@ -3,6 +3,8 @@
 //! (see [`ModelCallLayer`]).
 
 mod body;
+#[cfg(test)]
+mod tests;
 mod usage;
 
 use std::error::Error as StdError;
