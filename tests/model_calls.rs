@@ -3,6 +3,9 @@
 //! OpenAI-compatible API does), read by a streaming HTTP client. Time is the limiter's
 //! virtual clock; the HTTP is real.
 
+#[path = "support/logs.rs"]
+mod logs;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -281,4 +284,79 @@ async fn admitted_headers_name_the_binding_limit_in_its_unit() {
     assert_eq!(r.status, 200);
     let policy = r.headers["ratelimit-policy"].to_str().unwrap();
     assert_eq!(policy, "\"tenant\";q=6000;w=60;qu=\"tokens\"");
+}
+
+/// The decision event of a stream cut off says so, with what was reported before the cut; a
+/// stream read to its end settles to its usage and says that.
+#[test]
+fn a_cut_off_stream_says_so_in_its_decision_event() {
+    use tower::{Layer, ServiceExt};
+    let (limiter, _clock) = limiter();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let layer = FairShareLayer::new(limiter)
+        .model_calls()
+        .tokens("chat.tokens");
+    // The model reports 120 tokens, sends one event, then (told to hang) never ends.
+    let model = |req: http::Request<tower_fairshare::BufferedBody>| async move {
+        let usage = req.extensions().get::<Usage>().unwrap().clone();
+        let hang = req.headers().contains_key("x-hang");
+        let (tx, rx) = mpsc::channel(4);
+        usage.add(120.0);
+        tx.send(Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
+            .await
+            .unwrap();
+        if hang {
+            tokio::spawn(async move { tx.closed().await });
+        }
+        Ok::<_, Infallible>(http::Response::new(Streamed(rx)))
+    };
+    let ask = |hang: bool| {
+        let mut req = http::Request::post("/v1/chat/completions");
+        if hang {
+            req = req.header("x-hang", "1");
+        }
+        let mut req = req
+            .body(http_body_util::Full::new(Bytes::from_static(
+                b"{\"max_tokens\":900}",
+            )))
+            .unwrap();
+        req.extensions_mut()
+            .insert(Caller::new("team-a").with_instance("a1"));
+        req
+    };
+    let log = logs::logged(|| {
+        rt.block_on(async {
+            let svc = layer.layer(tower::service_fn(model));
+            // Cut off: one frame read, then the client goes away.
+            let res = svc.clone().oneshot(ask(true)).await.unwrap();
+            let mut body = res.into_body();
+            body.frame().await.unwrap().unwrap();
+            drop(body);
+            // Whole: read to its end.
+            let res = svc.oneshot(ask(false)).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        })
+    });
+    let cut: Vec<&str> = log.lines().filter(|l| l.contains("cut_off=true")).collect();
+    assert_eq!(cut.len(), 1, "{log}");
+    assert!(
+        cut[0].contains("model call cut off: settled to the usage reported before"),
+        "{log}"
+    );
+    assert!(
+        cut[0].contains("reported=120.0") && cut[0].contains("estimate="),
+        "{log}"
+    );
+    let whole: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("cut_off=false"))
+        .collect();
+    assert_eq!(whole.len(), 1, "{log}");
+    assert!(
+        whole[0].contains("model call settled to its usage"),
+        "{log}"
+    );
 }
