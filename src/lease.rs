@@ -80,6 +80,8 @@ pub(crate) struct Spent {
     pub(crate) window_secs: u64,
     /// The tool's unit.
     pub(crate) unit: crate::policy::Unit,
+    /// When it was spent.
+    pub(crate) at: Timestamp,
 }
 
 /// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
@@ -250,6 +252,7 @@ impl Lease {
             fetch,
             window_secs,
             unit: self.tool.unit(),
+            at: Timestamp(now),
         })
     }
 
@@ -270,6 +273,7 @@ impl Lease {
             fetch: None,
             window_secs: self.tool.period().as_secs_ceil(),
             unit: self.tool.unit(),
+            at: Timestamp(now),
         })
     }
 

@@ -430,10 +430,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Some(p) => arc_swap::Guard::from_inner(p.clone()),
             None => inner.policy.load(),
         };
-        let now = inner.clock.now();
         inner
             .decisions
-            .record_leased(load, caller, tool, cost, &ticket, now);
+            .record_leased(load, caller, tool, cost, &ticket, spent.at);
         Ok(ticket)
     }
 
