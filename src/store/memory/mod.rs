@@ -220,8 +220,45 @@ impl MemoryStore {
     }
 
     fn shard(&self, hash: u64) -> &Mutex<Shard> {
-        // High bits: the table inside the shard indexes by the low ones.
-        &self.shards[(hash >> 40) as usize & (self.shards.len() - 1)].0
+        &self.shards[self.shard_index(hash)].0
+    }
+
+    /// The shard a tenant's hash falls in: its high bits (the table inside the shard indexes
+    /// by the low ones).
+    fn shard_index(&self, hash: u64) -> usize {
+        (hash >> 40) as usize & (self.shards.len() - 1)
+    }
+
+    /// Adds the entry of a tenant new to `shard` (of `hash`, on the tool `cell`), with the
+    /// states an admitted call left it and its instance.
+    #[allow(clippy::too_many_arguments)]
+    fn add_tenant(
+        &self,
+        shard: &mut Shard,
+        hash: u64,
+        cell: Arc<ToolCell>,
+        plan: &Plan<'_>,
+        snap: &Snapshot,
+        expires: [u64; 3],
+        period: f64,
+    ) {
+        let state = Packed::new(
+            plan.tenant.name,
+            plan.untenanted,
+            &snap.tenant,
+            expires[1],
+            period,
+        );
+        let mut entry = Box::new(TenantEntry {
+            tool: cell,
+            state,
+            instances: Instances::None,
+        });
+        write_back(&mut entry, plan, snap, None, expires, period);
+        let hasher = &self.hasher;
+        shard.tenants.insert_unique(hash, entry, |e| {
+            hash_tenant(hasher, &e.tool.name, tenant_name(e), e.state.untenanted())
+        });
     }
 
     /// The cell of `tool`, created on first use.
@@ -290,24 +327,7 @@ impl MemoryStore {
                 let expires = admitted.expires.map(micros_ceil);
                 match found {
                     Some(entry) => write_back(entry, plan, &snap, slot, expires, period),
-                    None => {
-                        let mut entry = Box::new(TenantEntry {
-                            tool: cell,
-                            state: Packed::new(
-                                tenant,
-                                untenanted,
-                                &snap.tenant,
-                                expires[1],
-                                period,
-                            ),
-                            instances: Instances::None,
-                        });
-                        write_back(&mut entry, plan, &snap, None, expires, period);
-                        let hasher = &self.hasher;
-                        shard.tenants.insert_unique(hash, entry, |e| {
-                            hash_tenant(hasher, &e.tool.name, tenant_name(e), e.state.untenanted())
-                        });
-                    }
+                    None => self.add_tenant(shard, hash, cell, plan, &snap, expires, period),
                 }
                 Decision::Admitted(Admissions::one(Arc::new(
                     admitted.into_admission(plan.keys(), 0),

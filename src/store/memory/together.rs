@@ -6,8 +6,8 @@
 use std::sync::{Arc, MutexGuard};
 
 use super::{
-    hash_tenant, lock, micros_ceil, note_period, write_back, MemoryStore, Packed, Shard,
-    TenantEntry, ToolCell, ToolEntry,
+    hash_tenant, lock, micros_ceil, note_period, write_back, MemoryStore, Shard, TenantEntry,
+    ToolCell, ToolEntry,
 };
 use crate::admission::engine::{self, NodeState, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
@@ -73,7 +73,7 @@ fn place(store: &MemoryStore, plan: &Plan<'_>) -> Place {
     let cell = store.tool_cell(tool);
     Place {
         hash,
-        shard: (hash >> 40) as usize & (store.shards.len() - 1),
+        shard: store.shard_index(hash),
         period: note_period(&cell, plan),
         cell,
     }
@@ -154,27 +154,8 @@ fn write(
         write_back(entry, plan, snap, slot, expires, place.period);
         return;
     }
-    let mut entry = Box::new(TenantEntry {
-        tool: place.cell.clone(),
-        state: Packed::new(
-            tenant,
-            plan.untenanted,
-            &snap.tenant,
-            expires[1],
-            place.period,
-        ),
-        instances: super::Instances::None,
-    });
-    write_back(&mut entry, plan, snap, None, expires, place.period);
-    let hasher = &store.hasher;
-    shard.tenants.insert_unique(place.hash, entry, |e| {
-        hash_tenant(
-            hasher,
-            &e.tool.name,
-            super::tenant_name(e),
-            e.state.untenanted(),
-        )
-    });
+    let cell = place.cell.clone();
+    store.add_tenant(shard, place.hash, cell, plan, snap, expires, place.period);
 }
 
 #[cfg(test)]
