@@ -69,49 +69,56 @@ struct Options {
     others: Option<Arc<str>>,
 }
 
-/// [`FairShareLayer`] in MCP mode ([`FairShareLayer::mcp`]). Cheap to clone.
-///
-/// An MCP server over streamable HTTP has one endpoint; the tool a request calls is in its
-/// JSON-RPC body (`params.name` of `tools/call`). [`FairShareLayer::mcp`] reads the body (at
-/// most [`McpLayer::max_body`] bytes), decides a `tools/call` as a call of that tool — tiers,
-/// nested levels, budgets, concurrency, the [`Cost`] extension — and hands the request on with
-/// its body byte for byte unchanged. Every other message (`initialize`, `tools/list`, `ping`,
-/// notifications, responses, `GET` and `DELETE` on the endpoint) passes unmetered, unless
-/// [`meter_others`](McpLayer::meter_others) names a tool to count them as.
-///
-/// A refused `tools/call` is answered in the protocol's own terms, HTTP 200: by default a tool
-/// result with `isError: true`, a text saying what was limited, for whom and when to retry
-/// (or that retrying will not help), and the refusal's JSON as `structuredContent` — the
-/// tool-execution error MCP defines so that the model sees it. With
-/// [`McpRefusals::Error`], a JSON-RPC error of code [`MCP_REFUSED`] with the refusal as `data`.
-/// A caller with no identity gets the layer's HTTP 401 with its `WWW-Authenticate`.
-///
-/// What is not a message this server takes is answered with the JSON-RPC error a client
-/// expects, HTTP 400, and never reaches the server or charges anything: a body that is not
-/// JSON (`-32700`), not JSON-RPC 2.0 or a `tools/call` without an id (`-32600`), a
-/// `tools/call` without a tool name (`-32602`), a body past the limit (HTTP 413, `-32600`). A
-/// JSON-RPC batch (an array, which the current protocol revision no longer has) passes
-/// unmetered when none of its members is a `tools/call`; one that holds a `tools/call` is
-/// refused with `-32600`, so no call escapes its limit inside a batch.
-///
-/// An admitted call's concurrency permits are held until the response ends — an SSE stream
-/// until its last event — and given back when the client goes away.
-///
-/// ```
-/// use tower_fairshare::{FairShareLayer, Limiter, McpRefusals, Policy};
-///
-/// # let policy = Policy::from_toml_str("[[tool]]\nname = \"generate_report\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
-/// let layer = FairShareLayer::new(Limiter::new(policy))
-///     .mcp()                              // the tool is `params.name` of `tools/call`
-///     .max_body(1 << 20)                  // read at most 1 MiB of a request
-///     .refusals(McpRefusals::ToolResult); // the default: the model reads the refusal
-/// // axum: Router::new().nest_service("/mcp", mcp_service).layer(layer)
-/// # let _ = layer;
-/// ```
-#[derive(Clone)]
-pub struct McpLayer {
-    shared: Arc<Shared>,
-    options: Arc<Options>,
+buffered_layer! {
+    /// [`FairShareLayer`] in MCP mode ([`FairShareLayer::mcp`]). Cheap to clone.
+    ///
+    /// An MCP server over streamable HTTP has one endpoint; the tool a request calls is in its
+    /// JSON-RPC body (`params.name` of `tools/call`). [`FairShareLayer::mcp`] reads the body (at
+    /// most [`McpLayer::max_body`] bytes), decides a `tools/call` as a call of that tool — tiers,
+    /// nested levels, budgets, concurrency, the [`Cost`] extension — and hands the request on with
+    /// its body byte for byte unchanged. Every other message (`initialize`, `tools/list`, `ping`,
+    /// notifications, responses, `GET` and `DELETE` on the endpoint) passes unmetered, unless
+    /// [`meter_others`](McpLayer::meter_others) names a tool to count them as.
+    ///
+    /// A refused `tools/call` is answered in the protocol's own terms, HTTP 200: by default a tool
+    /// result with `isError: true`, a text saying what was limited, for whom and when to retry
+    /// (or that retrying will not help), and the refusal's JSON as `structuredContent` — the
+    /// tool-execution error MCP defines so that the model sees it. With
+    /// [`McpRefusals::Error`], a JSON-RPC error of code [`MCP_REFUSED`] with the refusal as `data`.
+    /// A caller with no identity gets the layer's HTTP 401 with its `WWW-Authenticate`.
+    ///
+    /// What is not a message this server takes is answered with the JSON-RPC error a client
+    /// expects, HTTP 400, and never reaches the server or charges anything: a body that is not
+    /// JSON (`-32700`), not JSON-RPC 2.0 or a `tools/call` without an id (`-32600`), a
+    /// `tools/call` without a tool name (`-32602`), a body past the limit (HTTP 413, `-32600`). A
+    /// JSON-RPC batch (an array, which the current protocol revision no longer has) passes
+    /// unmetered when none of its members is a `tools/call`; one that holds a `tools/call` is
+    /// refused with `-32600`, so no call escapes its limit inside a batch.
+    ///
+    /// An admitted call's concurrency permits are held until the response ends — an SSE stream
+    /// until its last event — and given back when the client goes away.
+    ///
+    /// ```
+    /// use tower_fairshare::{FairShareLayer, Limiter, McpRefusals, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str("[[tool]]\nname = \"generate_report\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.default_tenant]\n").unwrap();
+    /// let layer = FairShareLayer::new(Limiter::new(policy))
+    ///     .mcp()                              // the tool is `params.name` of `tools/call`
+    ///     .max_body(1 << 20)                  // read at most 1 MiB of a request
+    ///     .refusals(McpRefusals::ToolResult); // the default: the model reads the refusal
+    /// // axum: Router::new().nest_service("/mcp", mcp_service).layer(layer)
+    /// # let _ = layer;
+    /// ```
+    layer McpLayer;
+
+    /// A service behind an [`McpLayer`]: its requests reach it with their body read, as
+    /// `Request<BufferedBody>`.
+    service FairShareMcp;
+
+    /// The future of [`FairShareMcp`]'s response.
+    future McpFuture of ResponseBody;
+
+    serve serve;
 }
 
 impl fmt::Debug for McpLayer {
@@ -143,15 +150,6 @@ impl FairShareLayer {
 }
 
 impl McpLayer {
-    fn with(self, f: impl FnOnce(&mut Options)) -> Self {
-        let mut options = Options::clone(&self.options);
-        f(&mut options);
-        McpLayer {
-            shared: self.shared,
-            options: Arc::new(options),
-        }
-    }
-
     /// The most bytes of a request body read (default 4 MiB): past it the request is
     /// answered 413 with a JSON-RPC error, nothing charged, the server not called.
     pub fn max_body(self, bytes: usize) -> Self {
@@ -211,67 +209,6 @@ impl McpLayer {
     pub fn meter_others(self, tool: impl Into<Arc<str>>) -> Self {
         let tool = tool.into();
         self.with(|o| o.others = Some(tool))
-    }
-}
-
-impl<S> Layer<S> for McpLayer {
-    type Service = FairShareMcp<S>;
-
-    fn layer(&self, inner: S) -> FairShareMcp<S> {
-        FairShareMcp {
-            inner,
-            shared: self.shared.clone(),
-            options: self.options.clone(),
-        }
-    }
-}
-
-/// A service behind an [`McpLayer`]: its requests reach it with their body read, as
-/// `Request<BufferedBody>`.
-#[derive(Clone)]
-pub struct FairShareMcp<S> {
-    inner: S,
-    shared: Arc<Shared>,
-    options: Arc<Options>,
-}
-
-impl<S: fmt::Debug> fmt::Debug for FairShareMcp<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FairShareMcp")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The future of [`FairShareMcp`]'s response.
-pub type McpFuture<ResB, E> =
-    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<ResB>>, E>> + Send>>;
-
-impl<S, B, ResB> Service<Request<B>> for FairShareMcp<S>
-where
-    S: Service<Request<BufferedBody>, Response = Response<ResB>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-    ResB: http_body::Body + Send + 'static,
-    ResB::Data: From<Bytes>,
-{
-    type Response = Response<ResponseBody<ResB>>;
-    type Error = S::Error;
-    type Future = McpFuture<ResB, S::Error>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        // The service was driven ready; a clone takes its place for the next call.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let (shared, options) = (self.shared.clone(), self.options.clone());
-        Box::pin(serve(inner, shared, options, req))
     }
 }
 

@@ -16,6 +16,8 @@
 //! through unmetered. A tool the policy does not know is refused with 403
 //! `permission_denied`.
 
+#[macro_use]
+mod request;
 mod body;
 mod generic;
 #[allow(clippy::module_inception)]
@@ -23,7 +25,6 @@ mod layer;
 mod mcp;
 mod model;
 mod refusal;
-mod request;
 mod select;
 mod service;
 

@@ -52,67 +52,74 @@ struct Options {
     openai: bool,
 }
 
-/// [`FairShareLayer`] for model calls ([`FairShareLayer::model_calls`]). Cheap to clone.
-///
-/// Each request is one call of every [`requests`](Self::requests) tool and costs its tokens
-/// at every [`tokens`](Self::tokens) tool — all of them decided together
-/// ([`Limiter::admit_all`](crate::Limiter::admit_all)): admitted only if each tool allows it,
-/// at every level, and a refusal charges none of them. The tools must share a
-/// [group](crate::policy::ToolPolicy::group).
-///
-/// **Reserve.** Before the model runs, the tokens are not known: the call reserves an
-/// estimate — the request's [`Cost`] extension if it has one, else what
-/// [`estimate_tokens`](Self::estimate_tokens) says of the request, else the request's own
-/// bound: its `max_tokens` (`max_completion_tokens`, `max_output_tokens`; 1,024 when it has
-/// none) plus a quarter of its body's bytes for the prompt. The body is read for it (at most
-/// [`max_body`](Self::max_body) bytes; past it, 413) and handed on byte for byte unchanged.
-///
-/// **Settle.** The service behind the layer gets a [`Usage`] handle in the request's
-/// extensions and reports the tokens as it learns them; a [`usage_trailer`](Self::usage_trailer)
-/// reports them, or (on by default, [`openai_usage`](Self::openai_usage)) the layer reads
-/// them from an OpenAI-compatible response as it passes: a JSON body's `usage`, or the last
-/// server-sent event that carries one. When the response body ends, the token charge is
-/// settled at every level to what was reported last: an over-estimate given back, an
-/// under-estimate charged in full — beyond what was left, as debt the caller pays before its
-/// next call passes (its buckets go below empty and refill from there; a budget it overran
-/// refuses until its window ends). A body cut off (the client went away, the stream failed)
-/// is settled to what was reported before; with nothing reported the estimate stands. Each
-/// settlement is a decision event (target `tower_fairshare::decision`) saying which.
-///
-/// **Refusals** are the layer's HTTP refusals (429 and the refusal's JSON), naming the tool
-/// and level that refused and the unit of its limit; the `RateLimit` headers of an admitted
-/// call (with [`headers`](FairShareLayer::headers)) are those of the tool whose limit is
-/// closest to binding, in its unit (`qu="tokens"`).
-///
-/// ```
-/// use tower_fairshare::{FairShareLayer, Limiter, Policy};
-///
-/// # let policy = Policy::from_toml_str(r#"
-/// # [[tool]]
-/// # name = "chat.requests"
-/// # group = "chat"
-/// # unit = "calls"
-/// # rate = { limit = 600, per = "1m" }
-/// # [tool.default_tenant]
-/// # [[tool]]
-/// # name = "chat.tokens"
-/// # group = "chat"
-/// # unit = "tokens"
-/// # rate = { limit = 100000, per = "1m" }
-/// # [tool.default_tenant]
-/// # "#).unwrap();
-/// let layer = FairShareLayer::new(Limiter::new(policy))
-///     .headers(true)
-///     .model_calls()
-///     .requests("chat.requests") // one call each
-///     .tokens("chat.tokens");    // the estimate, settled to the usage
-/// // axum: Router::new().route("/v1/chat/completions", post(proxy)).layer(layer)
-/// # let _ = layer;
-/// ```
-#[derive(Clone)]
-pub struct ModelCallLayer {
-    shared: Arc<Shared>,
-    options: Arc<Options>,
+buffered_layer! {
+    /// [`FairShareLayer`] for model calls ([`FairShareLayer::model_calls`]). Cheap to clone.
+    ///
+    /// Each request is one call of every [`requests`](Self::requests) tool and costs its tokens
+    /// at every [`tokens`](Self::tokens) tool — all of them decided together
+    /// ([`Limiter::admit_all`](crate::Limiter::admit_all)): admitted only if each tool allows it,
+    /// at every level, and a refusal charges none of them. The tools must share a
+    /// [group](crate::policy::ToolPolicy::group).
+    ///
+    /// **Reserve.** Before the model runs, the tokens are not known: the call reserves an
+    /// estimate — the request's [`Cost`] extension if it has one, else what
+    /// [`estimate_tokens`](Self::estimate_tokens) says of the request, else the request's own
+    /// bound: its `max_tokens` (`max_completion_tokens`, `max_output_tokens`; 1,024 when it has
+    /// none) plus a quarter of its body's bytes for the prompt. The body is read for it (at most
+    /// [`max_body`](Self::max_body) bytes; past it, 413) and handed on byte for byte unchanged.
+    ///
+    /// **Settle.** The service behind the layer gets a [`Usage`] handle in the request's
+    /// extensions and reports the tokens as it learns them; a [`usage_trailer`](Self::usage_trailer)
+    /// reports them, or (on by default, [`openai_usage`](Self::openai_usage)) the layer reads
+    /// them from an OpenAI-compatible response as it passes: a JSON body's `usage`, or the last
+    /// server-sent event that carries one. When the response body ends, the token charge is
+    /// settled at every level to what was reported last: an over-estimate given back, an
+    /// under-estimate charged in full — beyond what was left, as debt the caller pays before its
+    /// next call passes (its buckets go below empty and refill from there; a budget it overran
+    /// refuses until its window ends). A body cut off (the client went away, the stream failed)
+    /// is settled to what was reported before; with nothing reported the estimate stands. Each
+    /// settlement is a decision event (target `tower_fairshare::decision`) saying which.
+    ///
+    /// **Refusals** are the layer's HTTP refusals (429 and the refusal's JSON), naming the tool
+    /// and level that refused and the unit of its limit; the `RateLimit` headers of an admitted
+    /// call (with [`headers`](FairShareLayer::headers)) are those of the tool whose limit is
+    /// closest to binding, in its unit (`qu="tokens"`).
+    ///
+    /// ```
+    /// use tower_fairshare::{FairShareLayer, Limiter, Policy};
+    ///
+    /// # let policy = Policy::from_toml_str(r#"
+    /// # [[tool]]
+    /// # name = "chat.requests"
+    /// # group = "chat"
+    /// # unit = "calls"
+    /// # rate = { limit = 600, per = "1m" }
+    /// # [tool.default_tenant]
+    /// # [[tool]]
+    /// # name = "chat.tokens"
+    /// # group = "chat"
+    /// # unit = "tokens"
+    /// # rate = { limit = 100000, per = "1m" }
+    /// # [tool.default_tenant]
+    /// # "#).unwrap();
+    /// let layer = FairShareLayer::new(Limiter::new(policy))
+    ///     .headers(true)
+    ///     .model_calls()
+    ///     .requests("chat.requests") // one call each
+    ///     .tokens("chat.tokens");    // the estimate, settled to the usage
+    /// // axum: Router::new().route("/v1/chat/completions", post(proxy)).layer(layer)
+    /// # let _ = layer;
+    /// ```
+    layer ModelCallLayer;
+
+    /// A service behind a [`ModelCallLayer`]: its requests reach it with their body read, as
+    /// `Request<BufferedBody>`, and a [`Usage`] handle in their extensions.
+    service FairShareModel;
+
+    /// The future of [`FairShareModel`]'s response.
+    future ModelFuture of MeteredBody;
+
+    serve serve;
 }
 
 impl fmt::Debug for ModelCallLayer {
@@ -145,15 +152,6 @@ impl FairShareLayer {
 }
 
 impl ModelCallLayer {
-    fn with(self, f: impl FnOnce(&mut Options)) -> Self {
-        let mut options = Options::clone(&self.options);
-        f(&mut options);
-        ModelCallLayer {
-            shared: self.shared,
-            options: Arc::new(options),
-        }
-    }
-
     /// Every request is one call of the policy's `tool` (a tool counted in calls).
     pub fn requests(self, tool: impl Into<Arc<str>>) -> Self {
         let tool = tool.into();
@@ -209,67 +207,6 @@ impl ModelCallLayer {
     /// (`stream_options.include_usage`; the Responses API's `response.usage`).
     pub fn openai_usage(self, yes: bool) -> Self {
         self.with(|o| o.openai = yes)
-    }
-}
-
-impl<S> Layer<S> for ModelCallLayer {
-    type Service = FairShareModel<S>;
-
-    fn layer(&self, inner: S) -> FairShareModel<S> {
-        FairShareModel {
-            inner,
-            shared: self.shared.clone(),
-            options: self.options.clone(),
-        }
-    }
-}
-
-/// A service behind a [`ModelCallLayer`]: its requests reach it with their body read, as
-/// `Request<BufferedBody>`, and a [`Usage`] handle in their extensions.
-#[derive(Clone)]
-pub struct FairShareModel<S> {
-    inner: S,
-    shared: Arc<Shared>,
-    options: Arc<Options>,
-}
-
-impl<S: fmt::Debug> fmt::Debug for FairShareModel<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FairShareModel")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The future of [`FairShareModel`]'s response.
-pub type ModelFuture<ResB, E> =
-    Pin<Box<dyn Future<Output = Result<Response<MeteredBody<ResB>>, E>> + Send>>;
-
-impl<S, B, ResB> Service<Request<B>> for FairShareModel<S>
-where
-    S: Service<Request<BufferedBody>, Response = Response<ResB>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-    ResB: http_body::Body + Send + 'static,
-    ResB::Data: From<Bytes>,
-{
-    type Response = Response<MeteredBody<ResB>>;
-    type Error = S::Error;
-    type Future = ModelFuture<ResB, S::Error>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        // The service was driven ready; a clone takes its place for the next call.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let (shared, options) = (self.shared.clone(), self.options.clone());
-        Box::pin(serve(inner, shared, options, req))
     }
 }
 

@@ -13,6 +13,98 @@ use super::layer::Shared;
 use super::select::{Identity, RequestHead};
 use crate::identity::Caller;
 
+/// A body-reading layer (MCP mode, model calls) and the service it wraps around an inner
+/// service: the layer (with its `Layer` impl and `with`, which changes one of its `Options`),
+/// the service (with its `Debug` and tower `Service`, which hands each request, the inner
+/// service driven ready, to the mode's `serve`, an `async fn(inner, shared, options, req)`),
+/// and the service's future, whose response body is `$body` over the inner service's.
+macro_rules! buffered_layer {
+    (
+        $(#[$ldoc:meta])* layer $layer:ident;
+        $(#[$sdoc:meta])* service $name:ident;
+        $(#[$fdoc:meta])* future $future:ident of $body:ident;
+        serve $serve:path;
+    ) => {
+        $(#[$ldoc])*
+        #[derive(Clone)]
+        pub struct $layer {
+            shared: Arc<Shared>,
+            options: Arc<Options>,
+        }
+
+        impl $layer {
+            fn with(self, f: impl FnOnce(&mut Options)) -> Self {
+                let mut options = Options::clone(&self.options);
+                f(&mut options);
+                $layer {
+                    shared: self.shared,
+                    options: Arc::new(options),
+                }
+            }
+        }
+
+        impl<S> Layer<S> for $layer {
+            type Service = $name<S>;
+
+            fn layer(&self, inner: S) -> $name<S> {
+                $name {
+                    inner,
+                    shared: self.shared.clone(),
+                    options: self.options.clone(),
+                }
+            }
+        }
+
+        $(#[$sdoc])*
+        #[derive(Clone)]
+        pub struct $name<S> {
+            inner: S,
+            shared: Arc<Shared>,
+            options: Arc<Options>,
+        }
+
+        impl<S: fmt::Debug> fmt::Debug for $name<S> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("inner", &self.inner)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        $(#[$fdoc])*
+        pub type $future<ResB, E> =
+            Pin<Box<dyn Future<Output = Result<Response<$body<ResB>>, E>> + Send>>;
+
+        impl<S, B, ResB> Service<Request<B>> for $name<S>
+        where
+            S: Service<Request<BufferedBody>, Response = Response<ResB>> + Clone + Send + 'static,
+            S::Future: Send,
+            S::Error: Send + 'static,
+            B: http_body::Body + Send + 'static,
+            B::Data: Send,
+            B::Error: Into<Box<dyn StdError + Send + Sync>>,
+            ResB: http_body::Body + Send + 'static,
+            ResB::Data: From<Bytes>,
+        {
+            type Response = Response<$body<ResB>>;
+            type Error = S::Error;
+            type Future = $future<ResB, S::Error>;
+
+            fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+                self.inner.poll_ready(cx)
+            }
+
+            fn call(&mut self, req: Request<B>) -> Self::Future {
+                // The service was driven ready; a clone takes its place for the next call.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                let (shared, options) = (self.shared.clone(), self.options.clone());
+                Box::pin($serve(inner, shared, options, req))
+            }
+        }
+    };
+}
+
 /// A response of a layer's own, or of the app's identification, sent instead.
 pub(super) type Answer<ResB> = http::Response<ResponseBody<ResB>>;
 
