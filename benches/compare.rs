@@ -22,7 +22,7 @@
 //! Redis of its own, as `scripts/bench-compare` does), it also drives `RedisStore` and a one-key
 //! GCRA script at 1, 16 and 64 calls in flight for `COMPARE_REDIS_SECS` (default 3) each,
 //! with per-task progress and the worst latency, counts the Redis commands a refused
-//! parasite's flood costs, and writes `target/criterion/compare-redis.json`.
+//! caller's flood costs, and writes `target/criterion/compare-redis.json`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
@@ -892,12 +892,12 @@ return {1, 0}
             let leased = measured(&mut info, leased).await;
             rows.push(leased.json("leased-2-replicas"));
 
-            // A parasite whose tenant is used up: after its first refusal, no Redis command
+            // A runaway caller whose tenant is used up: after its first refusal, no Redis command
             // until its retry time.
-            let parasite = Caller::new("parasite").with_instance("agent");
-            let _ = limiter.admit(&parasite, "exhausted", Cost(1.0)).await;
+            let runaway = Caller::new("runaway").with_instance("agent");
+            let _ = limiter.admit(&runaway, "exhausted", Cost(1.0)).await;
             let refused = limiter
-                .admit(&parasite, "exhausted", Cost(1.0))
+                .admit(&runaway, "exhausted", Cost(1.0))
                 .await
                 .is_err();
             let before = commands_but_upkeep(&mut info).await;
@@ -906,14 +906,14 @@ return {1, 0}
             for _ in 0..flood {
                 admitted += usize::from(
                     limiter
-                        .admit(&parasite, "exhausted", Cost(1.0))
+                        .admit(&runaway, "exhausted", Cost(1.0))
                         .await
                         .is_ok(),
                 );
             }
             let commands = commands_but_upkeep(&mut info).await - before;
             println!(
-                "redis: parasite flood of {flood} calls (refused before: {refused}): {admitted} \
+                "redis: refused caller's flood of {flood} calls (refused before: {refused}): {admitted} \
                  admitted, {commands} Redis commands"
             );
             format!(
