@@ -705,24 +705,46 @@ burst = 1
 #[cfg(feature = "tokio")]
 #[test]
 fn a_task_looping_on_leased_decisions_lets_the_runtime_run_its_other_tasks() {
+    let calls = calls_before_a_looping_task_yields("lease = { max = 64 }");
+    assert!(
+        calls > 64,
+        "more calls than one lease holds before it yielded: {calls}"
+    );
+}
+
+/// The same for decisions made in memory one by one (no lease): they wait for nothing either.
+#[cfg(feature = "tokio")]
+#[test]
+fn a_task_looping_on_decisions_in_memory_lets_the_runtime_run_its_other_tasks() {
+    let calls = calls_before_a_looping_task_yields(r#"lease = "off""#);
+    assert!(calls > 0, "it decided before it yielded: {calls}");
+}
+
+/// How many calls a task looping on `Limiter::admit` (a tool with a huge limit and `lease`)
+/// makes on a current-thread runtime before the runtime runs another task; fails after a
+/// minute if it never yields.
+#[cfg(feature = "tokio")]
+fn calls_before_a_looping_task_yields(lease: &str) -> u64 {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
     use std::sync::Arc;
 
-    const HUGE: &str = r#"
+    let huge = format!(
+        r#"
 [[tool]]
 name = "search"
 unit = "calls"
-rate = { limit = 1000000000000, per = "1s" }
-lease = { max = 64 }
+rate = {{ limit = 1000000000000, per = "1s" }}
+{lease}
 [tool.default_tenant]
-"#;
+"#
+    );
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("a runtime");
         let calls = rt.block_on(async {
-            let l = Arc::new(limiter(HUGE).0);
+            let l = Arc::new(limiter(&huge).0);
             let (calls, stop) = (
                 Arc::new(AtomicU64::new(0)),
                 Arc::new(AtomicBool::new(false)),
@@ -745,13 +767,8 @@ lease = { max = 64 }
         });
         let _ = tx.send(calls);
     });
-    let calls = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the task looping on leased decisions never yielded to the runtime");
-    assert!(
-        calls > 64,
-        "more calls than one lease holds before it yielded: {calls}"
-    );
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the task looping on decisions that wait for nothing never yielded")
 }
 
 /// The memory store, whose corrections never finish: as a remote store whose answers to

@@ -167,11 +167,11 @@ where
         let cost = self.describe.cost(&req);
         let state = match self.limiter.begin(&caller, &tool, cost) {
             // Decided at once: the ready service is called now, no clone needed.
-            Begun::Done(Ok(ticket), _) => GenState::Calling {
+            Begun::Done(Ok(ticket)) => GenState::Calling {
                 held: Some(Held::new(ticket, &self.limiter)),
                 fut: self.inner.call(req),
             },
-            Begun::Done(Err(r), _) => GenState::Refused { refusal: Some(r) },
+            Begun::Done(Err(r)) => GenState::Refused { refusal: Some(r) },
             Begun::Waiting(admission) => {
                 let clone = self.inner.clone();
                 GenState::Admitting {

@@ -248,7 +248,7 @@ where
         .or_else(|| parts.extensions.get::<Cost>().copied())
         .unwrap_or_default();
     let outcome = match shared.limiter.begin(&caller, &tool, cost) {
-        crate::limiter::Begun::Done(outcome, _) => outcome,
+        crate::limiter::Begun::Done(outcome) => outcome,
         crate::limiter::Begun::Waiting(rest) => rest.await,
     };
     let held = match outcome {

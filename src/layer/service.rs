@@ -103,7 +103,7 @@ where
         };
         let cost = req.extensions().get::<Cost>().copied().unwrap_or_default();
         let outcome = match shared.limiter.begin(caller, tool.as_str(), cost) {
-            Begun::Done(outcome, _) => outcome,
+            Begun::Done(outcome) => outcome,
             // The store has to be waited for.
             Begun::Waiting(admission) => {
                 // The service was driven ready; a clone takes its place for the next call.

@@ -113,9 +113,8 @@ fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
 
 /// How a call goes once it is begun: answered, or the rest of it to wait for.
 pub(crate) enum Begun {
-    /// Answered; `true` when spent from a lease (it waited for nothing: a task looping on
-    /// such calls yields to the runtime by the cooperative budget).
-    Done(Outcome, bool),
+    /// Answered.
+    Done(Outcome),
     /// The store's I/O, and what follows it.
     Waiting(Pin<Box<dyn Future<Output = Outcome> + Send>>),
 }
@@ -246,20 +245,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ///
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
+    ///
+    /// With the `tokio` feature each call spends a unit of the task's cooperative budget
+    /// before it is decided, like any awaited operation: a task that loops on calls answered
+    /// at once (spent from a lease, or decided in memory) still lets the runtime run its
+    /// other tasks.
     pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
-        match self.begin(caller, tool, cost) {
-            Begun::Done(outcome, leased) => {
-                // A call spent from a lease waited for nothing: a task that loops on such
-                // calls still lets the runtime run its other tasks.
-                #[cfg(feature = "tokio")]
-                if leased && tokio::runtime::Handle::try_current().is_ok() {
-                    tokio::task::coop::consume_budget().await;
-                }
-                let _ = leased;
-                outcome
-            }
-            Begun::Waiting(rest) => rest.await,
-        }
+        // A call answered at once (spent from a lease, decided in memory) waits for nothing:
+        // each call spends a unit of the task's cooperative budget first, so a task that loops
+        // on such calls still lets the runtime run its other tasks. (Spent before deciding,
+        // nothing but the arguments is held across that wait.)
+        #[cfg(feature = "tokio")]
+        tokio::task::coop::consume_budget().await;
+        let rest = match self.begin(caller, tool, cost) {
+            Begun::Done(outcome) => return outcome,
+            Begun::Waiting(rest) => rest,
+        };
+        rest.await
     }
 
     /// Decides one call like [`admit`](Self::admit), when that needs no waiting: `Some` when
@@ -286,7 +288,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// ```
     pub fn try_admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Option<Outcome> {
         match self.begin(caller, tool, cost) {
-            Begun::Done(outcome, _) => Some(outcome),
+            Begun::Done(outcome) => Some(outcome),
             // Not started: the store's work runs only when awaited.
             Begun::Waiting(_) => None,
         }
@@ -303,7 +305,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .leases
             .spend(version, tool, caller, cost.0, now, can_fetch)
         {
-            return Begun::Done(self.spent(caller, tool, cost, spent, None), true);
+            return Begun::Done(self.spent(caller, tool, cost, spent, None));
         }
         let policy = inner.policy.load();
         let now = inner.clock.now();
@@ -311,7 +313,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(plan) => plan,
             Err(r) => {
                 let outcome = self.finish(&policy, caller, tool, cost, Err(r), now);
-                return Begun::Done(outcome, false);
+                return Begun::Done(outcome);
             }
         };
         let mut ask = plan.cost;
@@ -322,7 +324,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             match taken {
                 Take::Hit(spent) => {
                     let ticket = self.spent(caller, tool, cost, spent, Some(&policy));
-                    return Begun::Done(ticket, true);
+                    return Begun::Done(ticket);
                 }
                 Take::Miss { grant } => ask = grant,
             }
@@ -339,12 +341,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Answer::Now(d) => {
                 started.record(self.inner.store.kind());
                 match self.answered(caller, plan, ask, d) {
-                    Ok(decided) => {
-                        let outcome = self.conclude(policy, caller, plan, decided);
-                        // A decision on a leasing path may not wait, as one spent from a lease.
-                        let leasing = lease::eligible(plan) && outcome.is_ok();
-                        Begun::Done(outcome, leasing)
-                    }
+                    Ok(decided) => Begun::Done(self.conclude(policy, caller, plan, decided)),
                     Err(back) => {
                         self.give_back_grant(back, plan.now);
                         self.ask(policy, caller, plan, plan.cost)
@@ -683,7 +680,7 @@ impl<S: Store, C: Clock> Rest<S, C> {
             Err(back) => {
                 l.give_back_grant(back, plan.now);
                 return match l.ask(&self.policy, &self.caller, &plan, plan.cost) {
-                    Begun::Done(outcome, _) => outcome,
+                    Begun::Done(outcome) => outcome,
                     Begun::Waiting(rest) => rest.await,
                 };
             }
