@@ -705,7 +705,7 @@ burst = 1
 #[cfg(feature = "tokio")]
 #[test]
 fn a_task_looping_on_leased_decisions_lets_the_runtime_run_its_other_tasks() {
-    let calls = calls_before_a_looping_task_yields("lease = { max = 64 }");
+    let calls = calls_before_a_looping_task_yields("lease = { max = 64 }", ONE);
     assert!(
         calls > 64,
         "more calls than one lease holds before it yielded: {calls}"
@@ -716,28 +716,48 @@ fn a_task_looping_on_leased_decisions_lets_the_runtime_run_its_other_tasks() {
 #[cfg(feature = "tokio")]
 #[test]
 fn a_task_looping_on_decisions_in_memory_lets_the_runtime_run_its_other_tasks() {
-    let calls = calls_before_a_looping_task_yields(r#"lease = "off""#);
+    let calls = calls_before_a_looping_task_yields(r#"lease = "off""#, ONE);
     assert!(calls > 0, "it decided before it yielded: {calls}");
 }
 
-/// How many calls a task looping on `Limiter::admit` (a tool with a huge limit and `lease`)
-/// makes on a current-thread runtime before the runtime runs another task; fails after a
-/// minute if it never yields.
+/// The same for calls charged to two tools at once (`Limiter::admit_all`), leased or not.
 #[cfg(feature = "tokio")]
-fn calls_before_a_looping_task_yields(lease: &str) -> u64 {
+#[test]
+fn a_task_looping_on_calls_of_two_tools_lets_the_runtime_run_its_other_tasks() {
+    for lease in [r#"lease = "off""#, "lease = { max = 64 }"] {
+        let calls = calls_before_a_looping_task_yields(lease, TWO);
+        assert!(calls > 0, "{lease}: it decided before it yielded: {calls}");
+    }
+}
+
+/// A call of the looping task's tool; a call of it and of its twin.
+#[cfg(feature = "tokio")]
+const ONE: &[(&str, Cost)] = &[("search", Cost(1.0))];
+#[cfg(feature = "tokio")]
+const TWO: &[(&str, Cost)] = &[("search", Cost(1.0)), ("search.twin", Cost(1.0))];
+
+/// How many calls a task looping on `charges` (`Limiter::admit` for one tool, `admit_all`
+/// for two; tools with a huge limit and `lease`) makes on a current-thread runtime before the
+/// runtime runs another task; fails after a minute if it never yields.
+#[cfg(feature = "tokio")]
+fn calls_before_a_looping_task_yields(lease: &str, charges: &'static [(&str, Cost)]) -> u64 {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
     use std::sync::Arc;
 
-    let huge = format!(
-        r#"
+    let tool = |name: &str| {
+        format!(
+            r#"
 [[tool]]
-name = "search"
+name = "{name}"
+group = "search"
 unit = "calls"
 rate = {{ limit = 1000000000000, per = "1s" }}
 {lease}
 [tool.default_tenant]
 "#
-    );
+        )
+    };
+    let huge = tool("search") + &tool("search.twin");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -754,7 +774,11 @@ rate = {{ limit = 1000000000000, per = "1s" }}
                 async move {
                     let acme = Caller::new("acme");
                     while !stop.load(Relaxed) {
-                        l.admit(&acme, "search", Cost(1.0)).await.expect("admitted");
+                        match charges {
+                            [(tool, cost)] => l.admit(&acme, tool, *cost).await.map(|_| ()),
+                            _ => l.admit_all(&acme, charges).await.map(|_| ()),
+                        }
+                        .expect("admitted");
                         calls.fetch_add(1, Relaxed);
                     }
                 }

@@ -62,7 +62,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// share a [group](crate::policy::ToolPolicy::group) (so a store shared by replicas keeps
     /// their state together and decides them in one step), each named once, at most
     /// [`MAX_TOOLS_PER_CALL`]. Answers one ticket per tool, in the order of `charges`: settle
-    /// or release each like any ticket.
+    /// or release each like any ticket. Like [`admit`](Self::admit), it spends a unit of
+    /// tokio's cooperative budget first (with the `tokio` feature).
     ///
     /// ```
     /// use tower_fairshare::{Caller, Cost, Limiter, Policy};
@@ -108,6 +109,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if let [(tool, cost)] = charges {
             return self.admit(caller, tool, *cost).await.map(|t| vec![t]);
         }
+        // As `admit`: a unit of the task's cooperative budget first, for calls that wait for
+        // nothing.
+        #[cfg(feature = "tokio")]
+        tokio::task::coop::consume_budget().await;
         if let Some(tickets) = self.spend_all(caller, charges) {
             return Ok(tickets);
         }
