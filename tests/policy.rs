@@ -484,3 +484,48 @@ fn a_work_conserving_tool_lends_all_its_idle_capacity() {
     );
     assert!(nominal_got <= 380, "nominal: {nominal_got}");
 }
+
+/// A field of one kind of level written in another is named with where it belongs, every
+/// one of them, instead of the first stopping the parse.
+#[test]
+fn fields_of_another_level_are_named_with_where_they_belong() {
+    let err = Policy::from_toml_str(
+        r#"
+        [[tool]]
+        name = "t"
+        unit = "calls"
+        rate = { limit = 600, per = "1m" }
+        [tool.tenants.a]
+        max_instances = 5
+        [tool.tenants.a.instances.x]
+        max_tenants = 3
+        [tool.tenants.a.instances.x.instances.y]
+        [tool.tenants.a.default_instance]
+        default_instance = {}
+        "#,
+    )
+    .unwrap_err();
+    let mut problems = err.problems();
+    problems.sort();
+    assert_eq!(
+        problems,
+        [
+            (
+                "tool[0].tenants.a.default_instance.default_instance".to_string(),
+                "`default_instance` is only valid in `a tenant`".to_string()
+            ),
+            (
+                "tool[0].tenants.a.instances.x.instances".into(),
+                "`instances` is only valid in `a tenant`".into()
+            ),
+            (
+                "tool[0].tenants.a.instances.x.max_tenants".into(),
+                "`max_tenants` is only valid in `default_tenant or a plan`".into()
+            ),
+            (
+                "tool[0].tenants.a.max_instances".into(),
+                "`max_instances` is only valid in `default_instance`".into()
+            ),
+        ]
+    );
+}

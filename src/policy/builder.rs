@@ -1,7 +1,7 @@
 //! Building a policy in code. The builder writes the same structure a file does and runs
 //! the same validation, so a built policy obeys exactly the rules of a loaded one.
 
-use super::raw::{RawBudget, RawInstance, RawPolicy, RawRate, RawTenant, RawTool};
+use super::raw::{RawBudget, RawLevel, RawPolicy, RawRate, RawTool};
 use super::{validate, BudgetPeriod, OnStoreError, Policy, PolicyError, Unit};
 
 /// Builds a [`Policy`] in code.
@@ -35,6 +35,29 @@ impl PolicyBuilder {
     pub fn build(self) -> Result<Policy, PolicyError> {
         validate::policy(self.raw)
     }
+}
+
+/// The setters of what every level has, the tool included: its burst, its cap on calls in
+/// flight, its calendar budgets.
+macro_rules! limit_setters {
+    () => {
+        /// The most units taken at one instant above the floors: the depth of the level's
+        /// bucket.
+        pub fn burst(mut self, burst: f64) -> Self {
+            self.raw.burst = Some(burst);
+            self
+        }
+        /// Cap on calls in flight at this level.
+        pub fn max_concurrency(mut self, n: u32) -> Self {
+            self.raw.max_concurrency = Some(n as f64);
+            self
+        }
+        /// Adds a calendar budget.
+        pub fn budget(mut self, period: BudgetPeriod, max: f64) -> Self {
+            self.raw.budgets.push(RawBudget { period, max });
+            self
+        }
+    };
 }
 
 /// One tool, for [`PolicyBuilder::tool`].
@@ -72,11 +95,7 @@ impl ToolBuilder {
             },
         }
     }
-    /// The most spent at one instant above the floors.
-    pub fn burst(mut self, burst: f64) -> Self {
-        self.raw.burst = Some(burst);
-        self
-    }
+    limit_setters!();
     /// Tiers allowed to call (any caller when never called).
     pub fn tiers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, tiers: I) -> Self {
         self.raw.tiers = Some(tiers.into_iter().map(Into::into).collect());
@@ -85,16 +104,6 @@ impl ToolBuilder {
     /// Whether callers without a tenant are refused (default true).
     pub fn require_tenant(mut self, yes: bool) -> Self {
         self.raw.require_tenant = Some(yes);
-        self
-    }
-    /// Cap on calls in flight for the whole tool.
-    pub fn max_concurrency(mut self, n: u32) -> Self {
-        self.raw.max_concurrency = Some(n as f64);
-        self
-    }
-    /// Adds a calendar budget.
-    pub fn budget(mut self, period: BudgetPeriod, max: f64) -> Self {
-        self.raw.budgets.push(RawBudget { period, max });
         self
     }
     /// `false`: shadow mode (decide and record, never refuse).
@@ -158,7 +167,7 @@ impl ToolBuilder {
 /// A tenant (or the tenant template), for [`ToolBuilder::tenant`].
 #[derive(Clone, Debug, Default)]
 pub struct TenantBuilder {
-    raw: RawTenant,
+    raw: RawLevel,
 }
 
 macro_rules! level_setters {
@@ -178,21 +187,7 @@ macro_rules! level_setters {
             self.raw.ceiling = Some(c);
             self
         }
-        /// The most taken at one instant above the floor.
-        pub fn burst(mut self, b: f64) -> Self {
-            self.raw.burst = Some(b);
-            self
-        }
-        /// Cap on calls in flight.
-        pub fn max_concurrency(mut self, n: u32) -> Self {
-            self.raw.max_concurrency = Some(n as f64);
-            self
-        }
-        /// Adds a calendar budget.
-        pub fn budget(mut self, period: BudgetPeriod, max: f64) -> Self {
-            self.raw.budgets.push(RawBudget { period, max });
-            self
-        }
+        limit_setters!();
     };
 }
 
@@ -210,7 +205,7 @@ impl TenantBuilder {
     }
     /// The template for this tenant's unlisted instances.
     pub fn default_instance(mut self, i: InstanceBuilder) -> Self {
-        self.raw.default_instance = Some(i.raw);
+        self.raw.default_instance = Some(Box::new(i.raw));
         self
     }
     /// Adds a named instance.
@@ -223,7 +218,7 @@ impl TenantBuilder {
 /// An instance (or the instance template), for [`TenantBuilder::instance`].
 #[derive(Clone, Debug, Default)]
 pub struct InstanceBuilder {
-    raw: RawInstance,
+    raw: RawLevel,
 }
 
 impl InstanceBuilder {

@@ -115,14 +115,14 @@ pub(crate) struct RawTool {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) lease: Option<RawLease>,
     #[serde(default)]
-    pub(crate) default_tenant: Option<RawTenant>,
+    pub(crate) default_tenant: Option<RawLevel>,
     /// Templates for unlisted tenants by the plan their caller carries.
     #[serde(default, skip_serializing_if = "UniqueMap::is_empty")]
-    pub(crate) plans: UniqueMap<RawTenant>,
+    pub(crate) plans: UniqueMap<RawLevel>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) unknown_plan: Option<UnknownPlan>,
     #[serde(default)]
-    pub(crate) tenants: UniqueMap<RawTenant>,
+    pub(crate) tenants: UniqueMap<RawLevel>,
 }
 
 /// A tool's `lease` setting as written: `"auto"`, `"off"`, or `{ max = N }`.
@@ -179,9 +179,11 @@ impl<'de> Deserialize<'de> for RawLease {
     }
 }
 
+/// A tenant or an instance (listed, or a template). The fields of one kind only are
+/// reported where they are misplaced by validation, naming where they belong.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct RawTenant {
+pub(crate) struct RawLevel {
     #[serde(default)]
     pub(crate) weight: Option<f64>,
     #[serde(default)]
@@ -197,28 +199,13 @@ pub(crate) struct RawTenant {
     /// Only in `default_tenant` and plans.
     #[serde(default)]
     pub(crate) max_tenants: Option<f64>,
-    #[serde(default)]
-    pub(crate) default_instance: Option<RawInstance>,
-    #[serde(default)]
-    pub(crate) instances: UniqueMap<RawInstance>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawInstance {
-    #[serde(default)]
-    pub(crate) weight: Option<f64>,
-    #[serde(default)]
-    pub(crate) floor: Option<f64>,
-    #[serde(default)]
-    pub(crate) ceiling: Option<f64>,
-    #[serde(default)]
-    pub(crate) burst: Option<f64>,
-    #[serde(default)]
-    pub(crate) max_concurrency: Option<f64>,
-    #[serde(default)]
-    pub(crate) budgets: Vec<RawBudget>,
     /// Only in `default_instance`.
     #[serde(default)]
     pub(crate) max_instances: Option<f64>,
+    /// Only in a tenant.
+    #[serde(default)]
+    pub(crate) default_instance: Option<Box<RawLevel>>,
+    /// Only in a tenant.
+    #[serde(default)]
+    pub(crate) instances: UniqueMap<RawLevel>,
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::raw::{DefaultCeiling, RawBudget, RawInstance, RawLease, RawPolicy, RawTenant, RawTool};
+use super::raw::{DefaultCeiling, RawBudget, RawLease, RawLevel, RawPolicy, RawTool};
 use super::{
     Budget, BudgetPeriod, LevelPolicy, Period, Policy, PolicyError, Problem, ToolPolicy, Violation,
     Warning,
@@ -319,7 +319,7 @@ fn fingerprint(raw: &RawTool) -> u64 {
 /// [`MAX_PLANS`](super::MAX_PLANS) of them.
 fn plans_of(
     cx: &mut Ctx,
-    raw: &super::raw::UniqueMap<RawTenant>,
+    raw: &super::raw::UniqueMap<RawLevel>,
     unknown: Option<super::UnknownPlan>,
     path: &str,
     burst: f64,
@@ -430,14 +430,20 @@ fn common(
     name: &str,
     path: &str,
     template: bool,
-    weight: Option<f64>,
-    floor: Option<f64>,
-    ceiling: Option<f64>,
-    burst: Option<f64>,
-    max_concurrency: Option<f64>,
-    budgets: &[RawBudget],
+    raw: &RawLevel,
     parent_burst: f64,
 ) -> LevelPolicy {
+    let RawLevel {
+        weight,
+        floor,
+        ceiling,
+        burst,
+        max_concurrency,
+        budgets,
+        ..
+    } = raw;
+    let (weight, floor, ceiling, burst, max_concurrency) =
+        (*weight, *floor, *ceiling, *burst, *max_concurrency);
     let weight_path = format!("{path}.weight");
     let mut weight = cx.positive(&weight_path, weight.unwrap_or(1.0));
     if !WEIGHTS.contains(&weight) {
@@ -510,27 +516,30 @@ fn template_bound(
     }
 }
 
+/// Reports each field of `fields` that is written (`true`) at `path`, where it has no meaning:
+/// it belongs in `place`.
+fn reject(cx: &mut Ctx, path: &str, fields: &[(&'static str, bool)], place: &'static str) {
+    for &(field, written) in fields {
+        if written {
+            cx.err(
+                format!("{path}.{field}"),
+                Problem::Misplaced { field, place },
+            );
+        }
+    }
+}
+
 fn tenant(
     cx: &mut Ctx,
     name: &str,
-    raw: &RawTenant,
+    raw: &RawLevel,
     path: &str,
     tool_burst: f64,
     template: bool,
 ) -> LevelPolicy {
-    let mut t = common(
-        cx,
-        name,
-        path,
-        template,
-        raw.weight,
-        raw.floor,
-        raw.ceiling,
-        raw.burst,
-        raw.max_concurrency,
-        &raw.budgets,
-        tool_burst,
-    );
+    let mut t = common(cx, name, path, template, raw, tool_burst);
+    let misplaced = [("max_instances", raw.max_instances.is_some())];
+    reject(cx, path, &misplaced, "default_instance");
     template_bound(
         cx,
         &mut t,
@@ -579,24 +588,19 @@ fn tenant(
 fn instance(
     cx: &mut Ctx,
     name: &str,
-    raw: &RawInstance,
+    raw: &RawLevel,
     path: &str,
     tenant_burst: f64,
     template: bool,
 ) -> LevelPolicy {
-    let mut i = common(
-        cx,
-        name,
-        path,
-        template,
-        raw.weight,
-        raw.floor,
-        raw.ceiling,
-        raw.burst,
-        raw.max_concurrency,
-        &raw.budgets,
-        tenant_burst,
-    );
+    let mut i = common(cx, name, path, template, raw, tenant_burst);
+    let misplaced = [("max_tenants", raw.max_tenants.is_some())];
+    reject(cx, path, &misplaced, "default_tenant or a plan");
+    let misplaced = [
+        ("default_instance", raw.default_instance.is_some()),
+        ("instances", !raw.instances.is_empty()),
+    ];
+    reject(cx, path, &misplaced, "a tenant");
     template_bound(
         cx,
         &mut i,
