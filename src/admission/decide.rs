@@ -382,25 +382,39 @@ impl<'a> Decision<'a> {
     /// The call admitted: `takes` drawn from every level, counted in its windows, budgets
     /// and template counts; the answer.
     fn commit(&mut self, snap: &mut Snapshot, takes: [[f64; 3]; 3]) -> Admitted {
-        let mut out = Admitted {
-            at: self.plan.now,
-            ..Admitted::default()
-        };
-        out.charge.cost = self.plan.cost;
-        out.charge.window = self.window;
-        let floor_units: f64 = takes[..self.n].iter().map(|t| t[0]).sum();
+        let mut expires = [0.0; 3];
         for (idx, take) in takes.into_iter().enumerate().take(self.n) {
-            out.expires[idx] = self.commit_level(idx, take, snap.level_mut(idx));
-            out.charge.levels[idx] = self.charge_of(idx, take);
+            expires[idx] = self.commit_level(idx, take, snap.level_mut(idx));
         }
         // The tool counts every floor unit drawn below it, for the window report.
+        let floor_units: f64 = takes[..self.n].iter().map(|t| t[0]).sum();
         snap.tool.floor_used += floor_units - takes[0][0];
         let counts = self.count_children(snap);
-        for (e, c) in out.expires.iter_mut().zip(counts).take(self.n) {
+        for (e, c) in expires.iter_mut().zip(counts).take(self.n) {
             *e = e.max(c);
         }
-        self.report(snap, &mut out);
-        out
+        let charged = |idx: usize| match idx < self.n {
+            true => self.charge_of(idx, takes[idx]),
+            false => LevelCharge::default(),
+        };
+        let view = |idx: usize| match idx < self.n {
+            true => self.levels[idx].view(),
+            false => LevelView::default(),
+        };
+        Admitted {
+            expires,
+            charge: Charge {
+                cost: self.plan.cost,
+                window: self.window,
+                levels: [charged(0), charged(1), charged(2)],
+            },
+            remaining: self.remaining(snap),
+            quota: self.levels[self.n - 1].numbers.ceiling,
+            reset_in: self.next_window - self.now,
+            slack: snap.tool.ceiling,
+            views: [view(1), view(2)],
+            at: self.plan.now,
+        }
     }
 
     /// The template children this call counts: its tenant at the tool, its instance at the
@@ -482,29 +496,16 @@ impl<'a> Decision<'a> {
         }
     }
 
-    /// The figures of the answer: what is left of the caller's quota (its ceiling per
-    /// period) in this window, and of its tenant's when siblings share it — the `r` a client
-    /// reads against `q`, counting down to 0 by the window's end; the slack; the views.
-    fn report(&self, snap: &Snapshot, out: &mut Admitted) {
+    /// What is left of the caller's quota (its ceiling per period) in this window, and of
+    /// its tenant's when siblings share it: the `r` a client reads against `q`, counting down
+    /// to 0 by the window's end.
+    fn remaining(&self, snap: &Snapshot) -> f64 {
         let states = snap.levels();
         let callers = self.levels[1..self.n].iter().zip(&states[1..self.n]);
         let remaining = callers.fold(f64::INFINITY, |r, (l, s)| {
             r.min(l.numbers.ceiling - s.total)
         });
-        out.remaining = remaining.max(0.0);
-        out.quota = self.levels[self.n - 1].numbers.ceiling;
-        out.reset_in = self.next_window - self.now;
-        out.slack = snap.tool.ceiling;
-        let view = |l: &Level<'_>| LevelView {
-            weight: l.numbers.weight,
-            floor: l.numbers.floor,
-            share: l.numbers.share,
-            ceiling: l.numbers.ceiling,
-        };
-        out.views[0] = view(&self.levels[1]);
-        if self.n == 3 {
-            out.views[1] = view(&self.levels[2]);
-        }
+        remaining.max(0.0)
     }
 
     /// The refusal for `f`.

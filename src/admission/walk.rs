@@ -3,7 +3,7 @@
 
 use super::bucket::{wait_for, Bucket, Buckets, EPS};
 use super::refusal::{Reason, Scope};
-use super::state::NodeState;
+use super::state::{LevelView, NodeState};
 use crate::policy::numbers::{level_numbers, LevelNumbers};
 use crate::policy::{LevelPolicy, ToolPolicy};
 
@@ -28,6 +28,15 @@ impl Level<'_> {
     }
     pub(super) fn ceil_b(&self) -> &Bucket {
         &self.buckets[2]
+    }
+    /// The numbers an answer shows of this level.
+    pub(super) fn view(&self) -> LevelView {
+        LevelView {
+            weight: self.numbers.weight,
+            floor: self.numbers.floor,
+            share: self.numbers.share,
+            ceiling: self.numbers.ceiling,
+        }
     }
 }
 
