@@ -70,18 +70,26 @@ pub(crate) struct Part {
     pub(crate) reset_in: f64,
 }
 
-/// A call spent from a lease: the grant, the call's part of it, and the size of the next
-/// grant to fetch ahead now, with the lease's keys, when it is time to.
+/// A call spent from a lease: the grant, the call's part of it, and the next grant to fetch
+/// ahead now, when it is time to.
 pub(crate) struct Spent {
     pub(crate) grant: Arc<Admission>,
     pub(crate) part: Part,
-    pub(crate) fetch: Option<(f64, CallKeys)>,
+    /// Out of line: a fetch is due once in a grant, and the record of every call spent is
+    /// copied on its way to the ticket.
+    pub(crate) fetch: Option<Box<Fetch>>,
     /// The tool's period in whole seconds (a ticket's `RateLimit` window).
     pub(crate) window_secs: u64,
     /// The tool's unit.
     pub(crate) unit: crate::policy::Unit,
     /// When it was spent.
     pub(crate) at: Timestamp,
+}
+
+/// The next grant to fetch ahead for a lease: its size, and the lease's keys.
+pub(crate) struct Fetch {
+    pub(crate) size: f64,
+    pub(crate) keys: CallKeys,
 }
 
 /// Units a lease gives back to the store: `factor` × the grant's charge (negative: a refund).
@@ -244,7 +252,10 @@ impl Lease {
             && can_fetch();
         let size = due.then(|| size(c, self, now)).filter(|size| *size > c);
         self.refreshing |= size.is_some();
-        let fetch = size.map(|s| (s, self.keys.clone()));
+        let fetch = size.map(|size| {
+            let keys = self.keys.clone();
+            Box::new(Fetch { size, keys })
+        });
         let window_secs = self.tool.period().as_secs_ceil();
         Some(Spent {
             grant,

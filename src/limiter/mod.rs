@@ -415,8 +415,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         policy: Option<&Arc<Policy>>,
     ) -> Outcome {
         let inner = &*self.inner;
-        if let Some((size, keys)) = spent.fetch {
-            self.fetch_ahead(caller, tool, keys, size);
+        if let Some(f) = spent.fetch {
+            self.fetch_ahead(caller, tool, f.keys, f.size);
         }
         let ticket = Ticket::of(
             Charged::Leased(spent.grant, spent.part),
