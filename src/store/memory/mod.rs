@@ -313,14 +313,7 @@ impl MemoryStore {
         let period = note_period(&cell, plan);
         let entry = found.as_deref().map(|e| &**e);
         let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
-        let mut snap = Snapshot {
-            tool: NodeState::default(),
-            tenant: entry.map_or_else(NodeState::default, |e| e.state.state(period)),
-            instance: match (entry, slot) {
-                (Some(e), Some(Ok(at))) => e.instances.as_slice()[at].state(period),
-                _ => NodeState::default(),
-            },
-        };
+        let mut snap = stored(entry, slot, period);
         let given_back = cell.given_back.load(Acquire);
         match decide_under(&cell, plan, &mut snap) {
             Ok(admitted) => {
@@ -389,6 +382,23 @@ impl MemoryStore {
         if changed {
             cell.given_back.fetch_add(1, Release);
         }
+    }
+}
+
+/// A call's tenant and instance states as stored in its tenant's `entry`, its instance at
+/// `slot` (fresh where none is); the tool's is read under its lock.
+fn stored(
+    entry: Option<&TenantEntry>,
+    slot: Option<Result<usize, usize>>,
+    period: f64,
+) -> Snapshot {
+    Snapshot {
+        tool: NodeState::default(),
+        tenant: entry.map_or_else(NodeState::default, |e| e.state.state(period)),
+        instance: match (entry, slot) {
+            (Some(e), Some(Ok(at))) => e.instances.as_slice()[at].state(period),
+            _ => NodeState::default(),
+        },
     }
 }
 

@@ -6,10 +6,10 @@
 use std::sync::{Arc, MutexGuard};
 
 use super::{
-    hash_tenant, lock, micros_ceil, note_period, write_back, MemoryStore, Shard, TenantEntry,
-    ToolCell, ToolEntry,
+    hash_tenant, lock, micros_ceil, note_period, stored, write_back, MemoryStore, Shard, ToolCell,
+    ToolEntry,
 };
-use crate::admission::engine::{self, NodeState, Plan, Snapshot};
+use crate::admission::engine::{self, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
 
 /// Where one plan's states live: its tenant's hash and shard, its tool's cell and period.
@@ -124,16 +124,9 @@ fn states(shard: &Shard, plan: &Plan<'_>, place: &Place) -> Snapshot {
     let entry = shard.tenants.find(place.hash, |e| {
         e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
     });
-    let instance = |e: &TenantEntry| {
-        let i = plan.instance?;
-        let at = e.instances.find(i.name).ok()?;
-        Some(e.instances.as_slice()[at].state(place.period))
-    };
-    Snapshot {
-        tool: NodeState::default(),
-        tenant: entry.map_or_else(NodeState::default, |e| e.state.state(place.period)),
-        instance: entry.and_then(|e| instance(e)).unwrap_or_default(),
-    }
+    let entry = entry.map(|e| &**e);
+    let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
+    stored(entry, slot, place.period)
 }
 
 /// Writes an admitted plan's tenant and instance states, adding its tenant's entry if new.
@@ -161,6 +154,7 @@ fn write(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::engine::NodeState;
     use crate::clock::Timestamp;
     use crate::{Caller, Cost, Policy, Store};
 
