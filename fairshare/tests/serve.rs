@@ -385,8 +385,11 @@ async fn the_flooding_tenant_among_a_thousand_is_named_and_metrics_stay_bounded(
     let state: serde_json::Value = serde_json::from_str(&state).unwrap();
     let busiest = &state["tools"][0]["busiest"]["tenants"];
     assert_eq!(busiest[0]["tenant"], "flood-co", "{busiest}");
+    // Nearly 2,000 refusals, counted in steps of 16. The board halves its counts at each
+    // minute of the server's clock, and this test takes seconds: at most one halving falls
+    // within it, so at least half of them are still counted.
     assert!(
-        busiest[0]["refused"].as_f64().unwrap() > 1_000.0,
+        busiest[0]["refused"].as_f64().unwrap() >= 950.0,
         "{busiest}"
     );
     // Every other identity calls once.
