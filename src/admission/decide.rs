@@ -393,13 +393,19 @@ impl<'a> Decision<'a> {
         for (e, c) in expires.iter_mut().zip(counts).take(self.n) {
             *e = e.max(c);
         }
-        let charged = |idx: usize| match idx < self.n {
-            true => self.charge_of(idx, takes[idx]),
-            false => LevelCharge::default(),
+        let charged = |idx: usize| {
+            if idx < self.n {
+                self.charge_of(idx, takes[idx])
+            } else {
+                LevelCharge::default()
+            }
         };
-        let view = |idx: usize| match idx < self.n {
-            true => self.levels[idx].view(),
-            false => LevelView::default(),
+        let view = |idx: usize| {
+            if idx < self.n {
+                self.levels[idx].view()
+            } else {
+                LevelView::default()
+            }
         };
         Admitted {
             expires,

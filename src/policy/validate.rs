@@ -433,35 +433,25 @@ fn common(
     raw: &RawLevel,
     parent_burst: f64,
 ) -> LevelPolicy {
-    let RawLevel {
-        weight,
-        floor,
-        ceiling,
-        burst,
-        max_concurrency,
-        budgets,
-        ..
-    } = raw;
-    let (weight, floor, ceiling, burst, max_concurrency) =
-        (*weight, *floor, *ceiling, *burst, *max_concurrency);
     let weight_path = format!("{path}.weight");
-    let mut weight = cx.positive(&weight_path, weight.unwrap_or(1.0));
+    let mut weight = cx.positive(&weight_path, raw.weight.unwrap_or(1.0));
     if !WEIGHTS.contains(&weight) {
         cx.err(&weight_path, Problem::WeightOutOfRange(weight));
         weight = 1.0;
     }
     let floor_path = format!("{path}.floor");
-    let floor = cx.non_negative(&floor_path, floor.unwrap_or(0.0));
+    let floor = cx.non_negative(&floor_path, raw.floor.unwrap_or(0.0));
     let floor = cx.at_most(&floor_path, floor);
-    let ceiling = ceiling.map(|c| cx.units(&format!("{path}.ceiling"), c));
-    let explicit_burst = burst.is_some();
-    let burst = match burst {
+    let ceiling = raw.ceiling.map(|c| cx.units(&format!("{path}.ceiling"), c));
+    let explicit_burst = raw.burst.is_some();
+    let burst = match raw.burst {
         Some(b) => cx.burst(&format!("{path}.burst"), b),
         None => parent_burst,
     };
-    let max_concurrency =
-        max_concurrency.map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
-    let budgets = cx.budgets(path, budgets);
+    let max_concurrency = raw
+        .max_concurrency
+        .map(|m| cx.count(&format!("{path}.max_concurrency"), m) as u32);
+    let budgets = cx.budgets(path, &raw.budgets);
     LevelPolicy {
         name: if template { "*".into() } else { name.into() },
         position: usize::MAX,
