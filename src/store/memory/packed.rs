@@ -167,50 +167,48 @@ impl Packed {
         f64::from_bits(word(&self.0, at))
     }
 
-    /// The state, for the tool's `period` (µs), built as one value.
+    /// The state, for the tool's `period` (µs).
     pub(super) fn state(&self, period: f64) -> NodeState {
+        let mut s = NodeState::default();
         let b = &self.0;
         let h = word(b, 0);
         let f = |at: usize| f64::from_bits(word(b, at));
         let t = f(HEADER);
         let window = engine::aligned_window(t, period);
+        s.live = true;
+        s.t = t;
+        s.share = f(HEADER + 8);
+        s.ceiling = f(HEADER + 16);
+        s.window = window;
+        s.total = f(HEADER + 24);
+        s.non_floor = f(HEADER + 32);
         let mut at = HEADER + 8 * CORE;
-        let mut next = |present: bool, n: usize| {
-            let here = at;
-            at += if present { 8 * n } else { 0 };
-            present.then_some(here)
-        };
-        let floors = next(h & FLOORS != 0, 2).map_or((0.0, 0.0), |at| (f(at), f(at + 8)));
-        let in_flight = next(h & FLIGHT != 0, 1).map_or(0.0, f);
-        let template = next(h & TEMPLATE != 0, 1).map_or((0.0, 0.0, 0.0), |at| {
-            let x = word(b, at);
-            (window, f64::from(x as u32), f64::from((x >> 32) as u32))
-        });
-        let nb = ((h >> BUDGETS_SHIFT) & 3) as usize;
-        let budgets = (0..nb)
-            .map(|k| BudgetCounter {
-                period: period_of(h >> (PERIODS_SHIFT + 2 * k as u32)),
-                start: f(at + 16 * k),
-                used: f(at + 16 * k + 8),
-            })
-            .collect();
-        NodeState {
-            live: true,
-            t,
-            floor: floors.0,
-            share: f(HEADER + 8),
-            ceiling: f(HEADER + 16),
-            window,
-            total: f(HEADER + 24),
-            non_floor: f(HEADER + 32),
-            floor_used: floors.1,
-            in_flight,
-            template_window: template.0,
-            template_in_window: template.1,
-            template_counted: template.2,
-            plans: Default::default(),
-            budgets,
+        if h & FLOORS != 0 {
+            s.floor = f(at);
+            s.floor_used = f(at + 8);
+            at += 16;
         }
+        if h & FLIGHT != 0 {
+            s.in_flight = f(at);
+            at += 8;
+        }
+        if h & TEMPLATE != 0 {
+            let x = word(b, at);
+            s.template_window = window;
+            s.template_in_window = f64::from(x as u32);
+            s.template_counted = f64::from((x >> 32) as u32);
+            at += 8;
+        }
+        let nb = ((h >> BUDGETS_SHIFT) & 3) as usize;
+        for k in 0..nb {
+            s.budgets.set(BudgetCounter {
+                period: period_of(h >> (PERIODS_SHIFT + 2 * k as u32)),
+                start: f(at),
+                used: f(at + 8),
+            });
+            at += 16;
+        }
+        s
     }
 
     /// Stores `s` (period: the tool's, µs) and its expiry; in place when its numbers take the
