@@ -53,7 +53,7 @@ impl Store for MapStore {
             if let (Some(i), true) = (instance, plan.instance.is_some()) {
                 writes.push((i, (snapshot.instance, a.expires[2])));
             }
-            admitted.push(Arc::new(a.into_admission(keys, 0)));
+            admitted.push(a.admission);
         }
         inner.states.extend(writes);
         Answer::Now(Ok(Decision::Admitted(Admissions::of(admitted).unwrap())))

@@ -2,12 +2,13 @@
 //! what the call charged out, or a refusal. Pure: the same plan and states always give the
 //! same answer.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
-use super::state::{BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
+use super::state::{Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
 use super::template::{self, Counted, Standing};
 use super::walk::{Fail, Label, Level, Walker};
 use crate::clock::Timestamp;
@@ -25,46 +26,15 @@ pub struct Snapshot {
     pub instance: NodeState,
 }
 
-/// What an admitted call charged, and what its answer says.
+/// An admitted call: its answer, and how long its levels' states must be kept.
 #[derive(Clone, Debug, Default)]
 pub struct Admitted {
     /// When each level's state may be forgotten without changing any future decision (µs):
     /// tool, tenant, instance, provided it holds no permits.
     pub expires: [f64; 3],
-    /// What was charged where.
-    pub charge: Charge,
-    /// Units of the caller's quota left in the current aligned window (the `r` of the
-    /// `RateLimit` header, against `quota`, its `q`).
-    pub remaining: f64,
-    /// The caller's ceiling per period (the `q` of `RateLimit-Policy`).
-    pub quota: f64,
-    /// Microseconds until the aligned window resets.
-    pub reset_in: f64,
-    /// Pool tokens left at the tool after the call: the slack to lend.
-    pub slack: f64,
-    /// Tenant and instance numbers.
-    pub views: [LevelView; 2],
-    /// When the call was decided: the plan's time, or its records' latest if they are later
-    /// (see [`decided_at`]).
-    pub at: Timestamp,
-}
-
-impl Admitted {
-    /// The [`Admission`](crate::store::Admission) a store answers for this call, under
-    /// `keys`, with the store's `call` id (0 when it keeps no per-call entries).
-    pub fn into_admission(self, keys: super::CallKeys, call: u128) -> crate::store::Admission {
-        crate::store::Admission {
-            keys,
-            charge: self.charge,
-            remaining: self.remaining,
-            quota: self.quota,
-            reset_in: self.reset_in,
-            slack: self.slack,
-            views: self.views,
-            at: self.at,
-            call,
-        }
-    }
+    /// The answer: what was charged where, under the plan's keys, and the figures the caller
+    /// is told. Its `call` is 0; a store that holds per-call entries names the call.
+    pub admission: Arc<Admission>,
 }
 
 /// The time a call is decided at: its own, or the latest time any of its levels' states was
@@ -409,17 +379,21 @@ impl<'a> Decision<'a> {
         };
         Admitted {
             expires,
-            charge: Charge {
-                cost: self.plan.cost,
-                window: self.window,
-                levels: [charged(0), charged(1), charged(2)],
-            },
-            remaining: self.remaining(snap),
-            quota: self.levels[self.n - 1].numbers.ceiling,
-            reset_in: self.next_window - self.now,
-            slack: snap.tool.ceiling,
-            views: [view(1), view(2)],
-            at: self.plan.now,
+            admission: Arc::new(Admission {
+                keys: self.plan.keys(),
+                charge: Charge {
+                    cost: self.plan.cost,
+                    window: self.window,
+                    levels: [charged(0), charged(1), charged(2)],
+                },
+                remaining: self.remaining(snap),
+                quota: self.levels[self.n - 1].numbers.ceiling,
+                reset_in: self.next_window - self.now,
+                slack: snap.tool.ceiling,
+                views: [view(1), view(2)],
+                at: self.plan.now,
+                call: 0,
+            }),
         }
     }
 

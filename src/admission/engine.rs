@@ -13,7 +13,8 @@ pub use super::adjust::{adjust, count_in_window, release};
 pub use super::decide::{decide, decided_at, Admitted, BudgetUse, LevelFigures, Snapshot};
 pub use super::plan::{LevelRef, OwnedPlan, Plan};
 pub use super::state::{
-    BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts,
+    Admission, BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+    PlanCounts,
 };
 
 pub(crate) use super::bucket::aligned_window;

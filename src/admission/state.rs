@@ -1,6 +1,8 @@
 //! What a store keeps per level and what an admitted call charged: the records the engine
 //! reads and writes.
 
+use super::plan::CallKeys;
+use crate::clock::Timestamp;
 use crate::policy::{BudgetPeriod, MAX_PLANS};
 
 /// A budget counter: units used in the window that starts at `start` (µs).
@@ -252,6 +254,33 @@ impl Charge {
     pub fn holds_permits(&self) -> bool {
         self.levels.iter().any(|l| l.permit)
     }
+}
+
+/// An admitted call, as the store reports it.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct Admission {
+    /// Which levels were charged.
+    pub keys: CallKeys,
+    /// What was charged where.
+    pub charge: Charge,
+    /// Units of the caller's quota (its ceiling per period, [`quota`](Self::quota)) left in
+    /// the current aligned window: the `r` of the `RateLimit` header, stated against `q`.
+    pub remaining: f64,
+    /// The caller's ceiling per period.
+    pub quota: f64,
+    /// Microseconds until the aligned window resets.
+    pub reset_in: f64,
+    /// Pool tokens left at the tool: the slack to lend.
+    pub slack: f64,
+    /// Tenant and instance numbers at the time of the decision.
+    pub views: [LevelView; 2],
+    /// When the store decided (its clock, or the caller's).
+    pub at: Timestamp,
+    /// The store's name for this call, unique across replicas: what its concurrency permits
+    /// are held under (0 for a store that needs none, like the
+    /// [`MemoryStore`](crate::MemoryStore)).
+    pub call: u128,
 }
 
 /// The numbers that explain a decision at one level (for logs, headers and disputes).

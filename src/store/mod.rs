@@ -14,38 +14,13 @@ use std::sync::Arc;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
+pub use crate::admission::engine::Admission;
 pub use crate::admission::CallKeys;
 pub use memory::MemoryStore;
 
-use crate::admission::engine::{Charge, LevelView, NodeState, Plan};
+use crate::admission::engine::{NodeState, Plan};
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
-
-/// An admitted call, as the store reports it.
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct Admission {
-    /// Which levels were charged.
-    pub keys: CallKeys,
-    /// What was charged where.
-    pub charge: Charge,
-    /// Units of the caller's quota (its ceiling per period, [`quota`](Self::quota)) left in
-    /// the current aligned window: the `r` of the `RateLimit` header, stated against `q`.
-    pub remaining: f64,
-    /// The caller's ceiling per period.
-    pub quota: f64,
-    /// Microseconds until the aligned window resets.
-    pub reset_in: f64,
-    /// Pool tokens left at the tool: the slack to lend.
-    pub slack: f64,
-    /// Tenant and instance numbers at the time of the decision.
-    pub views: [LevelView; 2],
-    /// When the store decided (its clock, or the caller's).
-    pub at: Timestamp,
-    /// The store's name for this call, unique across replicas: what its concurrency permits
-    /// are held under (0 for a store that needs none, like [`MemoryStore`]).
-    pub call: u128,
-}
 
 /// The store's answer to a call.
 #[derive(Clone, Debug)]

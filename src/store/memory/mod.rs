@@ -322,9 +322,7 @@ impl MemoryStore {
                     Some(entry) => write_back(entry, plan, &snap, slot, expires, period),
                     None => self.add_tenant(shard, hash, cell, plan, &snap, expires, period),
                 }
-                Decision::Admitted(Admissions::one(Arc::new(
-                    admitted.into_admission(plan.keys(), 0),
-                )))
+                Decision::Admitted(Admissions::one(admitted.admission))
             }
             Err(r) => {
                 if self.remember {

@@ -61,7 +61,7 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
                 &snap,
                 expires,
             );
-            Arc::new(a.into_admission(plan.keys(), 0))
+            a.admission
         });
     Decision::Admitted(Admissions::of(admitted).expect("a call of several tools"))
 }

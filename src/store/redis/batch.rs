@@ -1345,7 +1345,9 @@ impl Working {
         let mut out = Vec::with_capacity(parts.len());
         for ((part, jk), (a, snapshot)) in parts.iter().zip(jks).zip(admitted) {
             self.write(sh, part, jk, &a, snapshot, now);
-            out.push(Arc::new(a.into_admission(part.keys.clone(), part.call)));
+            let mut admission = a.admission;
+            Arc::make_mut(&mut admission).call = part.call;
+            out.push(admission);
         }
         Decision::Admitted(Admissions::of(out).expect("a call has a part"))
     }
@@ -1397,7 +1399,7 @@ impl Working {
             });
             self.written[i] = true;
             self.decided[i] = true;
-            if let (true, Some(z)) = (a.charge.levels[l].permit, jk.permits[l]) {
+            if let (true, Some(z)) = (a.admission.charge.levels[l].permit, jk.permits[l]) {
                 self.counts[z] += 1.0;
                 let zc = &mut self.zsets[z];
                 zc.prune = Some(now_f);
