@@ -723,10 +723,10 @@ impl<S: Store, C: Clock> Console<S, C> {
 
 fn keys_of(tp: &ToolPolicy, tenant: &Arc<str>, instance: Option<&Arc<str>>) -> CallKeys {
     CallKeys {
-        tool: tp.name_arc().clone(),
-        group: tp.key_group(),
-        tenant: tenant.clone(),
-        instance: instance.cloned(),
+        tool: tp.name_arc().into(),
+        group: tp.key_group().map(Into::into),
+        tenant: tenant.into(),
+        instance: instance.map(Into::into),
         untenanted: false,
     }
 }

@@ -7,6 +7,9 @@
 //! in disjoint spaces. The `{...}` hash tag holds only the tool: every key one decision
 //! touches is in one Redis Cluster slot, so a decision stays one atomic script.
 
+mod name;
+pub use name::Name;
+
 /// What a key names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

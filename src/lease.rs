@@ -34,7 +34,7 @@ use hashbrown::HashTable;
 use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
-use crate::key::{same_name, short_name_words};
+use crate::key::short_name_words;
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -700,12 +700,12 @@ impl<'a> Path<'a> {
     /// Whether `k` are this path's keys.
     fn is(&self, k: &CallKeys) -> bool {
         k.untenanted == self.untenanted
-            && same_name(&k.tenant, self.tenant)
-            && match (k.instance.as_deref(), self.instance) {
-                (Some(a), Some(b)) => same_name(a, b),
+            && k.tenant == *self.tenant
+            && match (&k.instance, self.instance) {
+                (Some(a), Some(b)) => *a == *b,
                 (a, b) => a.is_none() && b.is_none(),
             }
-            && same_name(&k.tool, self.tool)
+            && k.tool == *self.tool
     }
 }
 

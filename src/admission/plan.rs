@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::clock::Timestamp;
+use crate::key::Name;
 use crate::policy::{LevelPolicy, ToolPolicy};
 
 /// A level of the call: its name and the policy that applies (own entry or template).
@@ -36,13 +37,13 @@ pub struct Plan<'a> {
 
 impl Plan<'_> {
     /// The store keys of this call: the tool's, the tenant's and the instance's names it
-    /// carries, shared (no string is copied).
+    /// carries (copied when short, see [`Name`]).
     pub fn keys(&self) -> CallKeys {
         CallKeys {
-            tool: self.tool.name_arc().clone(),
-            group: self.tool.key_group(),
-            tenant: self.tenant.name.clone(),
-            instance: self.instance.map(|i| i.name.clone()),
+            tool: Name::from(self.tool.name_arc()),
+            group: self.tool.key_group().map(Name::from),
+            tenant: Name::from(self.tenant.name),
+            instance: self.instance.map(|i| Name::from(i.name)),
             untenanted: self.untenanted,
         }
     }
@@ -146,14 +147,14 @@ impl OwnedPlan {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CallKeys {
     /// Tool name.
-    pub tool: Arc<str>,
+    pub tool: Name,
     /// The tool's [group](crate::policy::ToolPolicy::group), when the policy puts it in one
     /// not named after the tool: a store shared by replicas keeps a group's state together.
-    pub group: Option<Arc<str>>,
+    pub group: Option<Name>,
     /// Tenant name, or the untenanted caller's id.
-    pub tenant: Arc<str>,
+    pub tenant: Name,
     /// Instance name, when instances are limited separately.
-    pub instance: Option<Arc<str>>,
+    pub instance: Option<Name>,
     /// Whether `tenant` is an untenanted caller.
     pub untenanted: bool,
 }
@@ -180,7 +181,7 @@ impl CallKeys {
     }
 
     /// What a store shared by replicas keeps together: the tool's group, or the tool.
-    pub fn slot(&self) -> &Arc<str> {
+    pub fn slot(&self) -> &Name {
         self.group.as_ref().unwrap_or(&self.tool)
     }
 }

@@ -63,9 +63,9 @@ fn paths_hash_apart_and_spread_over_the_shards() {
 fn grant(at: u64, reset_in: f64) -> Admission {
     Admission {
         keys: CallKeys {
-            tool: Arc::from("t"),
+            tool: "t".into(),
             group: None,
-            tenant: Arc::from("a"),
+            tenant: "a".into(),
             instance: None,
             untenanted: false,
         },

@@ -16,6 +16,7 @@ use std::sync::Arc;
 pub use self::redis::RedisStore;
 pub use crate::admission::engine::Admission;
 pub use crate::admission::CallKeys;
+pub use crate::key::Name;
 pub use memory::MemoryStore;
 
 use crate::admission::engine::{NodeState, Plan};

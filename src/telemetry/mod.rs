@@ -273,11 +273,11 @@ pub(crate) fn lease_granted(tool: &std::sync::Arc<str>, units: f64, held: f64) {
 }
 
 /// `units` of a lease given back unspent.
-pub(crate) fn lease_returned(tool: &std::sync::Arc<str>, units: f64) {
+pub(crate) fn lease_returned(tool: &str, units: f64) {
     #[cfg(feature = "metrics")]
     {
-        metrics::counter!(LEASE_RETURNED_UNITS, "tool" => tool.clone()).increment(units as u64);
-        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).decrement(units);
+        metrics::counter!(LEASE_RETURNED_UNITS, "tool" => tool.to_owned()).increment(units as u64);
+        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.to_owned()).decrement(units);
     }
     #[cfg(not(feature = "metrics"))]
     let _ = (tool, units);

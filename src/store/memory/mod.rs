@@ -479,12 +479,12 @@ fn tenant_name(e: &TenantEntry) -> &str {
 /// Whether `k` are the keys of the call `plan` makes.
 fn keys_of(k: &CallKeys, plan: &Plan<'_>) -> bool {
     k.untenanted == plan.untenanted
-        && same_name(&k.tenant, plan.tenant.name)
-        && match (k.instance.as_deref(), plan.instance) {
-            (Some(a), Some(b)) => same_name(a, b.name),
+        && k.tenant == **plan.tenant.name
+        && match (&k.instance, plan.instance) {
+            (Some(a), Some(b)) => *a == **b.name,
             (a, b) => a.is_none() && b.is_none(),
         }
-        && same_name(&k.tool, plan.tool.name())
+        && k.tool == *plan.tool.name()
 }
 
 impl Store for MemoryStore {

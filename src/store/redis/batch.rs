@@ -98,7 +98,7 @@ impl Job {
 }
 
 /// Sends `job` to the worker of `tool`, starting it if it has none.
-pub(super) fn submit(shared: &Arc<Shared>, tool: &Arc<str>, job: Job) {
+pub(super) fn submit(shared: &Arc<Shared>, tool: &str, job: Job) {
     let mut queues = lock(&shared.queues);
     if let Some(q) = queues.get(tool) {
         match q.send(job) {
@@ -114,8 +114,9 @@ pub(super) fn submit(shared: &Arc<Shared>, tool: &Arc<str>, job: Job) {
         return drop_job(job, "no tokio runtime to decide on");
     };
     let _ = tx.send(job);
+    let tool: Arc<str> = Arc::from(tool);
     queues.insert(tool.clone(), tx);
-    rt.spawn(work(Arc::downgrade(shared), rx, tool.clone()));
+    rt.spawn(work(Arc::downgrade(shared), rx, tool));
 }
 
 fn drop_job(job: Job, why: &str) {

@@ -394,7 +394,7 @@ impl Drop for Working {
 #[derive(Debug)]
 struct HeldPermits {
     /// The tool's slot (its group, or itself): what one script may touch together.
-    slot: Arc<str>,
+    slot: crate::key::Name,
     keys: Vec<String>,
 }
 
@@ -898,7 +898,7 @@ impl Shared {
     /// given: and those its permits zsets lost are added again).
     async fn renew(&self, now: Timestamp, revive: Option<&str>) -> Result<u64, StoreError> {
         // Per tool (one slot), per permits key: the ids to renew.
-        let mut by_tool: HashMap<Arc<str>, HashMap<String, Vec<u8>>> = HashMap::new();
+        let mut by_tool: HashMap<crate::key::Name, HashMap<String, Vec<u8>>> = HashMap::new();
         for (call, held) in lock(&self.held).iter() {
             if revive.is_some_and(|t| *t != *held.slot) {
                 continue;

@@ -69,8 +69,8 @@ impl HealthState {
 
     /// Notes that the store decides for `tool`; a new tool's epoch marker is checked (and set)
     /// at once, so a loss soon after is noticed.
-    pub(super) fn saw_tool(&self, shared: &Arc<Shared>, tool: &Arc<str>) {
-        if self.known.load().iter().any(|t| **t == **tool) {
+    pub(super) fn saw_tool(&self, shared: &Arc<Shared>, tool: &str) {
+        if self.known.load().iter().any(|t| **t == *tool) {
             return;
         }
         {
@@ -78,6 +78,7 @@ impl HealthState {
             if epochs.contains_key(tool) {
                 return;
             }
+            let tool: Arc<str> = Arc::from(tool);
             epochs.insert(tool.clone(), None);
             let mut known = Vec::clone(&self.known.load());
             known.push(tool.clone());
@@ -88,7 +89,7 @@ impl HealthState {
             return;
         };
         let shared = shared.clone();
-        let tool = tool.clone();
+        let tool: Arc<str> = Arc::from(tool);
         rt.spawn(async move {
             let _ = shared.check_epoch(&tool).await;
         });
