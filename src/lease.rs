@@ -70,14 +70,11 @@ pub(crate) struct Part {
     pub(crate) reset_in: f64,
 }
 
-/// A call spent from a lease: the grant, what the call spent of it, and the next grant to
-/// fetch ahead now, when it is time to.
+/// A call spent from a lease: the grant, the call's part of it, and the next grant to fetch
+/// ahead now, when it is time to.
 pub(crate) struct Spent {
     pub(crate) grant: Arc<Admission>,
-    /// The grant's units, what is left of them after the call, and the call's cost.
-    pub(crate) granted: f64,
-    pub(crate) left: f64,
-    pub(crate) cost: f64,
+    pub(crate) part: Part,
     /// Out of line: a fetch is due once in a grant, and the record of every call spent is
     /// copied on its way to the ticket.
     pub(crate) fetch: Option<Box<Fetch>>,
@@ -247,6 +244,7 @@ impl Lease {
         let grant = self.grant.clone()?;
         self.left = (self.left - c).max(0.0);
         self.last = now;
+        let part = part_of(&grant, self.granted, self.left, c, now);
         let due = self.next.is_none()
             && !self.refreshing
             && !self.cool
@@ -261,9 +259,7 @@ impl Lease {
         let window_secs = self.tool.period().as_secs_ceil();
         Some(Spent {
             grant,
-            granted: self.granted,
-            left: self.left,
-            cost: c,
+            part,
             fetch,
             window_secs,
             unit: self.tool.unit(),
@@ -278,14 +274,13 @@ impl Lease {
         })?;
         self.give_back_current(returns);
         let left = (n.granted - c).max(0.0);
+        let part = part_of(&n.grant, n.granted, left, c, now);
         self.grant = Some(n.grant.clone());
         (self.granted, self.left, self.until, self.room) = (n.granted, left, n.until, n.room);
         (self.started, self.last) = (now, now);
         Some(Spent {
             grant: n.grant,
-            granted: n.granted,
-            left,
-            cost: c,
+            part,
             fetch: None,
             window_secs: self.tool.period().as_secs_ceil(),
             unit: self.tool.unit(),
@@ -572,13 +567,13 @@ impl Leases {
             else {
                 return;
             };
-            l.left = (l.left + s.cost).min(l.granted);
+            l.left = (l.left + s.part.cost).min(l.granted);
             l.refreshing &= s.fetch.is_none();
         });
         if let Some(s) = back {
             returns.push(Return {
-                factor: -s.part().of,
-                units: s.cost,
+                factor: -s.part.of,
+                units: s.part.cost,
                 grant: s.grant,
             });
         }
@@ -779,14 +774,6 @@ fn ends(grant: &Admission, now: u64) -> u64 {
         }
     }
     until
-}
-
-impl Spent {
-    /// The call's part of the grant it was spent from (worked out where the ticket is made,
-    /// from the numbers the lease answered).
-    pub(crate) fn part(&self) -> Part {
-        part_of(&self.grant, self.granted, self.left, self.cost, self.at.as_micros())
-    }
 }
 
 /// A call's part of a grant it is spent from: its share of what the grant charged at each

@@ -415,12 +415,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         policy: Option<&Arc<Policy>>,
     ) -> Outcome {
         let inner = &*self.inner;
-        let part = spent.part();
         if let Some(f) = spent.fetch {
             self.fetch_ahead(caller, tool, f.keys, f.size);
         }
         let ticket = Ticket::of(
-            Charged::Leased(spent.grant, part),
+            Charged::Leased(spent.grant, spent.part),
             spent.window_secs,
             spent.unit,
         );
