@@ -153,9 +153,9 @@ impl<'a> Decision<'a> {
 
     /// How the tenant and the instance stand among their parents' template children, and
     /// how many are counted with this call: (tenants per template, instances).
-    fn count_callers(&mut self, snap: &Snapshot) -> Result<(Counted, u64), Fail> {
+    fn count_callers<'s>(&mut self, snap: &'s Snapshot) -> Result<(Counted<'s>, u64), Fail> {
         let (plan, window) = (&self.plan, self.window);
-        let mut n_tenants = template::counted_per_slot(&snap.tool, window, plan.tool.plans.len());
+        let mut n_tenants = Counted::at(&snap.tool, window);
         let t_pol = plan.tenant.policy;
         if t_pol.template {
             self.standing[0] = template::standing(&snap.tenant, window);
@@ -164,7 +164,7 @@ impl<'a> Decision<'a> {
                 if n >= t_pol.max_tracked {
                     return Err(too_many(Scope::Tenant, t_pol.max_tracked, n, 0.0));
                 }
-                n_tenants.bump(t_pol.slot);
+                n_tenants = n_tenants.with_own(t_pol.slot);
             }
         }
         let mut n_instances = template::counted_at(&snap.tenant, window);
@@ -189,23 +189,19 @@ impl<'a> Decision<'a> {
 
     /// The tenant's and the instance's numbers at the counts given, and the share banks
     /// their parents hold for their children.
-    fn level_numbers(&mut self, n_tenants: Counted, n_instances: u64) {
+    fn level_numbers(&mut self, n_tenants: Counted<'_>, n_instances: u64) {
         let (tool, t_pol, c) = (self.plan.tool, self.plan.tenant.policy, self.plan.cost);
-        let mut templates = [(0.0, 0u64); 1 + crate::policy::MAX_PLANS];
-        let mut weight = tool.configured_weight;
-        for (slot, t) in templates.iter_mut().enumerate().take(1 + tool.plans.len()) {
-            if let Some(p) = tool.template(slot) {
-                let n = n_tenants.get(slot);
-                weight += p.weight * n as f64;
-                *t = (p.burst, n);
-            }
-        }
+        // Each template of the tool (`default_tenant`, then each plan's) with its tenants.
+        let templates = (0..1 + tool.plans.len())
+            .filter_map(|slot| tool.template(slot).map(|p| (p, n_tenants.get(slot))));
+        let weight = templates
+            .clone()
+            .fold(tool.configured_weight, |w, (p, n)| w + p.weight * n as f64);
         let tn = level_numbers(t_pol, tool.spare(), weight);
-        let templates = &templates[..1 + tool.plans.len()];
         let (tool_banks, tenant_bank) = banks(
             tool.burst,
             tool.configured_tenant_burst,
-            templates,
+            templates.map(|(p, n)| (p.burst, n)),
             t_pol.burst,
             c,
         );
@@ -223,7 +219,7 @@ impl<'a> Decision<'a> {
         let (instance_banks, instance_bank) = banks(
             t_pol.burst,
             t_pol.configured_child_burst,
-            &[(template_burst, n_instances)],
+            std::iter::once((template_burst, n_instances)),
             i.policy.burst,
             c,
         );
@@ -588,18 +584,23 @@ fn caller_level<'a>(
 /// so together they fill it, but never below one call (a bank must hold a call). So the
 /// parent holds (nearly) every banked share token, and a caller under its share is not
 /// crowded out by the others' banked bursts, whatever the order they call in.
-fn banks(depth: f64, configured: f64, templates: &[(f64, u64)], own: f64, cost: f64) -> (f64, f64) {
+fn banks(
+    depth: f64,
+    configured: f64,
+    templates: impl Iterator<Item = (f64, u64)> + Clone,
+    own: f64,
+    cost: f64,
+) -> (f64, f64) {
     let all = templates
-        .iter()
-        .fold(configured, |sum, &(burst, n)| sum + burst * n as f64);
+        .clone()
+        .fold(configured, |sum, (burst, n)| sum + burst * n as f64);
     if all <= depth || all <= 0.0 {
         return (all, own);
     }
     let scale = depth / all;
     let least = |burst: f64| (burst * scale).max(burst.min(2.0 * cost));
     let held = templates
-        .iter()
-        .fold(configured * scale, |sum, &(burst, n)| {
+        .fold(configured * scale, |sum, (burst, n)| {
             sum + least(burst) * n as f64
         });
     (held, least(own))

@@ -64,35 +64,43 @@ pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
     .1 as u64
 }
 
-/// How many unlisted tenants count at a tool, per template slot (0: `default_tenant`, then
-/// each plan's).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Counted([u32; SLOTS]);
-
-/// Slot 0 for `default_tenant`, one for each plan.
-pub(crate) const SLOTS: usize = MAX_PLANS + 1;
-
-impl Counted {
-    /// The tenants counted in `slot`.
-    pub(crate) fn get(&self, slot: usize) -> u64 {
-        u64::from(self.0[slot])
-    }
-    /// One more tenant counted in `slot`.
-    pub(super) fn bump(&mut self, slot: usize) {
-        self.0[slot] = self.0[slot].saturating_add(1);
-    }
+/// The unlisted tenants a tool counts at window `k`, per template slot (0: `default_tenant`,
+/// then each plan's), read from its state when asked; with a call's own tenant counted in
+/// its slot when it did not count yet.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Counted<'s> {
+    tool: &'s NodeState,
+    k: f64,
+    own: Option<usize>,
 }
 
-/// The tenants counted at tool state `s` at window `k`, per slot, for a tool with `plans`
-/// plans.
-pub(crate) fn counted_per_slot(s: &NodeState, k: f64, plans: usize) -> Counted {
-    let mut out = Counted::default();
-    out.0[0] = counted_at(s, k) as u32;
-    for p in 0..plans.min(MAX_PLANS) {
-        let (iw, c) = s.plans.get(p);
-        out.0[p + 1] = counts(s.template_window, f64::from(iw), f64::from(c), k).1 as u32;
+impl<'s> Counted<'s> {
+    /// The tenants counted at tool state `tool` at window `k`.
+    pub(super) fn at(tool: &'s NodeState, k: f64) -> Self {
+        Counted { tool, k, own: None }
     }
-    out
+
+    /// The tenants counted in `slot`.
+    pub(crate) fn get(&self, slot: usize) -> u64 {
+        let stored = match slot {
+            0 => counted_at(self.tool, self.k),
+            p if p <= MAX_PLANS => {
+                let (iw, c) = self.tool.plans.get(p - 1);
+                let t = self.tool.template_window;
+                counts(t, f64::from(iw), f64::from(c), self.k).1 as u64
+            }
+            _ => 0,
+        };
+        stored + u64::from(self.own == Some(slot))
+    }
+
+    /// The call's own tenant counted in `slot`.
+    pub(super) fn with_own(self, slot: usize) -> Self {
+        Counted {
+            own: Some(slot),
+            ..self
+        }
+    }
 }
 
 /// Slot `slot`'s counts as stored: (admitted in the parent's template window, counted).
