@@ -8,7 +8,9 @@ use std::time::Duration;
 use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
-use super::state::{Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState};
+use super::state::{
+    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+};
 use super::template::{self, Counted, Standing};
 use super::walk::{Fail, Label, Level, Walker};
 use crate::clock::Timestamp;
@@ -599,10 +601,9 @@ fn banks(
     }
     let scale = depth / all;
     let least = |burst: f64| (burst * scale).max(burst.min(2.0 * cost));
-    let held = templates
-        .fold(configured * scale, |sum, (burst, n)| {
-            sum + least(burst) * n as f64
-        });
+    let held = templates.fold(configured * scale, |sum, (burst, n)| {
+        sum + least(burst) * n as f64
+    });
     (held, least(own))
 }
 

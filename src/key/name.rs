@@ -178,6 +178,7 @@ mod tests {
         assert!(matches!(Name::from("acme").0, Repr::Inline { .. }));
         assert!(matches!(Name::from(long).0, Repr::Shared(_)));
         assert_ne!(Name::from("acme"), Name::from("acme2"));
-        assert!(Name::from("a") < Name::from("b"));
+        let (a, b) = (Name::from("a"), Name::from("b"));
+        assert_eq!(a.cmp(&b), std::cmp::Ordering::Less);
     }
 }
