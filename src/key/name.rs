@@ -49,26 +49,14 @@ impl Name {
 
 impl From<&str> for Name {
     fn from(s: &str) -> Self {
-        match inline(s) {
-            Some(bytes) => Name(Repr::Inline {
-                len: s.len() as u8,
-                bytes,
-            }),
-            None => Name(Repr::Shared(Arc::from(s))),
-        }
+        inline(s).unwrap_or_else(|| Name(Repr::Shared(Arc::from(s))))
     }
 }
 
 impl From<&Arc<str>> for Name {
     /// Copied when short enough to hold inline, shared otherwise.
     fn from(s: &Arc<str>) -> Self {
-        match inline(s) {
-            Some(bytes) => Name(Repr::Inline {
-                len: s.len() as u8,
-                bytes,
-            }),
-            None => Name(Repr::Shared(s.clone())),
-        }
+        inline(s).unwrap_or_else(|| Name(Repr::Shared(s.clone())))
     }
 }
 
@@ -84,11 +72,14 @@ impl From<String> for Name {
     }
 }
 
-/// `s`'s bytes in an inline buffer, when they fit.
-fn inline(s: &str) -> Option<[u8; INLINE]> {
+/// `s` held inline, when it fits.
+fn inline(s: &str) -> Option<Name> {
     let mut bytes = [0; INLINE];
     bytes.get_mut(..s.len())?.copy_from_slice(s.as_bytes());
-    Some(bytes)
+    Some(Name(Repr::Inline {
+        len: s.len() as u8,
+        bytes,
+    }))
 }
 
 impl Default for Name {

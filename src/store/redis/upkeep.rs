@@ -73,7 +73,7 @@ impl HealthState {
         if self.known.load().iter().any(|t| **t == *tool) {
             return;
         }
-        {
+        let tool: Arc<str> = {
             let mut epochs = lock(&self.epochs);
             if epochs.contains_key(tool) {
                 return;
@@ -83,13 +83,13 @@ impl HealthState {
             let mut known = Vec::clone(&self.known.load());
             known.push(tool.clone());
             self.known.store(Arc::new(known));
-        }
+            tool
+        };
         let (Ok(rt), Some(_)) = (tokio::runtime::Handle::try_current(), shared.backend.get())
         else {
             return;
         };
         let shared = shared.clone();
-        let tool: Arc<str> = Arc::from(tool);
         rt.spawn(async move {
             let _ = shared.check_epoch(&tool).await;
         });
