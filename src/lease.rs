@@ -694,13 +694,7 @@ impl<'a> Path<'a> {
 
     /// Whether `k` are this path's keys.
     fn is(&self, k: &CallKeys) -> bool {
-        k.untenanted == self.untenanted
-            && k.tenant == *self.tenant
-            && match (&k.instance, self.instance) {
-                (Some(a), Some(b)) => *a == *b,
-                (a, b) => a.is_none() && b.is_none(),
-            }
-            && k.tool == *self.tool
+        k.are(self.tool, self.tenant, self.instance, self.untenanted)
     }
 }
 

@@ -180,6 +180,18 @@ impl CallKeys {
         ]
     }
 
+    /// Whether these are the keys of `tool`'s caller `tenant` (an untenanted caller's id when
+    /// `untenanted`) and its `instance`.
+    pub fn are(&self, tool: &str, tenant: &str, instance: Option<&str>, untenanted: bool) -> bool {
+        self.untenanted == untenanted
+            && self.tenant == *tenant
+            && match (&self.instance, instance) {
+                (Some(a), Some(b)) => *a == *b,
+                (a, b) => a.is_none() && b.is_none(),
+            }
+            && self.tool == *tool
+    }
+
     /// What a store shared by replicas keeps together: the tool's group, or the tool.
     pub fn slot(&self) -> &Name {
         self.group.as_ref().unwrap_or(&self.tool)

@@ -478,13 +478,13 @@ fn tenant_name(e: &TenantEntry) -> &str {
 
 /// Whether `k` are the keys of the call `plan` makes.
 fn keys_of(k: &CallKeys, plan: &Plan<'_>) -> bool {
-    k.untenanted == plan.untenanted
-        && k.tenant == **plan.tenant.name
-        && match (&k.instance, plan.instance) {
-            (Some(a), Some(b)) => *a == **b.name,
-            (a, b) => a.is_none() && b.is_none(),
-        }
-        && k.tool == *plan.tool.name()
+    let instance = plan.instance.map(|i| &**i.name);
+    k.are(
+        plan.tool.name(),
+        plan.tenant.name,
+        instance,
+        plan.untenanted,
+    )
 }
 
 impl Store for MemoryStore {
