@@ -108,6 +108,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     tool: states[0].unwrap_or_default(),
                     tenant: states[1].unwrap_or_default(),
                     instance: states[2].unwrap_or_default(),
+                    plans: states.plans,
                 };
                 let mut e = crate::admission::engine::explain(&plan, &snap);
                 for l in &mut e.levels {

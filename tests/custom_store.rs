@@ -7,8 +7,8 @@ mod conformance;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use tower_fairshare::admission::engine::{self, NodeState, Plan, Snapshot};
-use tower_fairshare::store::{Admission, Admissions, Answer, CallKeys, Decision};
+use tower_fairshare::admission::engine::{self, NodeState, Plan, PlanCounts, Snapshot};
+use tower_fairshare::store::{Admission, Admissions, Answer, CallKeys, Decision, Stored};
 use tower_fairshare::{Store, Timestamp};
 
 /// Every level's state by its store key: all a store keeps.
@@ -16,6 +16,8 @@ use tower_fairshare::{Store, Timestamp};
 struct Inner {
     /// State and when it may be forgotten (µs).
     states: HashMap<String, (NodeState, f64)>,
+    /// A tool's plans' counts, by its store key (they go with its state).
+    plans: HashMap<String, PlanCounts>,
 }
 
 #[derive(Default)]
@@ -28,6 +30,11 @@ impl Inner {
             .map(|(s, _)| *s)
             .unwrap_or_default()
     }
+
+    fn plans(&self, tool: &Option<String>) -> PlanCounts {
+        let found = tool.as_ref().and_then(|k| self.plans.get(k));
+        found.copied().unwrap_or_default()
+    }
 }
 
 impl Store for MapStore {
@@ -35,12 +42,14 @@ impl Store for MapStore {
         let mut inner = self.0.lock().unwrap();
         // Every plan decided on the states as they are; written only if all are admitted.
         let mut writes = Vec::new();
+        let mut counts: Vec<(String, PlanCounts)> = Vec::new();
         let mut admitted = Vec::new();
         for plan in plans {
             let keys = plan.keys();
             let [tool, tenant, instance] = keys.encoded();
             let mut snapshot = Snapshot {
                 tool: inner.state(&tool),
+                plans: inner.plans(&tool),
                 tenant: inner.state(&tenant),
                 instance: inner.state(&instance),
             };
@@ -48,6 +57,7 @@ impl Store for MapStore {
                 Ok(a) => a,
                 Err(r) => return Answer::Now(Ok(Decision::Refused(r))),
             };
+            counts.push((tool.clone().unwrap(), snapshot.plans));
             writes.push((tool.unwrap(), (snapshot.tool, a.expires[0])));
             writes.push((tenant.unwrap(), (snapshot.tenant, a.expires[1])));
             if let (Some(i), true) = (instance, plan.instance.is_some()) {
@@ -56,6 +66,7 @@ impl Store for MapStore {
             admitted.push(a.admission);
         }
         inner.states.extend(writes);
+        inner.plans.extend(counts);
         Answer::Now(Ok(Decision::Admitted(Admissions::of(admitted).unwrap())))
     }
 
@@ -82,12 +93,14 @@ impl Store for MapStore {
         Answer::Now(Ok(()))
     }
 
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
         let inner = self.0.lock().unwrap();
-        let states = keys
-            .encoded()
-            .map(|k| k.and_then(|k| inner.states.get(&k).map(|(s, _)| *s)));
-        Answer::Now(Ok(states))
+        let [tool, tenant, instance] = keys.encoded();
+        let state = |k: Option<String>| k.and_then(|k| inner.states.get(&k).map(|(s, _)| *s));
+        Answer::Now(Ok(Stored {
+            plans: inner.plans(&tool),
+            levels: [state(tool), state(tenant), state(instance)],
+        }))
     }
 }
 
@@ -107,6 +120,8 @@ impl conformance::Factory for Custom {
         inner
             .states
             .retain(|_, (s, expires)| *expires > now || s.in_flight > 0.0);
+        let inner = &mut *inner;
+        inner.plans.retain(|k, _| inner.states.contains_key(k));
     }
 }
 

@@ -47,11 +47,11 @@ fn a_busy_caller_spends_from_its_lease_and_the_store_is_charged_exactly() {
     let held = l.leased_units();
     assert!(held > 0.0 && held <= 64.0, "held {held}");
     let keys = l.call_keys(&acme, "search").unwrap();
-    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap();
+    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap().levels;
     assert_eq!(tenant.unwrap().total, admitted + held);
     now(l.return_leases());
     assert_eq!(l.leased_units(), 0.0);
-    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap();
+    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap().levels;
     assert_eq!(tenant.unwrap().total, admitted);
 }
 
@@ -213,7 +213,7 @@ fn hammer(
 
 fn tenant_total(l: &Limiter<MemoryStore, ManualClock>, who: &Caller, tool: &str) -> f64 {
     let keys = l.call_keys(who, tool).unwrap();
-    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap();
+    let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap().levels;
     tenant.map_or(0.0, |t| t.total)
 }
 
@@ -257,7 +257,7 @@ fn unused_units_go_back_on_reload_idle_and_drop() {
     let keys = l.call_keys(&a, "search").unwrap();
     assert!(l.leased_units() > 0.0);
     drop(l);
-    let [_, tenant, _] = now(store.inspect(&keys)).unwrap();
+    let [_, tenant, _] = now(store.inspect(&keys)).unwrap().levels;
     assert_eq!(
         tenant.unwrap().total,
         got,
@@ -517,7 +517,7 @@ impl Store for Counting {
     fn release(&self, admission: &std::sync::Arc<store::Admission>) -> Answer<()> {
         self.inner.release(admission)
     }
-    fn inspect(&self, keys: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+    fn inspect(&self, keys: &store::CallKeys) -> Answer<store::Stored> {
         self.inner.inspect(keys)
     }
 }
@@ -584,7 +584,7 @@ fn fetched_ahead(without_waiting: bool) {
         );
         l.return_leases().await;
         let keys = l.call_keys(&acme, "search").unwrap();
-        let [_, tenant, _] = store.inspect(&keys).await.unwrap();
+        let [_, tenant, _] = store.inspect(&keys).await.unwrap().levels;
         assert_eq!(tenant.unwrap().total, calls as f64);
     });
 }
@@ -609,7 +609,7 @@ budgets = [{ period = "day", max = 1000000 }]
     let acme = Caller::new("acme");
     let keys = l.call_keys(&acme, "llm").unwrap();
     let used = || {
-        let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap();
+        let [_, tenant, _] = now(l.store().inspect(&keys)).unwrap().levels;
         tenant.unwrap().budgets[0].used
     };
     // Busy enough for grants above one call.
@@ -812,7 +812,7 @@ impl Store for SlowReturns {
     fn release(&self, admission: &std::sync::Arc<store::Admission>) -> Answer<()> {
         self.inner.release(admission)
     }
-    fn inspect(&self, keys: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+    fn inspect(&self, keys: &store::CallKeys) -> Answer<store::Stored> {
         self.inner.inspect(keys)
     }
 }

@@ -111,7 +111,7 @@ impl tower_fairshare::Store for Down {
     fn release(&self, _: &Arc<store::Admission>) -> Answer<()> {
         Answer::Now(Ok(()))
     }
-    fn inspect(&self, _: &store::CallKeys) -> Answer<[Option<engine::NodeState>; 3]> {
+    fn inspect(&self, _: &store::CallKeys) -> Answer<store::Stored> {
         Answer::Now(Ok(Default::default()))
     }
 }

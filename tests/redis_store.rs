@@ -707,7 +707,7 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         };
         // (A caller gone before its call was decided is never decided: only those decided
         // first had anything to give back.)
-        check(settled().await);
+        check(settled().await.levels);
         // Redis stalls: 20 decisions sent meanwhile hit the 50 ms timeout, and run once it
         // answers again. The tool fails open, so each of those calls runs unmetered.
         let mut conn = server.conn();
@@ -732,7 +732,7 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         // Once Redis answers, calls whose callers left before they were decided are dropped;
         // any decided after its caller left is given back. Either way nothing stays charged.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        check(settled().await);
+        check(settled().await.levels);
         // Every other tenant is admitted at once: all 8 permits of the tool are free.
         let mut held = Vec::new();
         for i in 0..8 {

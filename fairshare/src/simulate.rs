@@ -46,10 +46,10 @@ use http::{Request, Response, StatusCode};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use tower_fairshare::admission::engine::{LevelView, NodeState, Plan};
+use tower_fairshare::admission::engine::{LevelView, Plan};
 use tower_fairshare::policy::ToolAllocation;
 use tower_fairshare::store::{
-    Admission, Answer, CallKeys, Decision, MemoryStore, Store, StoreError,
+    Admission, Answer, CallKeys, Decision, MemoryStore, Store, StoreError, Stored,
 };
 use tower_fairshare::{
     Caller, Clock, Cost, FairShareLayer, Limiter, ManualClock, Period, Policy, Timestamp,
@@ -608,11 +608,11 @@ impl<S: Store> Store for Recorder<S> {
         self.store.release(admission)
     }
 
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
         self.store.inspect(keys)
     }
 
-    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<Stored> {
         self.store.inspect_at(keys, now)
     }
 }

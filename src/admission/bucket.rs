@@ -50,9 +50,7 @@ pub(super) fn refill(s: &mut NodeState, [f, h, k]: &Buckets, now: f64, period: f
     }
 }
 
-/// Brings a level's window counters to `window` (cleared when it moved on), and its template
-/// counts to the same window: equal counts are stored alike on every store (the window they
-/// are kept for is `window` when they are not zero, else 0).
+/// Brings a level's window counters to `window` (cleared when it moved on).
 pub(super) fn roll_window(s: &mut NodeState, window: f64) {
     if s.window != window {
         s.window = window;
@@ -60,7 +58,6 @@ pub(super) fn roll_window(s: &mut NodeState, window: f64) {
         s.non_floor = 0.0;
         s.floor_used = 0.0;
     }
-    super::template::roll(s, window);
 }
 
 pub(super) fn bucket(rate: f64, depth: f64) -> Bucket {

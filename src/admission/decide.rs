@@ -9,7 +9,7 @@ use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
-    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts,
 };
 use super::template::{self, Counted, Standing};
 use super::walk::{Fail, Label, Level, Walker};
@@ -26,6 +26,8 @@ pub struct Snapshot {
     pub tenant: NodeState,
     /// The instance's state (ignored without an instance).
     pub instance: NodeState,
+    /// The tool's counts of unlisted tenants per plan, kept beside its state.
+    pub plans: PlanCounts,
 }
 
 /// An admitted call: its answer, and how long its levels' states must be kept.
@@ -147,7 +149,8 @@ impl<'a> Decision<'a> {
         if f.scope == Scope::Tenant {
             // Exact from the tool's counts: when one of the counted stops counting.
             let slot = self.plan.tenant.policy.slot;
-            let leaves = template::until_one_leaves(&snap.tool, slot, self.window, self.period);
+            let leaves =
+                template::until_one_leaves(&snap.tool, &snap.plans, slot, self.window, self.period);
             f.wait = leaves - self.now;
         }
         self.refuse(f)
@@ -157,7 +160,7 @@ impl<'a> Decision<'a> {
     /// how many are counted with this call: (tenants per template, instances).
     fn count_callers<'s>(&mut self, snap: &'s Snapshot) -> Result<(Counted<'s>, u64), Fail> {
         let (plan, window) = (&self.plan, self.window);
-        let mut n_tenants = Counted::at(&snap.tool, window);
+        let mut n_tenants = Counted::at(&snap.tool, &snap.plans, window);
         let t_pol = plan.tenant.policy;
         if t_pol.template {
             self.standing[0] = template::standing(&snap.tenant, window);
@@ -174,7 +177,13 @@ impl<'a> Decision<'a> {
             self.standing[1] = template::standing(&snap.instance, window);
             if !self.standing[1].counted() {
                 if n_instances >= i.policy.max_tracked {
-                    let leaves = template::until_one_leaves(&snap.tenant, 0, window, self.period);
+                    let leaves = template::until_one_leaves(
+                        &snap.tenant,
+                        &PlanCounts::NONE,
+                        0,
+                        window,
+                        self.period,
+                    );
                     let wait = leaves - self.now;
                     return Err(too_many(
                         Scope::Instance,
@@ -237,6 +246,9 @@ impl<'a> Decision<'a> {
     fn bring_up_to_date(&self, snap: &mut Snapshot) {
         let parent_depth = [self.plan.tool.burst, self.plan.tenant.policy.burst];
         let (now, period, window) = (self.now, self.period, self.window);
+        // The template children's counts of the tool (its plans' with them) and the tenant.
+        template::roll(&mut snap.tool, &mut snap.plans, window);
+        template::roll(&mut snap.tenant, &mut PlanCounts::default(), window);
         for (idx, l) in self.levels[..self.n].iter().enumerate() {
             let s = snap.level_mut(idx);
             refill(s, &l.buckets, now, period);
@@ -403,13 +415,29 @@ impl<'a> Decision<'a> {
         let mut until = [0.0; 3];
         if self.plan.tenant.policy.template {
             let slot = self.plan.tenant.policy.slot;
-            template::count_child(&mut snap.tool, slot, self.standing[0], window);
-            until[0] = template::counts_until(&snap.tool, period);
+            template::count_child(
+                &mut snap.tool,
+                &mut snap.plans,
+                slot,
+                self.standing[0],
+                window,
+            );
+            until[0] = template::counts_until(&snap.tool, &snap.plans, period);
             until[1] = template::counted_until(window, period);
         }
         if self.n == 3 && self.plan.instance.is_some_and(|i| i.policy.template) {
-            template::count_child(&mut snap.tenant, 0, self.standing[1], window);
-            until[1] = until[1].max(template::counts_until(&snap.tenant, period));
+            template::count_child(
+                &mut snap.tenant,
+                &mut PlanCounts::default(),
+                0,
+                self.standing[1],
+                window,
+            );
+            until[1] = until[1].max(template::counts_until(
+                &snap.tenant,
+                &PlanCounts::NONE,
+                period,
+            ));
             until[2] = template::counted_until(window, period);
         }
         until

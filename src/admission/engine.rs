@@ -14,7 +14,7 @@ pub use super::decide::{decide, decided_at, Admitted, BudgetUse, LevelFigures, S
 pub use super::plan::{LevelRef, OwnedPlan, Plan};
 pub use super::state::{
     Admission, BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
-    PlanCounts,
+    PlanCounts, Stored,
 };
 
 pub(crate) use super::bucket::aligned_window;

@@ -46,21 +46,20 @@ pub struct NodeState {
     pub template_in_window: f64,
     /// Template children admitted in that window or the one before: the ones counted.
     pub template_counted: f64,
-    /// For a tool with plans: the same two counts for the unlisted tenants of each plan
-    /// (the two above count those of `default_tenant`), as of the same window.
-    pub plans: PlanCounts,
     /// Calendar budget counters.
     pub budgets: Budgets,
 }
 
 /// A tool's counts of unlisted tenants per plan, in the policy's plan order: for each,
 /// (admitted in the tool's `template_window`, counted), as [`NodeState::template_in_window`]
-/// and [`NodeState::template_counted`] are for `default_tenant`. All zero for a tool without
-/// plans, and for every tenant and instance.
+/// and [`NodeState::template_counted`] are for `default_tenant`. Kept beside the tool's
+/// state (a tenant or an instance has none); all zero for a tool without plans.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct PlanCounts([[u32; 2]; MAX_PLANS]);
 
 impl PlanCounts {
+    /// No counts: a tenant's (it has no plans).
+    pub const NONE: PlanCounts = PlanCounts([[0; 2]; MAX_PLANS]);
     /// Plan `i`'s counts (its place among the tool's plans): (admitted in the window,
     /// counted).
     pub fn get(&self, i: usize) -> (u32, u32) {
@@ -295,6 +294,24 @@ pub struct LevelView {
     pub share: f64,
     /// Ceiling per period.
     pub ceiling: f64,
+}
+
+/// What a store holds for a call's levels, as [`Store::inspect`](crate::Store::inspect) reads
+/// it: each level's state, tool first (`None` where nothing is stored), and the tool's counts
+/// of unlisted tenants per plan. Derefs to the three states.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct Stored {
+    /// The tool's, the tenant's and the instance's state.
+    pub levels: [Option<NodeState>; 3],
+    /// The tool's counts of unlisted tenants per plan.
+    pub plans: PlanCounts,
+}
+
+impl std::ops::Deref for Stored {
+    type Target = [Option<NodeState>; 3];
+    fn deref(&self) -> &[Option<NodeState>; 3] {
+        &self.levels
+    }
 }
 
 #[cfg(test)]

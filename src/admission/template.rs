@@ -8,7 +8,7 @@
 //! already says in which window it was last admitted. So counting is exact, costs no scan and
 //! no index, and is the same on every store.
 
-use super::state::NodeState;
+use super::state::{NodeState, PlanCounts};
 use crate::policy::MAX_PLANS;
 
 /// How a template child stands at window `k`: last admitted in `k`, in `k − 1`, or earlier
@@ -70,14 +70,20 @@ pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Counted<'s> {
     tool: &'s NodeState,
+    plans: &'s PlanCounts,
     k: f64,
     own: Option<usize>,
 }
 
 impl<'s> Counted<'s> {
-    /// The tenants counted at tool state `tool` at window `k`.
-    pub(super) fn at(tool: &'s NodeState, k: f64) -> Self {
-        Counted { tool, k, own: None }
+    /// The tenants counted at tool state `tool` (with its plans' counts) at window `k`.
+    pub(super) fn at(tool: &'s NodeState, plans: &'s PlanCounts, k: f64) -> Self {
+        Counted {
+            tool,
+            plans,
+            k,
+            own: None,
+        }
     }
 
     /// The tenants counted in `slot`.
@@ -85,7 +91,7 @@ impl<'s> Counted<'s> {
         let stored = match slot {
             0 => counted_at(self.tool, self.k),
             p if p <= MAX_PLANS => {
-                let (iw, c) = self.tool.plans.get(p - 1);
+                let (iw, c) = self.plans.get(p - 1);
                 let t = self.tool.template_window;
                 counts(t, f64::from(iw), f64::from(c), self.k).1 as u64
             }
@@ -104,40 +110,40 @@ impl<'s> Counted<'s> {
 }
 
 /// Slot `slot`'s counts as stored: (admitted in the parent's template window, counted).
-fn stored(parent: &NodeState, slot: usize) -> (f64, f64) {
+fn stored(parent: &NodeState, plans: &PlanCounts, slot: usize) -> (f64, f64) {
     match slot {
         0 => (parent.template_in_window, parent.template_counted),
         p => {
-            let (iw, c) = parent.plans.get(p - 1);
+            let (iw, c) = plans.get(p - 1);
             (f64::from(iw), f64::from(c))
         }
     }
 }
 
-fn store(parent: &mut NodeState, slot: usize, in_window: f64, counted: f64) {
+fn store(parent: &mut NodeState, plans: &mut PlanCounts, slot: usize, iw: f64, c: f64) {
     match slot {
         0 => {
-            parent.template_in_window = in_window;
-            parent.template_counted = counted;
+            parent.template_in_window = iw;
+            parent.template_counted = c;
         }
-        p => parent.plans.set(p - 1, in_window as u32, counted as u32),
+        p => plans.set(p - 1, iw as u32, c as u32),
     }
 }
 
 /// Brings every slot's counts to window `k` (they share the parent's window): equal counts
 /// are stored alike on every store (the window they are kept for is `k` when any is not
 /// zero, else 0).
-pub(super) fn roll(parent: &mut NodeState, k: f64) {
+pub(super) fn roll(parent: &mut NodeState, plans: &mut PlanCounts, k: f64) {
     if parent.template_window == k {
         return;
     }
-    let slots = 1 + parent.plans.len();
+    let slots = 1 + plans.len();
     let mut any = false;
     for sl in 0..slots {
-        let (iw, c) = stored(parent, sl);
+        let (iw, c) = stored(parent, plans, sl);
         if iw != 0.0 || c != 0.0 {
             let (iw, c) = counts(parent.template_window, iw, c, k);
-            store(parent, sl, iw, c);
+            store(parent, plans, sl, iw, c);
             any |= iw != 0.0 || c != 0.0;
         }
     }
@@ -145,10 +151,16 @@ pub(super) fn roll(parent: &mut NodeState, k: f64) {
 }
 
 /// Counts a child of template `slot`, standing as `before`, admitted at window `k`.
-pub(super) fn count_child(parent: &mut NodeState, slot: usize, before: Standing, k: f64) {
-    roll(parent, k);
+pub(super) fn count_child(
+    parent: &mut NodeState,
+    plans: &mut PlanCounts,
+    slot: usize,
+    before: Standing,
+    k: f64,
+) {
+    roll(parent, plans, k);
     parent.template_window = k;
-    let (mut in_window, mut counted) = stored(parent, slot);
+    let (mut in_window, mut counted) = stored(parent, plans, slot);
     match before {
         Standing::ThisWindow => {}
         Standing::LastWindow => in_window += 1.0,
@@ -159,7 +171,7 @@ pub(super) fn count_child(parent: &mut NodeState, slot: usize, before: Standing,
     }
     // Never fewer counted than admitted in this window, even after one of the two states was
     // lost (an evicted record): the counts heal within two windows.
-    store(parent, slot, in_window, counted.max(in_window));
+    store(parent, plans, slot, in_window, counted.max(in_window));
 }
 
 /// Until when (µs) a template child admitted at window `k` counts: the end of the next window.
@@ -168,11 +180,11 @@ pub(super) fn counted_until(k: f64, period: f64) -> f64 {
 }
 
 /// Until when (µs) a parent's counts are not all zero (0: they are).
-pub(super) fn counts_until(parent: &NodeState, period: f64) -> f64 {
-    let slots = 1 + parent.plans.len();
+pub(super) fn counts_until(parent: &NodeState, plans: &PlanCounts, period: f64) -> f64 {
+    let slots = 1 + plans.len();
     let (mut any_in_window, mut any_counted) = (false, false);
     for sl in 0..slots {
-        let (iw, c) = stored(parent, sl);
+        let (iw, c) = stored(parent, plans, sl);
         any_in_window |= iw > 0.0;
         any_counted |= c > 0.0;
     }
@@ -188,8 +200,14 @@ pub(super) fn counts_until(parent: &NodeState, period: f64) -> f64 {
 /// When (µs) the first template child of `slot` counted at `s`'s level at window `k` stops
 /// counting: the end of this window if one was last admitted in the window before, else the
 /// end of the next.
-pub(super) fn until_one_leaves(s: &NodeState, slot: usize, k: f64, period: f64) -> f64 {
-    let (iw, c) = stored(s, slot);
+pub(super) fn until_one_leaves(
+    s: &NodeState,
+    plans: &PlanCounts,
+    slot: usize,
+    k: f64,
+    period: f64,
+) -> f64 {
+    let (iw, c) = stored(s, plans, slot);
     let (in_window, counted) = counts(s.template_window, iw, c, k);
     if counted > in_window {
         (k + 1.0) * period
@@ -215,16 +233,47 @@ mod tests {
     #[test]
     fn a_child_counts_from_its_call_to_the_end_of_the_next_window() {
         let mut parent = NodeState::default();
+        let mut none = PlanCounts::default();
         // Window 10: a and b are admitted (a twice).
-        count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
-        count_child(&mut parent, 0, standing(&child(10.0), 10.0), 10.0);
-        count_child(&mut parent, 0, standing(&NodeState::default(), 10.0), 10.0);
+        count_child(
+            &mut parent,
+            &mut none,
+            0,
+            standing(&NodeState::default(), 10.0),
+            10.0,
+        );
+        count_child(
+            &mut parent,
+            &mut none,
+            0,
+            standing(&child(10.0), 10.0),
+            10.0,
+        );
+        count_child(
+            &mut parent,
+            &mut none,
+            0,
+            standing(&NodeState::default(), 10.0),
+            10.0,
+        );
         let s = parent;
         assert_eq!(counted_at(&s, 10.0), 2);
         // Window 11: both still count; c joins; a calls again (counted once).
         assert_eq!(counted_at(&s, 11.0), 2);
-        count_child(&mut parent, 0, standing(&NodeState::default(), 11.0), 11.0);
-        count_child(&mut parent, 0, standing(&child(10.0), 11.0), 11.0);
+        count_child(
+            &mut parent,
+            &mut none,
+            0,
+            standing(&NodeState::default(), 11.0),
+            11.0,
+        );
+        count_child(
+            &mut parent,
+            &mut none,
+            0,
+            standing(&child(10.0), 11.0),
+            11.0,
+        );
         let s = parent;
         assert_eq!(counted_at(&s, 11.0), 3);
         // Window 12: b (last in 10) no longer counts; a and c (in 11) do.

@@ -14,12 +14,12 @@ use std::sync::Arc;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
-pub use crate::admission::engine::Admission;
+pub use crate::admission::engine::{Admission, Stored};
 pub use crate::admission::CallKeys;
 pub use crate::key::Name;
 pub use memory::MemoryStore;
 
-use crate::admission::engine::{NodeState, Plan};
+use crate::admission::engine::Plan;
 use crate::admission::Refusal;
 use crate::clock::Timestamp;
 
@@ -198,15 +198,15 @@ pub trait Store: Send + Sync + 'static {
     fn release(&self, admission: &Arc<Admission>) -> Answer<()>;
 
     /// The stored state of the tool, tenant and instance levels of `keys` (`None` where
-    /// nothing is stored), as the store holds it: not brought up to date. For diagnostics and
-    /// tests.
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]>;
+    /// nothing is stored) and the tool's plans' counts, as the store holds them: not brought
+    /// up to date. For diagnostics and tests.
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored>;
 
     /// The same states as [`inspect`](Self::inspect), as a decision at `now` reads them: calls
     /// in flight are the permits that have not lapsed by then (a store whose permits never
     /// lapse, like the memory store, answers as `inspect`). Writes nothing. What
     /// [`Limiter::explain`](crate::Limiter::explain) and the console read.
-    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<Stored> {
         let _ = now;
         self.inspect(keys)
     }
@@ -246,10 +246,10 @@ impl<S: Store> Store for Arc<S> {
     fn release(&self, admission: &Arc<Admission>) -> Answer<()> {
         (**self).release(admission)
     }
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
         (**self).inspect(keys)
     }
-    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<Stored> {
         (**self).inspect_at(keys, now)
     }
     fn flush(&self) -> Answer<()> {

@@ -1960,7 +1960,7 @@ pub fn settling<F: Factory>(f: &F) {
                     for caller in &callers {
                         let keys = limiter.call_keys(caller, "llm").unwrap();
                         let states = limiter.store().inspect(&keys).await.unwrap();
-                        for (level, (key, state)) in keys.encoded().iter().zip(&states).enumerate() {
+                        for (level, (key, state)) in keys.encoded().iter().zip(&states.levels).enumerate() {
                             let (Some(key), Some(s)) = (key, state) else { continue };
                             let want = expected.total(key, s.window);
                             check(close(s.total, want), || {

@@ -76,7 +76,7 @@ async fn charged(limiter: &Model) -> f64 {
     let keys = limiter
         .call_keys(&Caller::new("acme"), "chat.tokens")
         .unwrap();
-    let [_, tenant, _] = limiter.store().inspect(&keys).await.unwrap();
+    let [_, tenant, _] = limiter.store().inspect(&keys).await.unwrap().levels;
     tenant.map_or(0.0, |s| s.total)
 }
 

@@ -12,7 +12,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
 use super::{Admission, Admissions, Answer, CallKeys, Decision, Store};
-use crate::admission::engine::{self, NodeState, Plan, Snapshot};
+use crate::admission::engine::{self, NodeState, Plan, PlanCounts, Snapshot, Stored};
 use crate::clock::Timestamp;
 use crate::key::{same_bytes, same_name};
 
@@ -85,6 +85,8 @@ struct ToolCell {
 #[derive(Default)]
 struct ToolEntry {
     state: NodeState,
+    /// Its unlisted tenants counted per plan (they expire with its state).
+    plans: PlanCounts,
     expires: u64,
 }
 
@@ -214,7 +216,7 @@ impl MemoryStore {
         for t in self.tools.load().iter() {
             let mut t = lock(&t.inner);
             if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 {
-                t.state = NodeState::default();
+                *t = ToolEntry::default();
             }
         }
     }
@@ -392,6 +394,7 @@ fn stored(
 ) -> Snapshot {
     Snapshot {
         tool: NodeState::default(),
+        plans: PlanCounts::default(),
         tenant: entry.map_or_else(NodeState::default, |e| e.state.state(period)),
         instance: match (entry, slot) {
             (Some(e), Some(Ok(at))) => e.instances.as_slice()[at].state(period),
@@ -407,9 +410,9 @@ fn decide_under(
     snap: &mut Snapshot,
 ) -> Result<engine::Admitted, crate::Refusal> {
     let mut tool = lock(&cell.inner);
-    snap.tool = tool.state;
+    (snap.tool, snap.plans) = (tool.state, tool.plans);
     let admitted = engine::decide(plan, snap)?;
-    tool.state = snap.tool;
+    (tool.state, tool.plans) = (snap.tool, snap.plans);
     tool.expires = micros_ceil(admitted.expires[0]);
     Ok(admitted)
 }
@@ -515,9 +518,12 @@ impl Store for MemoryStore {
         Answer::Now(Ok(()))
     }
 
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
-        let mut out: [Option<NodeState>; 3] = Default::default();
-        self.update(keys, |level, s| out[level] = Some(*s));
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
+        let mut out = Stored::default();
+        self.update(keys, |level, s| out.levels[level] = Some(*s));
+        if let Some(cell) = find_tool(&self.tools.load(), &keys.tool) {
+            out.plans = lock(&cell.inner).plans;
+        }
         Answer::Now(Ok(out))
     }
 }

@@ -38,7 +38,8 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let mut decided: [Option<(Snapshot, engine::Admitted)>; MAX] = Default::default();
     for (i, (plan, place)) in plans.iter().zip(&places).enumerate() {
         let mut snap = states(shard_of(&mut shards, place.shard), plan, place);
-        snap.tool = tools[i].as_ref().expect("locked").state;
+        let tool = tools[i].as_ref().expect("locked");
+        (snap.tool, snap.plans) = (tool.state, tool.plans);
         match engine::decide(plan, &mut snap) {
             Ok(admitted) => decided[i] = Some((snap, admitted)),
             Err(r) => return Decision::Refused(r),
@@ -51,7 +52,7 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
             let (snap, a) = decided.take().expect("decided");
             let expires = a.expires.map(micros_ceil);
             let tool = tool.as_mut().expect("locked");
-            tool.state = snap.tool;
+            (tool.state, tool.plans) = (snap.tool, snap.plans);
             tool.expires = expires[0];
             write(
                 store,
@@ -154,7 +155,6 @@ fn write(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::engine::NodeState;
     use crate::clock::Timestamp;
     use crate::{Caller, Cost, Policy, Store};
 
@@ -191,7 +191,7 @@ mod tests {
         ]
     }
 
-    fn states(store: &MemoryStore, plans: &[Plan<'_>]) -> Vec<[Option<NodeState>; 3]> {
+    fn states(store: &MemoryStore, plans: &[Plan<'_>]) -> Vec<crate::store::Stored> {
         plans
             .iter()
             .map(|p| match store.inspect(&p.keys()) {

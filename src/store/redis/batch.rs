@@ -41,7 +41,7 @@ use super::ledger::Ledger;
 use super::record::Record;
 use super::wire::permits_key;
 use super::{lock, Shared};
-use crate::admission::engine::{self, NodeState, OwnedPlan, Plan, Snapshot};
+use crate::admission::engine::{self, NodeState, OwnedPlan, Plan, PlanCounts, Snapshot};
 use crate::clock::Timestamp;
 use crate::store::{Admission, Admissions, CallKeys, Decision, StoreError};
 
@@ -488,7 +488,7 @@ fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Times
     let mut records = read.records.clone();
     let mut written = vec![false; n];
     for (i, key) in batch.keys.records.iter().enumerate() {
-        let held = records[i].as_ref().map(|r| (r.state, r.expires));
+        let held = records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
         let Some((state, until)) = ledger.restored(key, held.map(|h| h.0), now) else {
             continue;
         };
@@ -496,6 +496,7 @@ fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Times
             version: sh.ids.version(),
             expires: held.map_or(until, |h| h.1.max(until)),
             state,
+            plans: held.map(|h| h.2).unwrap_or_default(),
         });
         written[i] = true;
     }
@@ -1363,8 +1364,10 @@ impl Working {
             s.in_flight = jk.permits[l].map_or(0.0, |z| self.counts[z]);
             s
         };
+        let plans = jk.records[0].and_then(|i| self.records[i].as_ref());
         Snapshot {
             tool: state(0),
+            plans: plans.map(|r| r.plans).unwrap_or_default(),
             tenant: state(1),
             instance: if instance {
                 state(2)
@@ -1397,6 +1400,11 @@ impl Working {
                 version: sh.ids.version(),
                 expires: a.expires[l],
                 state: new_state,
+                plans: if l == 0 {
+                    snapshot.plans
+                } else {
+                    PlanCounts::NONE
+                },
             });
             self.written[i] = true;
             self.decided[i] = true;

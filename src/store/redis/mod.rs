@@ -230,7 +230,7 @@ use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
 use self::wire::LevelKeys;
 use super::{Admission, Answer, CallKeys, Decision, Store, StoreError};
-use crate::admission::engine::{NodeState, OwnedPlan, Plan};
+use crate::admission::engine::{NodeState, OwnedPlan, Plan, Stored};
 use crate::clock::Timestamp;
 
 #[derive(Debug)]
@@ -999,13 +999,13 @@ impl Store for RedisStore {
         })
     }
 
-    fn inspect(&self, keys: &CallKeys) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
         // Every permit held, lapsed or not (their scores are when they lapse: all above 0).
         let (sh, keys) = (self.shared.clone(), keys.clone());
         Answer::later(async move { sh.read_states(&keys, b"0".to_vec()).await })
     }
 
-    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<[Option<NodeState>; 3]> {
+    fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<Stored> {
         // The permits that have not lapsed at the decisions' clock: Redis's (`-1`) or `now`.
         let at = match self.shared.config.time {
             TimeSource::Redis => b"-1".to_vec(),
@@ -1027,11 +1027,7 @@ impl Store for RedisStore {
 impl Shared {
     /// The records of `keys`' levels and the permits they hold that have not lapsed by `at`
     /// (µs; `-1`: Redis `TIME`), through `inspect.lua`, writing nothing.
-    async fn read_states(
-        &self,
-        keys: &CallKeys,
-        at: Vec<u8>,
-    ) -> Result<[Option<NodeState>; 3], StoreError> {
+    async fn read_states(&self, keys: &CallKeys, at: Vec<u8>) -> Result<Stored, StoreError> {
         let sh = self;
         let encoded = sh.state_keys(keys);
         let present: Vec<(usize, &str)> = encoded
@@ -1048,14 +1044,17 @@ impl Shared {
                 Ok(reply)
             })
             .await?;
-        let mut out: [Option<NodeState>; 3] = Default::default();
+        let mut out = Stored::default();
         for (((level, _), value), held) in present.iter().zip(values).zip(held) {
-            let state = match value {
-                Some(bytes) => Some(record::Record::decode(&bytes, self.config.formats[1])?.state),
+            let record = match value {
+                Some(bytes) => Some(record::Record::decode(&bytes, self.config.formats[1])?),
                 None => None,
             };
+            if *level == 0 {
+                out.plans = record.as_ref().map(|r| r.plans).unwrap_or_default();
+            }
             // Calls in flight: the permits that count (see above).
-            out[*level] = match state {
+            out.levels[*level] = match record.map(|r| r.state) {
                 Some(mut s) => {
                     s.in_flight = held as f64;
                     Some(s)

@@ -44,6 +44,8 @@ pub(super) struct Record {
     pub(super) version: u64,
     pub(super) expires: f64,
     pub(super) state: NodeState,
+    /// A tool's unlisted tenants counted per plan (none at a tenant or an instance).
+    pub(super) plans: PlanCounts,
 }
 
 /// A budget period in a record: 1 hour, 2 day, 3 month.
@@ -99,11 +101,11 @@ impl Record {
                 out.extend_from_slice(&x.to_le_bytes());
             }
         }
-        let plans = s.plans.len();
+        let plans = self.plans.len();
         if plans > 0 {
             out.extend_from_slice(&(plans as f64).to_le_bytes());
             for p in 0..plans {
-                let (in_window, counted) = s.plans.get(p);
+                let (in_window, counted) = self.plans.get(p);
                 for x in [in_window, counted] {
                     out.extend_from_slice(&f64::from(x).to_le_bytes());
                 }
@@ -203,9 +205,9 @@ impl Record {
                 template_window: f(10),
                 template_in_window: f(11),
                 template_counted: f(12),
-                plans,
                 budgets,
             },
+            plans,
         })
     }
 }
@@ -238,24 +240,24 @@ pub(super) mod tests {
                     total: xs[6], non_floor: xs[7], floor_used: xs[8], in_flight: xs[9],
                     template_window: xs[10], template_in_window: xs[11],
                     template_counted: xs[12],
-                    plans: {
-                        let mut p = PlanCounts::default();
-                        for (i, &(a, b)) in plans.iter().enumerate() {
-                            p.set(i, a, b);
-                        }
-                        p
-                    },
                     budgets: budgets
                         .iter()
                         .map(|&(p, start, used)| BudgetCounter { period: periods[p], start, used })
                         .collect(),
+                },
+                plans: {
+                    let mut p = PlanCounts::default();
+                    for (i, &(a, b)) in plans.iter().enumerate() {
+                        p.set(i, a, b);
+                    }
+                    p
                 },
             };
             let back = Record::decode(&r.encode(FORMAT), FORMAT).unwrap();
             prop_assert_eq!(back.encode(FORMAT), r.encode(FORMAT));
             let next = Record::decode(&r.encode(NEXT), NEXT).unwrap();
             prop_assert_eq!(next.encode(FORMAT), r.encode(FORMAT));
-            prop_assert_eq!(back.state.plans, r.state.plans);
+            prop_assert_eq!(back.plans, r.plans);
         }
 
         /// A record of a level without plan counts is written as before plans existed, byte
@@ -279,7 +281,7 @@ pub(super) mod tests {
                 }
             }
             let r = Record::decode(&old, FORMAT).unwrap();
-            prop_assert!(r.state.plans.is_empty());
+            prop_assert!(r.plans.is_empty());
             prop_assert_eq!(r.state.budgets.len(), nb.len());
             prop_assert_eq!(r.encode(FORMAT), old);
         }

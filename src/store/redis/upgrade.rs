@@ -198,7 +198,7 @@ fn after_the_old_version_is_gone_records_are_migrated_with_everything_kept() {
             "rewritten in the new format"
         );
         let after = new.store().inspect(&keys).await.unwrap();
-        for (level, (b, a)) in before.iter().zip(&after).enumerate().take(2) {
+        for (level, (b, a)) in before.iter().zip(after.iter()).enumerate().take(2) {
             let (b, a) = (b.unwrap(), a.unwrap());
             assert_eq!(a.total, b.total + 1.0, "level {level}: its window's count");
             // Only the tenant caps calls in flight.
