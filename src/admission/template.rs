@@ -7,6 +7,10 @@
 //! admitted in it or in the window before (the ones counted) — and each child's own state
 //! already says in which window it was last admitted. So counting is exact, costs no scan and
 //! no index, and is the same on every store.
+//!
+//! A tool counts its unlisted tenants per template slot: `default_tenant`'s in its state, each
+//! plan's beside it ([`PlanCounts`]); a tenant counts its `default_instance` children only.
+//! So the functions below take a parent's state with its plans' counts (none for a tenant).
 
 use super::state::{NodeState, PlanCounts};
 use crate::policy::MAX_PLANS;
