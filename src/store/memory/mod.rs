@@ -308,27 +308,35 @@ impl MemoryStore {
         let found = shard
             .tenants
             .find_mut(hash, |e| e.is(tool, tenant, untenanted));
+        // The tool's cell: its tenant's (borrowed), or a new tenant's (made on first use).
+        let new_cell;
         let cell = match &found {
-            Some(entry) => entry.tool.clone(),
-            None => self.tool_cell(tool),
+            Some(entry) => &entry.tool,
+            None => {
+                new_cell = self.tool_cell(tool);
+                &new_cell
+            }
         };
-        let period = note_period(&cell, plan);
+        let period = note_period(cell, plan);
         let entry = found.as_deref().map(|e| &**e);
         let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
         let mut snap = stored(entry, slot, period);
         let given_back = cell.given_back.load(Acquire);
-        match decide_under(&cell, plan, &mut snap) {
+        match decide_under(cell, plan, &mut snap) {
             Ok(admitted) => {
                 let expires = admitted.expires.map(micros_ceil);
                 match found {
                     Some(entry) => write_back(entry, plan, &snap, slot, expires, period),
-                    None => self.add_tenant(shard, hash, cell, plan, &snap, expires, period),
+                    None => {
+                        let cell = cell.clone();
+                        self.add_tenant(shard, hash, cell, plan, &snap, expires, period)
+                    }
                 }
                 Decision::Admitted(Admissions::one(admitted.admission))
             }
             Err(r) => {
                 if self.remember {
-                    shard.memo.remember(set, plan, &cell, given_back, &r);
+                    shard.memo.remember(set, plan, cell, given_back, &r);
                 }
                 Decision::Refused(r)
             }
