@@ -232,52 +232,33 @@ mod tests {
         }
     }
 
+    /// Counts a child of slot 0 (`default_tenant`), standing as `before`, admitted at window
+    /// `k`; no plans counted.
+    fn admit(parent: &mut NodeState, before: &NodeState, k: f64) {
+        count_child(
+            parent,
+            &mut PlanCounts::default(),
+            0,
+            standing(before, k),
+            k,
+        );
+    }
+
     /// Three children over four windows: each counts from its first call in a window to the
     /// end of the next, exactly once.
     #[test]
     fn a_child_counts_from_its_call_to_the_end_of_the_next_window() {
         let mut parent = NodeState::default();
-        let mut none = PlanCounts::default();
         // Window 10: a and b are admitted (a twice).
-        count_child(
-            &mut parent,
-            &mut none,
-            0,
-            standing(&NodeState::default(), 10.0),
-            10.0,
-        );
-        count_child(
-            &mut parent,
-            &mut none,
-            0,
-            standing(&child(10.0), 10.0),
-            10.0,
-        );
-        count_child(
-            &mut parent,
-            &mut none,
-            0,
-            standing(&NodeState::default(), 10.0),
-            10.0,
-        );
+        admit(&mut parent, &NodeState::default(), 10.0);
+        admit(&mut parent, &child(10.0), 10.0);
+        admit(&mut parent, &NodeState::default(), 10.0);
         let s = parent;
         assert_eq!(counted_at(&s, 10.0), 2);
         // Window 11: both still count; c joins; a calls again (counted once).
         assert_eq!(counted_at(&s, 11.0), 2);
-        count_child(
-            &mut parent,
-            &mut none,
-            0,
-            standing(&NodeState::default(), 11.0),
-            11.0,
-        );
-        count_child(
-            &mut parent,
-            &mut none,
-            0,
-            standing(&child(10.0), 11.0),
-            11.0,
-        );
+        admit(&mut parent, &NodeState::default(), 11.0);
+        admit(&mut parent, &child(10.0), 11.0);
         let s = parent;
         assert_eq!(counted_at(&s, 11.0), 3);
         // Window 12: b (last in 10) no longer counts; a and c (in 11) do.
