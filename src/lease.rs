@@ -34,7 +34,6 @@ use hashbrown::HashTable;
 use crate::admission::engine::Plan;
 use crate::clock::Timestamp;
 use crate::identity::Caller;
-use crate::key::short_name_words;
 use crate::policy::ToolPolicy;
 use crate::store::{Admission, CallKeys};
 
@@ -178,7 +177,7 @@ pub(crate) struct Leases {
     /// Made at the first grant: a limiter whose tools never lease holds none.
     shards: std::sync::OnceLock<Box<[Padded]>>,
     /// The hash's seed, random per limiter.
-    seed: u64,
+    seed: RandomState,
     /// One bit per length of a tool name ever granted a lease: a call of another tool looks
     /// for no lease before the policy is read.
     tools: AtomicU64,
@@ -337,7 +336,7 @@ impl Leases {
     pub(crate) fn new() -> Self {
         Leases {
             shards: std::sync::OnceLock::new(),
-            seed: RandomState::default().hash_one(0x5eed_u64),
+            seed: RandomState::default(),
             tools: AtomicU64::new(0),
             swept_at: AtomicU64::new(0),
         }
@@ -389,7 +388,7 @@ impl Leases {
             if tenant_wide {
                 path.instance.take()?;
             }
-            let hash = hash_path(self.seed, path);
+            let hash = hash_path(&self.seed, path);
             let mut shard = self.shard(hash);
             let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
                 continue;
@@ -416,7 +415,7 @@ impl Leases {
     ) -> Take {
         let (now, c) = (plan.now.as_micros(), plan.cost);
         let path = Path::of_plan(plan);
-        let hash = hash_path(self.seed, path);
+        let hash = hash_path(&self.seed, path);
         let mut shard = self.shard(hash);
         self.maybe_sweep(&mut shard, now, returns);
         let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
@@ -489,7 +488,7 @@ impl Leases {
     /// grant of `one_call`, its coolness: a call decided alone after a refused or borrowing
     /// grant makes the next one a call too).
     fn put(&self, mut lease: Lease, one_call: bool, returns: &mut Vec<Return>) {
-        let hash = hash_keys(self.seed, &lease.keys);
+        let hash = hash_keys(&self.seed, &lease.keys);
         let mut shard = self.shard(hash);
         if let Some(old) = shard.leases.find_mut(hash, |l| l.keys == lease.keys) {
             old.give_back_current(returns);
@@ -503,7 +502,7 @@ impl Leases {
             *old = lease;
             return;
         }
-        let seed = self.seed;
+        let seed = &self.seed;
         shard
             .leases
             .insert_unique(hash, lease, |l| hash_keys(seed, &l.keys));
@@ -511,7 +510,7 @@ impl Leases {
 
     /// Runs `f` on the lease of `path`, if there is one.
     fn renew(&self, path: Path<'_>, f: impl FnOnce(&mut Lease)) {
-        let hash = hash_path(self.seed, path);
+        let hash = hash_path(&self.seed, path);
         if self.shards.get().is_none() {
             return;
         }
@@ -698,7 +697,7 @@ impl<'a> Path<'a> {
     }
 }
 
-fn hash_keys(seed: u64, k: &CallKeys) -> u64 {
+fn hash_keys(seed: &RandomState, k: &CallKeys) -> u64 {
     hash_path(seed, Path::of(k))
 }
 
@@ -708,49 +707,9 @@ fn tool_bit(tool: &str) -> u64 {
     1 << (tool.len() % 64)
 }
 
-/// A path's hash: each name folded on its own, a word at a time (names are short), with its
-/// length and its place in the path, then the three together. From a seed random per limiter.
-fn hash_path(seed: u64, p: Path<'_>) -> u64 {
-    const K: [u64; 4] = [
-        0x9e37_79b9_7f4a_7c15,
-        0xc2b2_ae3d_27d4_eb4f,
-        0x1656_67b1_9e37_79f9,
-        0x85eb_ca77_c2b2_ae63,
-    ];
-    let shape = match (p.untenanted, p.instance) {
-        (true, _) => 1,
-        (false, None) => 2,
-        (false, Some(_)) => 3,
-    };
-    let tool = hash_name(seed, K[0], p.tool);
-    let tenant = hash_name(seed.rotate_left(21) ^ shape, K[1], p.tenant);
-    let instance = p
-        .instance
-        .map_or(0, |i| hash_name(seed.rotate_left(42), K[2], i));
-    fold(tool ^ instance.rotate_left(29), tenant ^ K[3])
-}
-
-/// `name`'s fold, from `h` and the constant `k` of its place in a path.
-fn hash_name(h: u64, k: u64, name: &str) -> u64 {
-    let b = name.as_bytes();
-    let n = b.len();
-    let (x, y) = short_name_words(b).unwrap_or_else(|| {
-        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-        let mut h = h;
-        let mut at = 0;
-        while at + 16 < n {
-            h = fold(h ^ word(at), k ^ word(at + 8));
-            at += 16;
-        }
-        (h ^ word(n - 16), word(n - 8))
-    });
-    fold(h ^ x ^ ((n as u64) << 56), k ^ y)
-}
-
-/// Multiplies `a` by `b` and folds the 128-bit product's halves together.
-fn fold(a: u64, b: u64) -> u64 {
-    let p = (a as u128).wrapping_mul(b as u128);
-    (p as u64) ^ ((p >> 64) as u64)
+/// A path's hash, from a seed random per limiter.
+fn hash_path(seed: &RandomState, p: Path<'_>) -> u64 {
+    seed.hash_one((p.tool, p.tenant, p.instance, p.untenanted))
 }
 
 /// When a grant must end, on the clock of the limiter that asked for it at `now`: the end of
