@@ -292,12 +292,15 @@ impl MemoryStore {
     fn decide_now(&self, plan: &Plan<'_>) -> Decision {
         let (tool, tenant, untenanted) = (plan.tool.name(), &**plan.tenant.name, plan.untenanted);
         let hash = hash_tenant(&self.hasher, tool, tenant, untenanted);
-        let instance_hash = plan.instance.map_or(0, |i| self.hasher.hash_one(&**i.name));
-        let set = memo::set_of(hash, instance_hash);
+        // The memo's set of the call, worked out only when a refusal is looked for or kept.
+        let set = || {
+            let instance_hash = plan.instance.map_or(0, |i| self.hasher.hash_one(&**i.name));
+            memo::set_of(hash, instance_hash)
+        };
         let mut shard = lock(self.shard(hash));
         let shard = &mut *shard;
         if self.remember && shard.memo.holds_any() {
-            if let Some(r) = shard.memo.recall(set, plan) {
+            if let Some(r) = shard.memo.recall(set(), plan) {
                 return Decision::Refused(r);
             }
         }
@@ -336,7 +339,7 @@ impl MemoryStore {
             }
             Err(r) => {
                 if self.remember {
-                    shard.memo.remember(set, plan, cell, given_back, &r);
+                    shard.memo.remember(set(), plan, cell, given_back, &r);
                 }
                 Decision::Refused(r)
             }
