@@ -37,9 +37,9 @@ impl KeyKind {
 
 /// A name of at most 16 bytes as two words, read inline whatever its length (`None` when it
 /// is longer): two names of one length are the same exactly when their words are. What
-/// [`same_name`] compares, and what lease paths are hashed from.
+/// [`same_name`] compares.
 #[inline(always)]
-pub(crate) fn short_name_words(b: &[u8]) -> Option<(u64, u64)> {
+fn short_name_words(b: &[u8]) -> Option<(u64, u64)> {
     let n = b.len();
     let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
     let half = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as u64;
