@@ -93,8 +93,10 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
 
 /// A call's levels at the decision's instant: their numbers, their states brought up to
 /// date, how the caller stands among its parents' template children.
-struct Decision<'a> {
-    plan: Plan<'a>,
+struct Decision<'p, 'a> {
+    plan: &'p Plan<'a>,
+    /// The instant the call is decided at: its own, or its states' latest.
+    at: Timestamp,
     levels: [Level<'a>; 3],
     n: usize,
     banks: [f64; 3],
@@ -109,20 +111,18 @@ struct Decision<'a> {
     windows: Windows,
 }
 
-impl<'a> Decision<'a> {
+impl<'p, 'a> Decision<'p, 'a> {
     /// The call at its instant (its own, or its states' latest): the tool's level only.
-    fn new(plan: &Plan<'a>, snap: &Snapshot) -> Self {
+    fn new(plan: &'p Plan<'a>, snap: &Snapshot) -> Self {
         let n = if plan.instance.is_some() { 3 } else { 2 };
-        let plan = Plan {
-            now: decided_at(plan.now, &snap.levels()[..n]),
-            ..*plan
-        };
-        let now = plan.now.as_micros() as f64;
+        let at = decided_at(plan.now, &snap.levels()[..n]);
+        let now = at.as_micros() as f64;
         let period = plan.tool.period.as_micros() as f64;
         let window = aligned_window(now, period);
-        let tool = tool_level(&plan);
+        let tool = tool_level(plan);
         Decision {
             plan,
+            at,
             levels: [tool; 3],
             n,
             banks: [0.0; 3],
@@ -333,7 +333,7 @@ impl<'a> Decision<'a> {
     fn budget_fails(&mut self, idx: usize, s: &NodeState, worst: &mut Option<Fail>) {
         let (now, c) = (self.now, self.plan.cost);
         for b in self.budgets(idx) {
-            let (start, end) = self.windows.get(b.period, self.plan.now);
+            let (start, end) = self.windows.get(b.period, self.at);
             let used = used_in(s, b.period, start);
             if used + c <= b.max + EPS {
                 continue;
@@ -401,7 +401,7 @@ impl<'a> Decision<'a> {
                 reset_in: self.next_window - self.now,
                 slack: snap.tool.ceiling,
                 views: [view(1), view(2)],
-                at: self.plan.now,
+                at: self.at,
                 call: 0,
             }),
         }
@@ -457,7 +457,7 @@ impl<'a> Decision<'a> {
             s.in_flight += 1.0;
         }
         for b in self.budgets(idx) {
-            let start = self.windows.get(b.period, self.plan.now).0;
+            let start = self.windows.get(b.period, self.at).0;
             match s.budgets.iter_mut().find(|x| x.period == b.period) {
                 Some(x) if x.start == start => x.used += c,
                 Some(x) => {
@@ -498,7 +498,7 @@ impl<'a> Decision<'a> {
             ceiling: k,
             ceiling_depth: kb.depth,
             permit: self.plan.takes_permit(idx),
-            budgets: ChargedBudgets::at(self.plan.now.as_micros(), periods),
+            budgets: ChargedBudgets::at(self.at.as_micros(), periods),
         }
     }
 
@@ -516,7 +516,7 @@ impl<'a> Decision<'a> {
 
     /// The refusal for `f`.
     fn refuse(&self, f: Fail) -> Refusal {
-        refuse(&self.plan, self.now, f)
+        refuse(self.plan, self.now, f)
     }
 
     /// Each level as the decision sees it, nothing charged: its limit per period, units

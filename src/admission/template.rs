@@ -164,18 +164,20 @@ pub(super) fn count_child(
 ) {
     roll(parent, plans, k);
     parent.template_window = k;
-    let (mut in_window, mut counted) = stored(parent, plans, slot);
-    match before {
-        Standing::ThisWindow => {}
-        Standing::LastWindow => in_window += 1.0,
-        Standing::NotCounted => {
-            in_window += 1.0;
-            counted += 1.0;
-        }
-    }
+    let (was_in_window, was_counted) = stored(parent, plans, slot);
+    let (in_window, counted) = match before {
+        Standing::ThisWindow => (was_in_window, was_counted),
+        Standing::LastWindow => (was_in_window + 1.0, was_counted),
+        Standing::NotCounted => (was_in_window + 1.0, was_counted + 1.0),
+    };
     // Never fewer counted than admitted in this window, even after one of the two states was
     // lost (an evicted record): the counts heal within two windows.
-    store(parent, plans, slot, in_window, counted.max(in_window));
+    let counted = counted.max(in_window);
+    // A child counted already in this window (most calls) changes nothing: nothing is
+    // written, so the counts read next are not waiting on a write of the same values.
+    if (in_window, counted) != (was_in_window, was_counted) {
+        store(parent, plans, slot, in_window, counted);
+    }
 }
 
 /// Until when (µs) a template child admitted at window `k` counts: the end of the next window.
