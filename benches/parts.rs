@@ -5,7 +5,7 @@
 //! One process times, in turn and round after round, five loops of one caller (a tenant and
 //! an instance, the policy of `decision/fairshare 1 caller` in `benches/compare.rs`): three
 //! keyed governors chained; the crate's decision (`Limiter::admit` on the in-process store);
-//! the same decision on a store that keeps plain states in one map under one lock, written
+//! the same decision on a store that keeps the caller's plain states under one lock, written
 //! from the public engine API; the engine alone (`engine::decide` on a snapshot of the
 //! levels' states, with the snapshot's copy and a clock read); and the clock alone. It prints
 //! each loop's median and fastest round, in ns per call, and the ratios to the chained
