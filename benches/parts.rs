@@ -147,6 +147,12 @@ fn main() {
         }));
         ns[4].push(time(n, || SystemClock.now().as_micros() > 0));
     }
+    print_table(&parts, &mut ns, rounds, n);
+}
+
+/// Each part's median and fastest round, and its median over the chained governors' (the
+/// first part).
+fn print_table(parts: &[&str], ns: &mut [Vec<f64>], rounds: usize, n: u64) {
     let medians: Vec<(f64, f64)> = ns
         .iter_mut()
         .map(|v| {
