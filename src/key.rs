@@ -35,43 +35,6 @@ impl KeyKind {
     }
 }
 
-/// A name of at most 16 bytes as two words, read inline whatever its length (`None` when it
-/// is longer): two names of one length are the same exactly when their words are. What
-/// [`same_name`] compares.
-#[inline(always)]
-fn short_name_words(b: &[u8]) -> Option<(u64, u64)> {
-    let n = b.len();
-    let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-    let half = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as u64;
-    Some(match n {
-        0 => (0, 0),
-        1..4 => (
-            (b[0] as u64) << 16 | (b[n / 2] as u64) << 8 | b[n - 1] as u64,
-            0,
-        ),
-        4..8 => (half(0), half(n - 4)),
-        8..=16 => (word(0), word(n - 8)),
-        _ => return None,
-    })
-}
-
-/// Whether two names are the same, compared inline a word at a time: names are short, and a
-/// call to the C library's comparison costs more than comparing a short name.
-#[inline(always)]
-pub(crate) fn same_name(a: &str, b: &str) -> bool {
-    same_bytes(a.as_bytes(), b.as_bytes())
-}
-
-/// [`same_name`] on names as bytes.
-#[inline(always)]
-pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len()
-        && match short_name_words(a) {
-            Some(words) => short_name_words(b) == Some(words),
-            None => a == b,
-        }
-}
-
 /// The version prefix: bump it when the state layout changes so old keys are never misread.
 pub(crate) const KEY_PREFIX: &str = "fs5";
 
@@ -185,17 +148,6 @@ pub(crate) fn hash_tag(key: &str) -> &str {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    proptest! {
-        /// Names compared a word at a time compare as strings do, at every length around the
-        /// word sizes.
-        #[test]
-        fn same_names_are_equal_strings(a in "[ab]{0,20}", b in "[ab]{0,20}", c in "\\PC{0,20}") {
-            prop_assert_eq!(same_name(&a, &b), a == b);
-            prop_assert_eq!(same_name(&c, &b), c == b);
-            prop_assert!(same_name(&c, &c.clone()));
-        }
-    }
 
     fn instance_key(tool: &str, tenant: &str, instance: &str) -> String {
         encode(

@@ -109,7 +109,7 @@ impl std::borrow::Borrow<str> for Name {
 
 impl PartialEq for Name {
     fn eq(&self, other: &Self) -> bool {
-        super::same_bytes(self.as_bytes(), other.as_bytes())
+        self.as_bytes() == other.as_bytes()
     }
 }
 
@@ -117,7 +117,7 @@ impl Eq for Name {}
 
 impl PartialEq<str> for Name {
     fn eq(&self, other: &str) -> bool {
-        super::same_bytes(self.as_bytes(), other.as_bytes())
+        self.as_bytes() == other.as_bytes()
     }
 }
 

@@ -97,15 +97,10 @@ impl NameIndex {
     #[inline]
     pub(crate) fn get(&self, name: &str) -> Option<&usize> {
         if self.many.is_empty() {
-            self.few
-                .iter()
-                .find(|(n, _)| crate::key::same_name(n, name))
-                .map(|(_, i)| i)
+            self.few.iter().find(|(n, _)| **n == *name).map(|(_, i)| i)
         } else {
             self.many
-                .find(self.hasher.hash_one(name), |(n, _)| {
-                    crate::key::same_name(n, name)
-                })
+                .find(self.hasher.hash_one(name), |(n, _)| **n == *name)
                 .map(|(_, i)| i)
         }
     }

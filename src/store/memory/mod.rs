@@ -14,7 +14,6 @@ use hashbrown::HashTable;
 use super::{Admission, Admissions, Answer, CallKeys, Decision, Store};
 use crate::admission::engine::{self, NodeState, Plan, PlanCounts, Snapshot, Stored};
 use crate::clock::Timestamp;
-use crate::key::{same_bytes, same_name};
 
 mod instances;
 mod memo;
@@ -102,8 +101,8 @@ struct TenantEntry {
 impl TenantEntry {
     fn is(&self, tool: &str, tenant: &str, untenanted: bool) -> bool {
         self.state.untenanted() == untenanted
-            && same_bytes(self.state.name(), tenant.as_bytes())
-            && same_name(&self.tool.name, tool)
+            && self.state.name() == tenant.as_bytes()
+            && *self.tool.name == *tool
     }
 
     /// Drops idle instances; whether the tenant itself can go.
