@@ -22,8 +22,9 @@
 //! * **ceiling** `K` — rate = ceiling − floor, depth = burst. Every non-floor draw takes it.
 //!
 //! The tool owns the **pool**: rate `S = C − Σ floors`, depth = the tool's burst. A call of
-//! cost `c` takes from the caller's share first (with its `K` and the pool), its floor for
-//! what the share cannot cover, and retries floor-first if that path is blocked. Above the
+//! cost `c` takes from the caller's share when its share bank holds all of `c` (with its `K`
+//! and the pool), else from its floor first and the rest beyond it, and retries floor-first if
+//! that path is blocked. Above the
 //! caller, the non-floor part passes its tenant (residual floor, then `K`) and the pool.
 //!
 //! A draw beyond the share of any level is *borrowing*. It may only take pool tokens above the

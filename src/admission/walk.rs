@@ -141,10 +141,13 @@ impl Walker<'_, '_> {
         // share cannot cover.
         let own_floor = l.numbers.own_floor;
         if own_floor > 0.0 {
-            let covered = if share_first && idx > 0 {
-                s.share.min(s.ceiling).min(w.rem).max(0.0)
-            } else {
-                0.0
+            // The share covers the whole of what is left or none of it: a share bank that
+            // holds part of a call leaves the call to the floor, so floors are drawn in whole
+            // calls and no fraction of one is left reserved at the end of a window.
+            let share = s.share.min(s.ceiling);
+            let covered = match share_first && idx > 0 && share + EPS >= w.rem {
+                true => w.rem,
+                false => 0.0,
             };
             let x = (w.rem - covered)
                 .min(s.floor)
