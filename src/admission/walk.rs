@@ -142,8 +142,8 @@ impl Walker<'_, '_> {
         let own_floor = l.numbers.own_floor;
         if own_floor > 0.0 {
             // The share covers the whole of what is left or none of it: a share bank that
-            // holds part of a call leaves the call to the floor, so floors are drawn in whole
-            // calls and no fraction of one is left reserved at the end of a window.
+            // holds part of a call leaves the call to the floor, which gives it whole when its
+            // bucket holds it, so fractions of floors do not stay reserved at a window's end.
             let share = s.share.min(s.ceiling);
             let covered = match share_first && idx > 0 && share + EPS >= w.rem {
                 true => w.rem,
