@@ -24,8 +24,8 @@
 //! The tool owns the **pool**: rate `S = C − Σ floors`, depth = the tool's burst. A call of
 //! cost `c` takes from the caller's share when its share bank holds all of `c` (with its `K`
 //! and the pool), else from its floor first and the rest beyond it, and retries floor-first if
-//! that path is blocked. Above the
-//! caller, the non-floor part passes its tenant (residual floor, then `K`) and the pool.
+//! that path is blocked. Above the caller, the non-floor part passes its tenant (residual
+//! floor, then `K`) and the pool.
 //!
 //! A draw beyond the share of any level is *borrowing*. It may only take pool tokens above the
 //! sum of the other children's share banks (their bursts; the borrower's own bank is its own to
