@@ -283,41 +283,48 @@ pub fn worst_excess(
 
 /// A tool with 2–4 tenants: capacity, weights, floors (Σ ≤ 60 % of C), some ceilings above
 /// nominal. Returns (TOML, capacity, floors, weights, ceilings-or-0).
-fn policy_strategy() -> impl Strategy<Value = (String, f64, Vec<f64>, Vec<f64>, Vec<f64>)> {
+fn policy_strategy() -> impl Strategy<Value = SharePolicy> {
     (
         40u32..240,
         prop::collection::vec((1u32..8, 0u32..100, prop::bool::weighted(0.3)), 2..5),
     )
-        .prop_map(|(cap, tenants)| {
-            let cap = cap as f64;
-            let total_frac: f64 = tenants.iter().map(|t| t.1 as f64).sum::<f64>().max(1.0);
-            let floors: Vec<f64> = tenants
-                .iter()
-                .map(|t| ((t.1 as f64 / total_frac) * 0.6 * cap).floor())
-                .collect();
-            let weights: Vec<f64> = tenants.iter().map(|t| t.0 as f64).collect();
-            let spare = cap - floors.iter().sum::<f64>();
-            let wsum: f64 = weights.iter().sum();
-            let mut toml = format!(
-                "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {cap}, per = \"1m\" }}\n"
-            );
-            let mut ceilings = Vec::new();
-            for (i, t) in tenants.iter().enumerate() {
-                toml += &format!(
-                    "[tool.tenants.T{i}]\nweight = {}\nfloor = {}\n",
-                    weights[i], floors[i]
-                );
-                let nominal = floors[i] + spare * weights[i] / wsum;
-                if t.2 {
-                    let c = (nominal + (cap - nominal) * 0.5).floor().max(floors[i]);
-                    toml += &format!("ceiling = {c}\n");
-                    ceilings.push(c);
-                } else {
-                    ceilings.push(0.0);
-                }
-            }
-            (toml, cap, floors, weights, ceilings)
-        })
+        .prop_map(|(cap, tenants)| share_policy(cap, &tenants))
+}
+
+/// (TOML, capacity, floors, weights, ceilings-or-0) of a tool of capacity `cap` a minute.
+type SharePolicy = (String, f64, Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// The policy of a tool of capacity `cap` whose tenants are (weight, part of 60 % of `cap` as
+/// floor, ceiling halfway from nominal to `cap` or none).
+fn share_policy(cap: u32, tenants: &[(u32, u32, bool)]) -> SharePolicy {
+    let cap = cap as f64;
+    let total_frac: f64 = tenants.iter().map(|t| t.1 as f64).sum::<f64>().max(1.0);
+    let floors: Vec<f64> = tenants
+        .iter()
+        .map(|t| ((t.1 as f64 / total_frac) * 0.6 * cap).floor())
+        .collect();
+    let weights: Vec<f64> = tenants.iter().map(|t| t.0 as f64).collect();
+    let spare = cap - floors.iter().sum::<f64>();
+    let wsum: f64 = weights.iter().sum();
+    let mut toml = format!(
+        "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {cap}, per = \"1m\" }}\n"
+    );
+    let mut ceilings = Vec::new();
+    for (i, t) in tenants.iter().enumerate() {
+        toml += &format!(
+            "[tool.tenants.T{i}]\nweight = {}\nfloor = {}\n",
+            weights[i], floors[i]
+        );
+        let nominal = floors[i] + spare * weights[i] / wsum;
+        if t.2 {
+            let c = (nominal + (cap - nominal) * 0.5).floor().max(floors[i]);
+            toml += &format!("ceiling = {c}\n");
+            ceilings.push(c);
+        } else {
+            ceilings.push(0.0);
+        }
+    }
+    (toml, cap, floors, weights, ceilings)
 }
 
 const MINUTE: u64 = 60_000_000;
@@ -532,12 +539,10 @@ pub fn weighted_share<F: Factory>(f: &F) {
     let rt = runtime();
     // A case random draws once found short: the heaviest tenant's share was lost to split
     // floor draws leaving less than a whole call of the window's non-floor room.
-    let toml = "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 44, per = \"1m\" }\n\
-        [tool.tenants.T0]\nweight = 5\nfloor = 12\n\
-        [tool.tenants.T1]\nweight = 1\nfloor = 0\nceiling = 23\n\
-        [tool.tenants.T2]\nweight = 1\nfloor = 13\n";
-    weighted_share_case(f, &rt, toml, 44.0, &[12.0, 0.0, 13.0], &[5.0, 1.0, 1.0])
-        .unwrap_or_else(|e| panic!("{e}"));
+    // (Floors 12, 0, 13; weights 5, 1, 1; T1's ceiling 23.)
+    let (toml, cap, floors, weights, _) =
+        share_policy(44, &[(5, 46, false), (1, 0, true), (1, 50, false)]);
+    weighted_share_case(f, &rt, &toml, cap, &floors, &weights).unwrap_or_else(|e| panic!("{e}"));
     let strat = policy_strategy();
     runner(f.cases().min(24))
         .run(&strat, |(toml, cap, floors, weights, _c)| {
