@@ -132,6 +132,14 @@ impl Budgets {
         self.len += 1;
     }
 
+    /// The counters `items[..len]` (of distinct periods, as a store wrote them).
+    pub(crate) fn of_first(len: usize, items: [BudgetCounter; 3]) -> Self {
+        Budgets {
+            len: len.min(3) as u8,
+            items,
+        }
+    }
+
     /// Drops every counter.
     pub fn clear(&mut self) {
         self.len = 0;

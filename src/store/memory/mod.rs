@@ -402,14 +402,15 @@ fn stored(
     slot: Option<Result<usize, usize>>,
     period: f64,
 ) -> Snapshot {
+    let instance = match (entry, slot) {
+        (Some(e), Some(Ok(at))) => Some(&e.instances.as_slice()[at]),
+        _ => None,
+    };
     Snapshot {
         tool: NodeState::default(),
+        tenant: Packed::state_of(entry.map(|e| &e.state), period),
+        instance: Packed::state_of(instance, period),
         plans: PlanCounts::default(),
-        tenant: entry.map_or_else(NodeState::default, |e| e.state.state(period)),
-        instance: match (entry, slot) {
-            (Some(e), Some(Ok(at))) => e.instances.as_slice()[at].state(period),
-            _ => NodeState::default(),
-        },
     }
 }
 

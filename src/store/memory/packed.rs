@@ -9,7 +9,7 @@
 //! window to the same instant), and a parent's template counts are kept as of that window (the
 //! engine keeps them so too).
 
-use crate::admission::engine::{self, BudgetCounter, NodeState};
+use crate::admission::engine::{self, BudgetCounter, Budgets, NodeState};
 use crate::policy::BudgetPeriod;
 
 /// Header bits: which optional groups of numbers are held (absent: zero), the number of
@@ -167,48 +167,54 @@ impl Packed {
         f64::from_bits(word(&self.0, at))
     }
 
+    /// The state `p` holds (fresh when there is none), for the tool's `period` (µs).
+    pub(super) fn state_of(p: Option<&Packed>, period: f64) -> NodeState {
+        match p {
+            Some(p) => p.state(period),
+            None => NodeState::default(),
+        }
+    }
+
     /// The state, for the tool's `period` (µs).
     pub(super) fn state(&self, period: f64) -> NodeState {
-        let mut s = NodeState::default();
         let b = &self.0;
         let h = word(b, 0);
         let f = |at: usize| f64::from_bits(word(b, at));
         let t = f(HEADER);
         let window = engine::aligned_window(t, period);
-        s.live = true;
-        s.t = t;
-        s.share = f(HEADER + 8);
-        s.ceiling = f(HEADER + 16);
-        s.window = window;
-        s.total = f(HEADER + 24);
-        s.non_floor = f(HEADER + 32);
+        // The optional numbers follow the core ones, in this order, each only when present.
         let mut at = HEADER + 8 * CORE;
-        if h & FLOORS != 0 {
-            s.floor = f(at);
-            s.floor_used = f(at + 8);
-            at += 16;
-        }
-        if h & FLIGHT != 0 {
-            s.in_flight = f(at);
-            at += 8;
-        }
-        if h & TEMPLATE != 0 {
-            let x = word(b, at);
-            s.template_window = window;
-            s.template_in_window = f64::from(x as u32);
-            s.template_counted = f64::from((x >> 32) as u32);
-            at += 8;
-        }
+        let (floor, floor_used) = match h & FLOORS != 0 {
+            true => (f(at), f(at + 8)),
+            false => (0.0, 0.0),
+        };
+        at += 16 * usize::from(h & FLOORS != 0);
+        let in_flight = if h & FLIGHT != 0 { f(at) } else { 0.0 };
+        at += 8 * usize::from(h & FLIGHT != 0);
+        let counts = if h & TEMPLATE != 0 { word(b, at) } else { 0 };
+        at += 8 * usize::from(h & TEMPLATE != 0);
         let nb = ((h >> BUDGETS_SHIFT) & 3) as usize;
-        for k in 0..nb {
-            s.budgets.set(BudgetCounter {
-                period: period_of(h >> (PERIODS_SHIFT + 2 * k as u32)),
-                start: f(at),
-                used: f(at + 8),
-            });
-            at += 16;
+        let counter = |k: usize| BudgetCounter {
+            period: period_of(h >> (PERIODS_SHIFT + 2 * k as u32)),
+            start: if k < nb { f(at + 16 * k) } else { 0.0 },
+            used: if k < nb { f(at + 16 * k + 8) } else { 0.0 },
+        };
+        NodeState {
+            live: true,
+            t,
+            floor,
+            share: f(HEADER + 8),
+            ceiling: f(HEADER + 16),
+            window,
+            total: f(HEADER + 24),
+            non_floor: f(HEADER + 32),
+            floor_used,
+            in_flight,
+            template_window: if h & TEMPLATE != 0 { window } else { 0.0 },
+            template_in_window: f64::from(counts as u32),
+            template_counted: f64::from((counts >> 32) as u32),
+            budgets: Budgets::of_first(nb, [0, 1, 2].map(counter)),
         }
-        s
     }
 
     /// Stores `s` (period: the tool's, µs) and its expiry; in place when its numbers take the
