@@ -725,7 +725,7 @@ impl<S: Store, C: Clock> Console<S, C> {
 fn keys_of(tp: &ToolPolicy, tenant: &Arc<str>, instance: Option<&Arc<str>>) -> CallKeys {
     CallKeys {
         tool: tp.name_arc().into(),
-        group: tp.key_group().map(Into::into),
+        group: tp.key_group().cloned(),
         tenant: tenant.into(),
         instance: instance.map(Into::into),
         untenanted: false,

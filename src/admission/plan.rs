@@ -40,8 +40,8 @@ impl Plan<'_> {
     /// carries (copied when short, see [`Name`]).
     pub fn keys(&self) -> CallKeys {
         CallKeys {
-            tool: Name::from(self.tool.name_arc()),
-            group: self.tool.key_group().map(Name::from),
+            tool: self.tool.key.0.clone(),
+            group: self.tool.key_group().cloned(),
             tenant: Name::from(self.tenant.name),
             instance: self.instance.map(|i| Name::from(i.name)),
             untenanted: self.untenanted,

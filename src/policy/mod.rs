@@ -35,6 +35,7 @@ mod period;
 pub(crate) mod raw;
 mod validate;
 
+use crate::key::Name;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::hash::BuildHasher;
@@ -193,6 +194,9 @@ pub struct ToolPolicy {
     pub(crate) name: Arc<str>,
     /// The tool's group: its own name unless the policy puts it in one.
     pub(crate) group: Arc<str>,
+    /// The tool's name and its group (when not named after the tool) as a call's keys hold
+    /// them, made once.
+    pub(crate) key: (Name, Option<Name>),
     pub(crate) unit: Unit,
     pub(crate) capacity: f64,
     pub(crate) period: Period,
@@ -350,9 +354,8 @@ impl ToolPolicy {
 
     /// The group a store keys the tool's state under: `None` for a tool alone (or in a
     /// group of its own name).
-    pub(crate) fn key_group(&self) -> Option<Arc<str>> {
-        (!Arc::ptr_eq(&self.group, &self.name) && self.group != self.name)
-            .then(|| self.group.clone())
+    pub(crate) fn key_group(&self) -> Option<&Name> {
+        self.key.1.as_ref()
     }
     /// What a unit of cost is.
     pub fn unit(&self) -> Unit {

@@ -1,5 +1,6 @@
 //! Raw policy → validated [`Policy`]. Every problem found is reported, each with its path.
 
+use crate::key::Name;
 use std::sync::Arc;
 
 use super::raw::{DefaultCeiling, RawBudget, RawLease, RawLevel, RawPolicy, RawTool};
@@ -220,9 +221,11 @@ fn tool_alone(cx: &mut Ctx, raw: &RawTool, path: &str) -> ToolPolicy {
         cx.err(p, Problem::UntenantedNeedsTemplate);
     }
     let concurrency_path = format!("{path}.max_concurrency");
+    let group = raw.group.as_deref().filter(|g| *g != raw.name);
     ToolPolicy {
-        group: Arc::from(raw.group.as_deref().unwrap_or(&raw.name)),
+        group: Arc::from(group.unwrap_or(&raw.name)),
         name: Arc::from(raw.name.as_str()),
+        key: (Name::from(raw.name.as_str()), group.map(Name::from)),
         unit: raw.unit,
         capacity,
         period,

@@ -213,7 +213,7 @@ impl Packed {
             template_window: if h & TEMPLATE != 0 { window } else { 0.0 },
             template_in_window: f64::from(counts as u32),
             template_counted: f64::from((counts >> 32) as u32),
-            budgets: Budgets::of_first(nb, [0, 1, 2].map(counter)),
+            budgets: Budgets::of_first(nb, [counter(0), counter(1), counter(2)]),
         }
     }
 
