@@ -1,33 +1,16 @@
-//! A tool's decisions, in batches, decided in Rust and written to Redis atomically.
+//! A tool's decisions, in batches, decided in Rust and written to Redis atomically: the
+//! queue, the worker and its round trips, as `docs/redis.md` (*How a call is decided*)
+//! describes them. Here, besides:
 //!
-//! Every call of a tool on this store goes through the tool's queue. A worker takes what is
-//! queued (up to [`MAX_BATCH`] jobs), reads in one script everything they touch — the time,
-//! the records of every level and how many permits each capped level holds now — and decides the jobs one after the other on that snapshot
-//! with the same engine as the in-process store ([`engine::decide`], [`engine::adjust`]), each
-//! seeing the ones before it. Then one more script writes the new records, but only if none
-//! of the records it read has changed meanwhile (their 8-byte versions are compared); if one
-//! has (another replica wrote it), nothing is written and the batch is read and decided
-//! again. So the arithmetic exists once, in Rust, and Redis compares and copies.
-//!
-//! The worker remembers the records it last read and wrote ([`Cache`]): a batch whose records
-//! are all remembered and that counts no permits is decided without a read, at Redis's clock
-//! as of the last round trip plus the time since (never ahead of it), and its write checks the
-//! remembered versions like any other. So a tool whose state only this replica writes costs
-//! one round trip per batch; when another replica writes, the check fails, the batch is read
-//! and decided again, and the next batches are read from Redis for a while.
-//!
-//! Writes go one behind the other: while a batch's write is on its way, the worker decides the
-//! calls that come in on its cache as that write will leave it and sends their write at once,
-//! queued behind it on the connection, so that Redis does not wait for the worker nor the
-//! calls for an answer to come back ([`pipeline`]). Such a write expects the versions the one
-//! ahead of it makes: if that one did not land, the one behind fails its check too, and both
-//! batches are decided again on a fresh read.
-//!
-//! What the compare does not cover cannot make a decision wrong: permits given back or lapsed
-//! only lower what was counted, and every call that takes a permit also writes the records of
-//! its levels, which are compared. (Template callers are counted in their parents' records.) A caller that went away before its answer (dropped, timed out) is answered
-//! nonetheless; when that answer cannot be delivered and it was an admission, the worker
-//! gives it back: its units by a refund through the queue, its permits released.
+//! - a batch is at most [`MAX_BATCH`] jobs, decided with [`engine::decide`] and
+//!   [`engine::adjust`] one after the other on one snapshot, each seeing the ones before it;
+//! - the worker remembers the records it last read and wrote ([`Cache`]), so a batch whose
+//!   records only this replica writes needs no read;
+//! - writes go one behind the other ([`pipeline`]): a write expects the versions the one ahead
+//!   of it makes, so if that one did not land, the one behind fails its check too;
+//! - a caller that went away before its answer is answered nonetheless; when that answer
+//!   cannot be delivered and it was an admission, the worker gives it back: its units by a
+//!   refund through the queue, its permits released.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -39,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::builder::TimeSource;
 use super::ledger::Ledger;
 use super::record::Record;
-use super::wire::permits_key;
+use super::wire::{self, permits_key};
 use super::{lock, Shared};
 use crate::admission::engine::{self, NodeState, OwnedPlan, Plan, PlanCounts, Snapshot};
 use crate::clock::Timestamp;
@@ -95,6 +78,21 @@ impl Job {
     fn gone(&self) -> bool {
         matches!(self, Job::Decide { reply, .. } if reply.is_closed())
     }
+
+    /// Answers the job with `e`.
+    fn fail(self, e: &StoreError) {
+        match self {
+            Job::Decide { reply, .. } => {
+                let _ = reply.send(Err(clone_error(e)));
+            }
+            Job::Adjust { reply, .. } => {
+                if let Some(r) = reply {
+                    let _ = r.send(Err(clone_error(e)));
+                }
+            }
+            Job::Heal { .. } => {}
+        }
+    }
 }
 
 /// Sends `job` to the worker of `tool`, starting it if it has none.
@@ -120,18 +118,7 @@ pub(super) fn submit(shared: &Arc<Shared>, tool: &str, job: Job) {
 }
 
 fn drop_job(job: Job, why: &str) {
-    let e = || StoreError::Unavailable(why.to_owned());
-    match job {
-        Job::Decide { reply, .. } => {
-            let _ = reply.send(Err(e()));
-        }
-        Job::Adjust { reply, .. } => {
-            if let Some(r) = reply {
-                let _ = r.send(Err(e()));
-            }
-        }
-        Job::Heal { .. } => {}
-    }
+    job.fail(&StoreError::Unavailable(why.to_owned()));
 }
 
 /// A tool's worker, until the store is gone: one round trip per batch when nothing else
@@ -313,9 +300,7 @@ impl Worker {
             }
             Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
                 cache.conflict();
-                batch.fail(&StoreError::Unavailable(format!(
-                    "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
-                )));
+                batch.fail(&conflicted());
                 queue.put_back(next);
                 None
             }
@@ -472,9 +457,7 @@ async fn restore(
             }
             attempts += 1;
             if attempts >= MAX_ATTEMPTS {
-                return Err(StoreError::Unavailable(format!(
-                    "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
-                )));
+                return Err(conflicted());
             }
             tokio::time::sleep(TURN_WAIT).await;
         }
@@ -545,9 +528,7 @@ fn settle(
         }
         Ok(_) if a.batch.attempts + 1 >= MAX_ATTEMPTS => {
             cache.conflict();
-            a.batch.fail(&StoreError::Unavailable(format!(
-                "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
-            )));
+            a.batch.fail(&conflicted());
             Err((waiting.map(|(b, _)| b).collect(), false))
         }
         Ok(_) => {
@@ -949,22 +930,22 @@ struct Keys {
 
 impl Keys {
     fn record(&mut self, k: &str) -> usize {
-        if let Some(&i) = self.index.get(k) {
-            return i;
-        }
-        self.records.push(k.to_owned());
-        self.index.insert(k.to_owned(), self.records.len() - 1);
-        self.records.len() - 1
+        place(&mut self.records, &mut self.index, k)
     }
 
-    fn zset(&mut self, k: String) -> usize {
-        if let Some(&i) = self.zindex.get(&k) {
-            return i;
-        }
-        self.zsets.push(k.clone());
-        self.zindex.insert(k, self.zsets.len() - 1);
-        self.zsets.len() - 1
+    fn zset(&mut self, k: &str) -> usize {
+        place(&mut self.zsets, &mut self.zindex, k)
     }
+}
+
+/// The place of key `k` in `list` (added at the end if new), found by `index`.
+fn place(list: &mut Vec<String>, index: &mut HashMap<String, usize>, k: &str) -> usize {
+    if let Some(&i) = index.get(k) {
+        return i;
+    }
+    list.push(k.to_owned());
+    index.insert(k.to_owned(), list.len() - 1);
+    list.len() - 1
 }
 
 /// Jobs decided together, with the keys they touch.
@@ -1060,7 +1041,7 @@ impl Batch {
         call_keys: &CallKeys,
         plan: Option<&OwnedPlan>,
     ) -> JobKeys {
-        let [tool, tenant, instance] = namespaced(namespace, call_keys.encoded());
+        let [tool, tenant, instance] = wire::state_keys(namespace, call_keys);
         let (tool, tenant) = (tool.expect("a tool key"), tenant.expect("a tenant key"));
         let instance = instance.filter(|_| plan.is_none_or(|p| p.plan().instance.is_some()));
         let mut jk = JobKeys {
@@ -1075,7 +1056,7 @@ impl Batch {
             let level_keys = [Some(&tool), Some(&tenant), instance.as_ref()];
             for (l, k) in level_keys.into_iter().enumerate() {
                 if let (true, Some(k)) = (p.takes_permit(l), k) {
-                    jk.permits[l] = Some(keys.zset(permits_key(k)));
+                    jk.permits[l] = Some(keys.zset(&permits_key(k)));
                 }
             }
         }
@@ -1085,17 +1066,7 @@ impl Batch {
     /// Every job fails with `e`.
     fn fail(self, e: &StoreError) {
         for job in self.jobs {
-            match job {
-                Job::Decide { reply, .. } => {
-                    let _ = reply.send(Err(clone_error(e)));
-                }
-                Job::Adjust { reply, .. } => {
-                    if let Some(r) = reply {
-                        let _ = r.send(Err(clone_error(e)));
-                    }
-                }
-                Job::Heal { .. } => {}
-            }
+            job.fail(e);
         }
     }
 
@@ -1122,15 +1093,6 @@ impl Batch {
     }
 }
 
-fn namespaced(ns: &str, mut keys: [Option<String>; 3]) -> [Option<String>; 3] {
-    if !ns.is_empty() {
-        for k in keys.iter_mut().flatten() {
-            k.insert_str(0, ns);
-        }
-    }
-    keys
-}
-
 /// What a job came to.
 enum Outcome {
     Decided(Decision),
@@ -1141,6 +1103,13 @@ enum Outcome {
 
 fn ttl_ms(until: f64, now: f64) -> u64 {
     (((until - now) / 1000.0).ceil() as i64).max(1) as u64
+}
+
+/// A batch that other replicas' writes kept getting in ahead of, [`MAX_ATTEMPTS`] times.
+fn conflicted() -> StoreError {
+    StoreError::Unavailable(format!(
+        "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
+    ))
 }
 
 fn clone_error(e: &StoreError) -> StoreError {

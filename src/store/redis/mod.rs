@@ -371,7 +371,6 @@ impl RedisStore {
             ));
         }
         let (slot, tool) = (parts[0].1.slot().clone(), parts[0].1.tool.clone());
-        sh.health.saw_tool(sh, &slot);
         let (reply, answer) = batch::Answer::channel(sh);
         let sent = Instant::now();
         let job = batch::Job::Decide {
@@ -530,13 +529,7 @@ impl Shared {
     }
 
     fn state_keys(&self, keys: &CallKeys) -> [Option<String>; 3] {
-        let mut encoded = keys.encoded();
-        if !self.config.namespace.is_empty() {
-            for k in encoded.iter_mut().flatten() {
-                k.insert_str(0, &self.config.namespace);
-            }
-        }
-        encoded
+        wire::state_keys(&self.config.namespace, keys)
     }
 
     /// The least TTL a record is given, ms. With Redis's clock, 1: a TTL is the time until

@@ -8,12 +8,7 @@
 //!
 //! **Formats.** A replica writes records in the newest format every live replica can read
 //! (and, until it has read the entries once, in the oldest it knows), and reads every format
-//! it knows. So during a rolling upgrade that changes the layout, the new replicas write the
-//! old format while an old one is alive, and all of them count in the same records: two
-//! versions side by side admit what one would. Once the last old replica is gone, records are
-//! rewritten in the new format as they are next written (a migration on write: every counter,
-//! budget and template count is carried over; permits are entries of their own and do not
-//! change).
+//! it knows: `docs/redis.md` (*Upgrades*) says what that means for a rolling upgrade.
 //!
 //! **Policies.** A tool whose fingerprints differ among the live replicas is reported: a
 //! warning naming the tool when it is first seen, the `fairshare_policy_mismatch` gauge, the

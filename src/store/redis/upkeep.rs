@@ -6,8 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
-
 use super::builder::{connect_in_background, TimeSource};
 use super::{lock, wire, Shared};
 use crate::clock::Timestamp;
@@ -37,9 +35,7 @@ pub struct StoreHealth {
 /// The tools a store decides for, and the epoch marker it last saw for each.
 #[derive(Debug, Default)]
 pub(super) struct HealthState {
-    /// Read on every decision: only a new tool takes the lock.
-    known: ArcSwap<Vec<Arc<str>>>,
-    epochs: Mutex<HashMap<Arc<str>, Option<Vec<u8>>>>,
+    epochs: Mutex<HashMap<Arc<str>, Vec<u8>>>,
     lost: AtomicU64,
     /// The warnings last logged, so a check logs only what changed.
     reported: Mutex<Option<Vec<String>>>,
@@ -51,9 +47,9 @@ impl HealthState {
     /// counted. Whether it differed.
     pub(super) fn saw_epoch(&self, tool: &Arc<str>, now: &[u8]) -> bool {
         let mut epochs = lock(&self.epochs);
-        let seen = epochs.insert(tool.clone(), Some(now.to_vec()));
+        let seen = epochs.insert(tool.clone(), now.to_vec());
         drop(epochs);
-        let lost = matches!(seen, Some(Some(before)) if before != now);
+        let lost = seen.is_some_and(|before| before != now);
         if lost {
             let n = self.lost.fetch_add(1, Ordering::Relaxed) + 1;
             tracing::error!(
@@ -65,34 +61,6 @@ impl HealthState {
             crate::telemetry::state_lost("redis", tool);
         }
         lost
-    }
-
-    /// Notes that the store decides for `tool`; a new tool's epoch marker is checked (and set)
-    /// at once, so a loss soon after is noticed.
-    pub(super) fn saw_tool(&self, shared: &Arc<Shared>, tool: &str) {
-        if self.known.load().iter().any(|t| **t == *tool) {
-            return;
-        }
-        let tool: Arc<str> = {
-            let mut epochs = lock(&self.epochs);
-            if epochs.contains_key(tool) {
-                return;
-            }
-            let tool: Arc<str> = Arc::from(tool);
-            epochs.insert(tool.clone(), None);
-            let mut known = Vec::clone(&self.known.load());
-            known.push(tool.clone());
-            self.known.store(Arc::new(known));
-            tool
-        };
-        let (Ok(rt), Some(_)) = (tokio::runtime::Handle::try_current(), shared.backend.get())
-        else {
-            return;
-        };
-        let shared = shared.clone();
-        rt.spawn(async move {
-            let _ = shared.check_epoch(&tool).await;
-        });
     }
 }
 
@@ -201,7 +169,7 @@ impl Shared {
             Err(e) => return Err(e),
         };
         if found.is_some() {
-            // Seen: it lives a day past this check.
+            // Seen: it lives its TTL (32 days) past this check.
             let _: i64 = self.query(redis::cmd("EXPIRE").arg(&key).arg(ttl)).await?;
         }
         let now = found.unwrap_or(mine);

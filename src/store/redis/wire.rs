@@ -1,7 +1,19 @@
-//! The keys one call touches beyond its levels' records (built in `crate::key`): permits and
-//! epoch markers.
+//! The keys one call touches: its levels' records (built in `crate::key`), behind the store's
+//! namespace, and beyond them its permits, the epoch markers and the turn.
 
 use crate::admission::engine::Charge;
+use crate::store::CallKeys;
+
+/// The record keys of a call's levels (tool, tenant, instance), behind the store's namespace.
+pub(super) fn state_keys(namespace: &str, keys: &CallKeys) -> [Option<String>; 3] {
+    let mut encoded = keys.encoded();
+    if !namespace.is_empty() {
+        for k in encoded.iter_mut().flatten() {
+            k.insert_str(0, namespace);
+        }
+    }
+    encoded
+}
 
 /// The key of a level's concurrency permits: its state key and `!`. Never a key
 /// [`crate::key`] builds (a complete key followed by a byte that cannot start a part), so the
