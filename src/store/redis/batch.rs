@@ -1499,10 +1499,7 @@ fn cycle_args(
     }
     let (read_now, read_records) = match next {
         Some(b) => {
-            let now = match sh.config.time {
-                TimeSource::Redis => "-1".to_owned(),
-                TimeSource::Injected => b.now().as_micros().to_string(),
-            };
+            let now = sh.now_arg(b.now());
             keys.extend(b.keys.records.iter().cloned());
             keys.extend(b.keys.zsets.iter().cloned());
             (now, b.keys.records.len())

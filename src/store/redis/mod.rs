@@ -385,14 +385,9 @@ impl RedisStore {
             reply,
         };
         batch::submit(sh, &slot, job);
-        let timeout = sh.config.timeout;
         // Timed out or dropped here, the call is still decided; if it is admitted and nobody
         // takes the answer, it is given back (see `batch::Answer`).
-        let decided = match tokio::time::timeout(timeout, answer).await {
-            Ok(Ok(d)) => d,
-            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        };
+        let decided = sh.worker_answer(answer).await;
         let decision = match decided {
             Ok(d) => {
                 if sh.breaker.answered() {
@@ -544,10 +539,25 @@ impl Shared {
         }
     }
 
-    fn now_arg(&self, now: Timestamp) -> f64 {
+    /// A tool's worker's `answer` to a job, within the timeout.
+    async fn worker_answer<T>(
+        &self,
+        answer: impl Future<
+            Output = Result<Result<T, StoreError>, tokio::sync::oneshot::error::RecvError>,
+        >,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.config.timeout, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
+            Err(_) => Err(StoreError::Timeout(self.config.timeout)),
+        }
+    }
+
+    /// The time a script is to decide or count permits at: Redis's own (`-1`), or `now`.
+    pub(super) fn now_arg(&self, now: Timestamp) -> String {
         match self.config.time {
-            TimeSource::Redis => -1.0,
-            TimeSource::Injected => now.as_micros() as f64,
+            TimeSource::Redis => "-1".to_owned(),
+            TimeSource::Injected => now.as_micros().to_string(),
         }
     }
 
@@ -661,7 +671,7 @@ impl Shared {
         }
         let args = [
             admission.call.to_le_bytes().to_vec(),
-            format!("{}", self.now_arg(admission.at)).into_bytes(),
+            self.now_arg(admission.at).into_bytes(),
             self.least_ttl_ms().to_string().into_bytes(),
         ];
         let _: i64 = self
@@ -704,7 +714,7 @@ impl Shared {
         for (tool, keys) in by_tool {
             let (names, ids): (Vec<String>, Vec<Vec<u8>>) = keys.into_iter().unzip();
             let mut args = Vec::with_capacity(ids.len() + 2);
-            args.push(format!("{}", self.now_arg(now)).into_bytes());
+            args.push(self.now_arg(now).into_bytes());
             args.push(self.config.permit_ttl.as_millis().to_string().into_bytes());
             args.push(if revive.is_some() {
                 b"".to_vec()
@@ -765,13 +775,8 @@ impl Store for RedisStore {
         };
         batch::submit(&sh, &slot, job);
         Answer::later(async move {
-            let timeout = sh.config.timeout;
-            let done = match tokio::time::timeout(timeout, answer).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(_)) => Err(StoreError::Unavailable("the store's worker stopped".into())),
-                // Still applied in the background.
-                Err(_) => Err(StoreError::Timeout(timeout)),
-            };
+            // Not waited for, it is still applied.
+            let done = sh.worker_answer(answer).await;
             done.map_err(|e| sh.failed("adjust", &tool, e))
         })
     }
@@ -796,11 +801,8 @@ impl Store for RedisStore {
     }
 
     fn inspect_at(&self, keys: &CallKeys, now: Timestamp) -> Answer<Stored> {
-        // The permits that have not lapsed at the decisions' clock: Redis's (`-1`) or `now`.
-        let at = match self.shared.config.time {
-            TimeSource::Redis => b"-1".to_vec(),
-            TimeSource::Injected => now.as_micros().to_string().into_bytes(),
-        };
+        // The permits that have not lapsed at the decisions' clock.
+        let at = self.shared.now_arg(now).into_bytes();
         let (sh, keys) = (self.shared.clone(), keys.clone());
         Answer::later(async move { sh.read_states(&keys, at).await })
     }
