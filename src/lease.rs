@@ -7,20 +7,10 @@
 //! touching the store. So nothing is ever admitted that the store did not charge first:
 //! capacity, ceilings and budgets stay exact however many processes hold leases.
 //!
-//! What a lease may cost is only under-use: units charged and not yet spent. They are bounded:
-//! - a grant only ever holds the caller's **own** units (its floor and its own share): a grant
-//!   that had to borrow idle capacity from others is given back at once and the call decided
-//!   alone, so no caller's floor is ever held in another caller's lease;
-//! - one lease per caller path per process, and on a tokio runtime the next grant, fetched
-//!   ahead by a task of its own once half of the current one is spent: at most two grants;
-//! - a grant grows from one call's cost, doubling at most, with what the caller spent in the
-//!   last ~100 ms, and is at most a quarter of the room left above it and of the smallest
-//!   burst on its path (and `max`); near a limit or after a refused grant it is one call's
-//!   cost, so a small limit is decided call by call exactly as without leases;
-//! - a lease lives until the end of its aligned window or of any budget window it was charged
-//!   in, and at most a second; it goes back to the store (refunded through every level) when
-//!   it ends, when its caller is idle for 100 ms, on policy reload, and when the limiter is
-//!   dropped or told to return its leases.
+//! What a lease may cost is only under-use, bounded as `docs/leases.md` states: a grant holds
+//! only the caller's own units (one that borrowed goes back at once), at most two grants per
+//! caller path and process, each sized by the constants below, and a lease goes back when it
+//! ends, idles, or its policy is reloaded.
 //!
 //! The table answers what it spent; the limiter builds the ticket.
 

@@ -1,12 +1,6 @@
-//! Template callers counted: a caller a template (`default_tenant`, `default_instance`)
-//! governs counts at its parent from its first admitted call in an aligned window to the end
-//! of the next window. Shares are split among the template callers counted, and at most
-//! `max_tenants` / `max_instances` of them count at once.
-//!
-//! The parent keeps two numbers per window — its template children admitted in it, and those
-//! admitted in it or in the window before (the ones counted) — and each child's own state
-//! already says in which window it was last admitted. So counting is exact, costs no scan and
-//! no index, and is the same on every store.
+//! Template callers counted (`docs/semantics.md`, *Template callers*): a parent keeps, per
+//! window, its template children admitted in it and those counted (admitted in it or in the
+//! window before), and each child's state says in which window it was last admitted.
 //!
 //! A tool counts its unlisted tenants per template slot: `default_tenant`'s in its state, each
 //! plan's beside it ([`PlanCounts`]); a tenant counts its `default_instance` children only.

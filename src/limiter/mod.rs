@@ -376,18 +376,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let leases = &self.inner.leases;
         match d.map(Decision::into_first) {
             Ok(Ok(a)) if lease::eligible(plan) && (alone || !lease::borrowed(&a)) => {
-                if !alone {
-                    telemetry::lease_granted(plan.tool.name_arc(), ask, ask - plan.cost);
-                }
-                let version = self.inner.version.load(Acquire);
-                let known = lease::Known::new(version, caller, plan);
                 let mut returns = Vec::new();
-                let kept = leases.granted(plan, known, a, ask, &mut returns);
+                let charged = self.keep(caller, plan, a, ask, &mut returns);
                 self.give_back(returns, plan.now);
-                Ok(match kept {
-                    Ok((grant, part)) => Decided::Own(Charged::Leased(grant, part)),
-                    Err(own) => Decided::Own(Charged::Own(own)),
-                })
+                Ok(Decided::Own(charged))
             }
             // Units lent by others are never leased: all back, and the call decided alone.
             Ok(Ok(a)) if !alone => {
@@ -401,6 +393,30 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Ok(a)) => Ok(Decided::Own(Charged::Own(a))),
             Ok(Err(r)) => Ok(Decided::Refused(r)),
             Err(e) => Ok(Decided::Failed(e)),
+        }
+    }
+
+    /// What the store admitted (`a`, for `ask` units) charged the call of `plan`: on a leasing
+    /// tool what the grant holds beyond the call is kept as the caller's lease, and the call
+    /// is spent from it. Leases this one replaces are pushed to `returns`.
+    fn keep(
+        &self,
+        caller: &Caller,
+        plan: &Plan<'_>,
+        a: Arc<Admission>,
+        ask: f64,
+        returns: &mut Vec<lease::Return>,
+    ) -> Charged {
+        if !lease::eligible(plan) {
+            return Charged::Own(a);
+        }
+        if ask > plan.cost {
+            telemetry::lease_granted(plan.tool.name_arc(), ask, ask - plan.cost);
+        }
+        let known = lease::Known::new(self.inner.version.load(Acquire), caller, plan);
+        match self.inner.leases.granted(plan, known, a, ask, returns) {
+            Ok((grant, part)) => Charged::Leased(grant, part),
+            Err(own) => Charged::Own(own),
         }
     }
 

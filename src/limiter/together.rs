@@ -291,20 +291,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             return self.asked_too_much(parts, open);
         }
-        let version = self.inner.version.load(Acquire);
         let mut returns = Vec::new();
         for (&i, a) in open.iter().zip(admissions) {
             let part = &mut parts[i];
-            let charged = if lease::eligible(&part.plan) {
-                let known = lease::Known::new(version, caller, &part.plan);
-                let leases = &self.inner.leases;
-                match leases.granted(&part.plan, known, a, part.ask, &mut returns) {
-                    Ok((grant, spent)) => Charged::Leased(grant, spent),
-                    Err(own) => Charged::Own(own),
-                }
-            } else {
-                Charged::Own(a)
-            };
+            let charged = self.keep(caller, &part.plan, a, part.ask, &mut returns);
             part.now = Standing::Charged(charged);
         }
         self.give_back(returns, now);
