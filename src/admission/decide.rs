@@ -719,7 +719,7 @@ fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
         },
         Some(match f.window {
             Label::Period => tool.period_label.clone(),
-            Label::Word(w) => super::refusal::word(w),
+            Label::Word(w) => Arc::from(w),
         }),
     );
     r.scope = Some(f.scope);
