@@ -262,19 +262,10 @@ impl Lease {
             Arc::ptr_eq(&n.tool, &self.tool) && now < n.until && n.granted + EPS >= c
         })?;
         self.give_back_current(returns);
-        let left = (n.granted - c).max(0.0);
-        let part = part_of(&n.grant, n.granted, left, c, now);
-        self.grant = Some(n.grant.clone());
-        (self.granted, self.left, self.until, self.room) = (n.granted, left, n.until, n.room);
+        self.grant = Some(n.grant);
+        (self.granted, self.left, self.until, self.room) = (n.granted, n.granted, n.until, n.room);
         (self.started, self.last) = (now, now);
-        Some(Spent {
-            grant: n.grant,
-            part,
-            fetch: None,
-            window_secs: self.tool.period().as_secs_ceil(),
-            unit: self.tool.unit(),
-            at: Timestamp(now),
-        })
+        self.spend(c, now, || false)
     }
 
     /// Pushes what is left of the current grant, and the whole next one, for a return.
@@ -412,11 +403,12 @@ impl Leases {
             return Take::Miss { grant: c };
         };
         let same = Arc::ptr_eq(&l.tool, plan.tool) && now >= l.started;
-        if let Some(spent) = same.then(|| l.spend(c, now, can_fetch)).flatten() {
-            return Take::Hit(spent);
-        }
-        // The current grant is spent: the next one, if it was fetched in time.
-        if let Some(spent) = same.then(|| l.spend_next(c, now, returns)).flatten() {
+        // From the current grant, or, when it is spent, the next one if it was fetched in time.
+        let spent = same.then(|| {
+            l.spend(c, now, can_fetch)
+                .or_else(|| l.spend_next(c, now, returns))
+        });
+        if let Some(spent) = spent.flatten() {
             return Take::Hit(spent);
         }
         // Sized on what the caller spent of it, before what is left goes back.

@@ -191,9 +191,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 Ok(plan) => plan,
                 Err(r) => return refused(r),
             };
-            if let Some(why) = apart(&parts, &plan, i) {
+            if let Some((detail, why)) = apart(&parts, &plan, i) {
                 tracing::error!(tool, first = charges[0].0, "{why}");
-                let mut r = caller.denial(Reason::PermissionDenied, tool, why.detail());
+                let mut r = caller.denial(Reason::PermissionDenied, tool, detail);
                 r.retryable = false;
                 return refused(r);
             }
@@ -379,45 +379,20 @@ fn unmetered(plan: &Plan<'_>) -> Refusal {
     r
 }
 
-/// Why tool `i` of a call cannot be charged with the ones before it.
-enum Apart {
-    TwoOfOne,
-    Groups,
-    TooMany,
-}
-
-impl Apart {
-    fn detail(&self) -> &'static str {
-        match self {
-            Apart::TwoOfOne => "tool_charged_twice",
-            Apart::Groups => "tools_not_grouped",
-            Apart::TooMany => "too_many_tools",
-        }
-    }
-}
-
-impl std::fmt::Display for Apart {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Apart::TwoOfOne => "a call names one tool twice: charge it once, with the sum",
-            Apart::Groups => "tools charged together by one call must share a group: give them the same `group` in the policy",
-            Apart::TooMany => "a call may be charged to at most 8 tools",
-        })
-    }
-}
-
-fn apart(before: &[Part<'_>], plan: &Plan<'_>, i: usize) -> Option<Apart> {
+/// Why tool `i` of a call cannot be charged with the ones before it: the refusal's detail, and
+/// what to change, logged.
+fn apart(before: &[Part<'_>], plan: &Plan<'_>, i: usize) -> Option<(&'static str, &'static str)> {
     if i >= MAX_TOOLS_PER_CALL {
-        return Some(Apart::TooMany);
+        return Some(("too_many_tools", "a call may be charged to at most 8 tools"));
     }
-    if before
-        .iter()
-        .any(|p| p.plan.tool.name() == plan.tool.name())
-    {
-        return Some(Apart::TwoOfOne);
+    let name = plan.tool.name();
+    if before.iter().any(|p| p.plan.tool.name() == name) {
+        let why = "a call names one tool twice: charge it once, with the sum";
+        return Some(("tool_charged_twice", why));
     }
     let first = &before.first()?.plan;
-    (first.tool.group() != plan.tool.group()).then_some(Apart::Groups)
+    let why = "tools charged together by one call must share a group: give them the same `group` in the policy";
+    (first.tool.group() != plan.tool.group()).then_some(("tools_not_grouped", why))
 }
 
 #[cfg(test)]
