@@ -76,9 +76,7 @@ impl Ticket {
     /// when the call went through unmetered (the store was unreachable and the tool fails
     /// open) or, in shadow mode, when it would have been refused.
     pub fn admission(&self) -> Option<&Admission> {
-        match self.admission.as_ref()? {
-            Charged::Own(a) | Charged::Leased(a, _) => Some(a),
-        }
+        self.admission_arc().map(|a| &**a)
     }
 
     /// The admission, shared.

@@ -1,6 +1,6 @@
 //! The in-process store: state in a sharded map, one short lock per shard a decision touches.
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{
     AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
@@ -128,11 +128,7 @@ impl Default for MemoryStore {
 }
 
 fn hash_tenant(h: &RandomState, tool: &str, tenant: &str, untenanted: bool) -> u64 {
-    let mut s = h.build_hasher();
-    tool.hash(&mut s);
-    tenant.hash(&mut s);
-    untenanted.hash(&mut s);
-    s.finish()
+    h.hash_one((tool, tenant, untenanted))
 }
 
 impl MemoryStore {
