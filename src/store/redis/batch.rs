@@ -487,6 +487,7 @@ fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Times
         outcomes: Vec::new(),
         versions: read.versions.clone(),
         records,
+        counts: Vec::new(),
         decided: written.clone(),
         written,
         holds: vec![false; n],
@@ -1219,12 +1220,14 @@ struct ZChange {
     ttl_ms: Option<u64>,
 }
 
-/// What a batch decided, and what to write for it.
+/// What a batch decided, and what to write for it: its records and permit counts as its jobs
+/// are decided, one after the other, and what they change.
 struct Decided {
     outcomes: Vec<Outcome>,
     /// The records' versions when read: what the write checks.
     versions: Vec<Vec<u8>>,
     records: Vec<Option<Record>>,
+    counts: Vec<f64>,
     written: Vec<bool>,
     /// Records decided on (their TTL is set); those only corrected keep theirs.
     decided: Vec<bool>,
@@ -1241,63 +1244,48 @@ impl Decided {
 
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
 fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
-    let mut w = Working {
+    let n = read.records.len();
+    let mut d = Decided {
+        outcomes: Vec::with_capacity(batch.jobs.len()),
+        versions: read.versions.clone(),
         records: read.records.clone(),
         counts: read.counts.clone(),
-        written: vec![false; read.records.len()],
-        decided: vec![false; read.records.len()],
+        written: vec![false; n],
+        decided: vec![false; n],
+        holds: vec![false; n],
         zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
+        now: read.now as f64,
     };
-    let mut outcomes = Vec::with_capacity(batch.jobs.len());
-    let mut last_now = read.now as f64;
     for (job, jks) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
             TimeSource::Redis => Timestamp(read.now),
             TimeSource::Injected => job.now(),
         };
-        last_now = now.as_micros() as f64;
-        outcomes.push(match job {
-            Job::Decide { parts, .. } => Outcome::Decided(w.decide(sh, parts, jks, now)),
+        d.now = now.as_micros() as f64;
+        let outcome = match job {
+            Job::Decide { parts, .. } => Outcome::Decided(d.decide(sh, parts, jks, now)),
             Job::Adjust {
                 admission, factor, ..
             } => {
-                w.adjust(sh, admission, *factor, &jks[0], now);
+                d.adjust(sh, admission, *factor, &jks[0], now);
                 Outcome::Adjusted
             }
             Job::Heal { .. } => Outcome::Read,
-        });
+        };
+        d.outcomes.push(outcome);
     }
     // A record lives at least the permit TTL while calls hold permits at its level.
-    let mut holds = vec![false; w.records.len()];
     for jk in batch.job_keys.iter().flatten() {
         for l in 0..3 {
             if let (Some(i), Some(z)) = (jk.records[l], jk.permits[l]) {
-                holds[i] |= w.counts[z] > 0.0;
+                d.holds[i] |= d.counts[z] > 0.0;
             }
         }
     }
-    Decided {
-        outcomes,
-        versions: read.versions.clone(),
-        records: w.records,
-        written: w.written,
-        decided: w.decided,
-        holds,
-        zsets: w.zsets,
-        now: last_now,
-    }
+    d
 }
 
-/// A batch's records and permit counts as its jobs are decided, and what they change.
-struct Working {
-    records: Vec<Option<Record>>,
-    counts: Vec<f64>,
-    written: Vec<bool>,
-    decided: Vec<bool>,
-    zsets: Vec<ZChange>,
-}
-
-impl Working {
+impl Decided {
     /// Decides a call's parts on the records as they stand: every part admitted and written,
     /// or the first refusal and nothing written.
     fn decide(&mut self, sh: &Shared, parts: &[Part], jks: &[JobKeys], now: Timestamp) -> Decision {
