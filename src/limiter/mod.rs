@@ -340,13 +340,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         match self.inner.store.decide(std::slice::from_ref(&asked)) {
             Answer::Now(d) => {
                 started.record(self.inner.store.kind());
-                match self.answered(caller, plan, ask, d) {
-                    Ok(decided) => Begun::Done(self.conclude(policy, caller, plan, decided)),
-                    Err(back) => {
-                        self.give_back_grant(back, plan.now);
-                        self.ask(policy, caller, plan, plan.cost)
-                    }
-                }
+                self.answered(policy, caller, plan, ask, d)
             }
             Answer::Later(answer) => {
                 let rest = Rest {
@@ -363,9 +357,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// What follows the store's answer `d` to a call of `plan` asking for `ask` units: the
-    /// call's decision, or (a grant that was refused or borrowed) that the call is to be
-    /// decided alone, after giving the borrowing grant back.
+    /// call's outcome, or (a grant that was refused or borrowed: given back) the call asked
+    /// again alone.
     fn answered(
+        &self,
+        policy: &Arc<Policy>,
+        caller: &Caller,
+        plan: &Plan<'_>,
+        ask: f64,
+        d: Result<Decision, StoreError>,
+    ) -> Begun {
+        match self.decided(caller, plan, ask, d) {
+            Ok(decided) => Begun::Done(self.conclude(policy, caller, plan, decided)),
+            Err(back) => {
+                self.give_back_grant(back, plan.now);
+                self.ask(policy, caller, plan, plan.cost)
+            }
+        }
+    }
+
+    /// What the store's answer `d` decided: the call's charge, refusal or failure, or (a
+    /// grant that was refused or borrowed) the grant to give back before the call is decided
+    /// alone.
+    fn decided(
         &self,
         caller: &Caller,
         plan: &Plan<'_>,
@@ -691,17 +705,10 @@ impl<S: Store, C: Clock> Rest<S, C> {
         let l = &self.limiter;
         self.started.record(l.inner.store.kind());
         let plan = self.plan.plan();
-        let decided = match l.answered(&self.caller, &plan, self.ask, d) {
-            Ok(decided) => decided,
-            Err(back) => {
-                l.give_back_grant(back, plan.now);
-                return match l.ask(&self.policy, &self.caller, &plan, plan.cost) {
-                    Begun::Done(outcome) => outcome,
-                    Begun::Waiting(rest) => rest.await,
-                };
-            }
-        };
-        l.conclude(&self.policy, &self.caller, &plan, decided)
+        match l.answered(&self.policy, &self.caller, &plan, self.ask, d) {
+            Begun::Done(outcome) => outcome,
+            Begun::Waiting(rest) => rest.await,
+        }
     }
 }
 
