@@ -397,13 +397,15 @@ fn the_console_counts_refusals_as_the_metrics_do() {
     assert!(!text.contains("tenant=\"made-up-2\""), "{text}");
 }
 
-/// Lease metrics add up: every unit granted for a lease is a grant's first call, a call
-/// spent from the lease (a hit) or a unit given back; once the leases are given back, none is
-/// held.
-/// The same for a call charged to two tools at once (`admit_all`): its grants are counted
-/// like a call of one tool's, so the units held go back to zero.
-#[test]
-fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
+/// Makes 1,000 calls of `acme` with `call` on `toml`'s policy, 10 µs apart, gives the leases
+/// back, and checks that every leasing tool's metrics add up: every unit granted for a lease
+/// is a grant's first call, a call spent from the lease (a hit) or a unit given back; once the
+/// leases are given back, none is held.
+fn lease_metrics_add_up(
+    toml: &str,
+    tools: &[&str],
+    call: impl Fn(&Limiter<MemoryStore, ManualClock>, &Caller),
+) {
     use tower_fairshare::telemetry::{
         LEASE_GRANTED_UNITS, LEASE_GRANTS, LEASE_HELD_UNITS, LEASE_HITS, LEASE_RETURNED_UNITS,
     };
@@ -412,29 +414,20 @@ fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
     let clock = ManualClock::new(EPOCH);
     let calls = 1_000;
     metrics::with_local_recorder(&recorder, || {
-        let tool = |name: &str| {
-            format!(
-                "[[tool]]\nname = \"{name}\"\ngroup = \"chat\"\nunit = \"calls\"\n\
-                 rate = {{ limit = 1000000, per = \"1m\" }}\nlease = {{ max = 64 }}\n\
-                 [tool.tenants.acme]\nburst = 1000\n"
-            )
-        };
-        let toml = tool("chat.requests") + &tool("chat.tokens");
-        let policy = Policy::from_toml_str(&toml).unwrap();
+        let policy = Policy::from_toml_str(toml).unwrap();
         let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
         let acme = Caller::new("acme");
-        let call = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(1.0))];
         for _ in 0..calls {
             clock.advance(std::time::Duration::from_micros(10));
-            now(limiter.admit_all(&acme, &call)).unwrap();
+            call(&limiter, &acme);
         }
         assert!(limiter.leased_units() > 0.0);
         now(limiter.return_leases());
     });
     let text = handle.render();
-    for name in ["chat.requests", "chat.tokens"] {
-        let tool = [format!("tool=\"{name}\"")];
-        let tool = [tool[0].as_str()];
+    for name in tools {
+        let label = format!("tool=\"{name}\"");
+        let tool = [label.as_str()];
         let hits = value(&text, LEASE_HITS, &tool);
         let grants = value(&text, LEASE_GRANTS, &tool);
         let granted = value(&text, LEASE_GRANTED_UNITS, &tool);
@@ -443,6 +436,7 @@ fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
             hits > 0.9 * calls as f64,
             "{name}: {hits} of {calls} calls from leases"
         );
+        assert!(returned > 0.0, "{name}: the last lease was given back");
         assert_eq!(granted, grants + hits + returned, "{name}: granted units");
         assert_eq!(
             value(&text, LEASE_HELD_UNITS, &tool),
@@ -452,50 +446,29 @@ fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
     }
 }
 
+/// A leasing tool's tool section of a policy, in group `chat`.
+fn leasing_tool(name: &str) -> String {
+    format!(
+        "[[tool]]\nname = \"{name}\"\ngroup = \"chat\"\nunit = \"calls\"\n\
+         rate = {{ limit = 1000000, per = \"1m\" }}\nlease = {{ max = 64 }}\n\
+         [tool.tenants.acme]\nburst = 1000\n"
+    )
+}
+
 #[test]
 fn lease_grants_hits_returns_and_held_units_add_up() {
-    use tower_fairshare::telemetry::{
-        LEASE_GRANTED_UNITS, LEASE_GRANTS, LEASE_HELD_UNITS, LEASE_HITS, LEASE_RETURNED_UNITS,
-    };
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let handle = recorder.handle();
-    let clock = ManualClock::new(EPOCH);
-    let calls = 1_000;
-    metrics::with_local_recorder(&recorder, || {
-        let policy = Policy::from_toml_str(
-            r#"
-            [[tool]]
-            name = "search"
-            unit = "calls"
-            rate = { limit = 1000000, per = "1m" }
-            lease = { max = 64 }
-            [tool.tenants.acme]
-            burst = 1000
-            "#,
-        )
-        .unwrap();
-        let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
-        let acme = Caller::new("acme");
-        for _ in 0..calls {
-            clock.advance(std::time::Duration::from_micros(10));
-            now(limiter.admit(&acme, "search", Cost(1.0))).unwrap();
-        }
-        assert!(limiter.leased_units() > 0.0);
-        now(limiter.return_leases());
+    lease_metrics_add_up(&leasing_tool("search"), &["search"], |l, acme| {
+        now(l.admit(acme, "search", Cost(1.0))).unwrap();
     });
-    let text = handle.render();
-    let tool = ["tool=\"search\""];
-    let (hits, grants) = (
-        value(&text, LEASE_HITS, &tool),
-        value(&text, LEASE_GRANTS, &tool),
-    );
-    let granted = value(&text, LEASE_GRANTED_UNITS, &tool);
-    let returned = value(&text, LEASE_RETURNED_UNITS, &tool);
-    assert!(
-        hits > 0.9 * calls as f64,
-        "{hits} of {calls} calls from leases"
-    );
-    assert!(returned > 0.0, "the last lease was given back");
-    assert_eq!(granted, grants + hits + returned);
-    assert_eq!(value(&text, LEASE_HELD_UNITS, &tool), 0.0);
+}
+
+/// The same for a call charged to two tools at once (`admit_all`): its grants are counted
+/// like a call of one tool's, so the units held go back to zero.
+#[test]
+fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
+    let toml = leasing_tool("chat.requests") + &leasing_tool("chat.tokens");
+    let call = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(1.0))];
+    lease_metrics_add_up(&toml, &["chat.requests", "chat.tokens"], |l, acme| {
+        now(l.admit_all(acme, &call)).unwrap();
+    });
 }
