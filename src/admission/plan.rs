@@ -40,7 +40,7 @@ impl Plan<'_> {
     /// carries (copied when short, see [`Name`]).
     pub fn keys(&self) -> CallKeys {
         CallKeys {
-            tool: self.tool.key.0.clone(),
+            tool: self.tool.key_name().clone(),
             group: self.tool.key_group().cloned(),
             tenant: Name::from(self.tenant.name),
             instance: self.instance.map(|i| Name::from(i.name)),

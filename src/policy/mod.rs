@@ -352,6 +352,11 @@ impl ToolPolicy {
         &self.group
     }
 
+    /// The tool's name as a call's keys hold it.
+    pub(crate) fn key_name(&self) -> &Name {
+        &self.key.0
+    }
+
     /// The group a store keys the tool's state under: `None` for a tool alone (or in a
     /// group of its own name).
     pub(crate) fn key_group(&self) -> Option<&Name> {
