@@ -446,6 +446,34 @@ fn lease_metrics_add_up(
     }
 }
 
+/// A call charged to a leasing tool and to one that does not lease: its part spent from the
+/// lease goes back to it before the call goes to the store, and the units held still add up
+/// to zero once the leases are given back.
+#[test]
+fn a_lease_part_put_back_is_held_again() {
+    use tower_fairshare::telemetry::LEASE_HELD_UNITS;
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let clock = ManualClock::new(EPOCH);
+    metrics::with_local_recorder(&recorder, || {
+        let toml = leasing_tool("chat.requests")
+            + &leasing_tool("chat.tokens").replace("lease = { max = 64 }", "lease = \"off\"");
+        let policy = Policy::from_toml_str(&toml).unwrap();
+        let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
+        let acme = Caller::new("acme");
+        let call = [("chat.requests", Cost(1.0)), ("chat.tokens", Cost(1.0))];
+        for _ in 0..1_000 {
+            clock.advance(std::time::Duration::from_micros(10));
+            now(limiter.admit_all(&acme, &call)).unwrap();
+        }
+        now(limiter.return_leases());
+        assert_eq!(limiter.leased_units(), 0.0);
+    });
+    let text = handle.render();
+    let held = value(&text, LEASE_HELD_UNITS, &["tool=\"chat.requests\""]);
+    assert_eq!(held, 0.0, "units held once every lease is given back");
+}
+
 /// A leasing tool's tool section of a policy, in group `chat`.
 fn leasing_tool(name: &str) -> String {
     format!(
