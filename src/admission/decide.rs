@@ -60,10 +60,7 @@ pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
 /// states to write back. Refused: nothing is to be written (`snap` is left half worked on).
 pub fn decide(plan: &Plan<'_>, snap: &mut Snapshot) -> Result<Admitted, Refusal> {
     let mut d = Decision::new(plan, snap);
-    if let Err(f) = d.prepare(snap) {
-        return Err(d.too_many(snap, f));
-    }
-    match d.check(snap) {
+    match d.prepare(snap).and_then(|()| d.check(snap)) {
         Ok(takes) => Ok(d.commit(snap, takes)),
         Err(f) => Err(d.refuse(f)),
     }
@@ -82,7 +79,7 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     let mut d = Decision::new(plan, &snap);
     if let Err(f) = d.prepare(&mut snap) {
         return Explained {
-            verdict: Err(d.too_many(&snap, f)),
+            verdict: Err(d.refuse(f)),
             levels: Vec::new(),
         };
     }
@@ -144,18 +141,6 @@ impl<'p, 'a> Decision<'p, 'a> {
         Ok(())
     }
 
-    /// The refusal for one template caller too many (`f`).
-    fn too_many(&self, snap: &Snapshot, mut f: Fail) -> Refusal {
-        if f.scope == Scope::Tenant {
-            // Exact from the tool's counts: when one of the counted stops counting.
-            let slot = self.plan.tenant.policy.slot;
-            let leaves =
-                template::until_one_leaves(&snap.tool, &snap.plans, slot, self.window, self.period);
-            f.wait = leaves - self.now;
-        }
-        self.refuse(f)
-    }
-
     /// How the tenant and the instance stand among their parents' template children, and
     /// how many are counted with this call: (tenants per template, instances).
     fn count_callers<'s>(&mut self, snap: &'s Snapshot) -> Result<(Counted<'s>, u64), Fail> {
@@ -167,7 +152,12 @@ impl<'p, 'a> Decision<'p, 'a> {
             if !self.standing[0].counted() {
                 let n = n_tenants.get(t_pol.slot);
                 if n >= t_pol.max_tracked {
-                    return Err(too_many(Scope::Tenant, t_pol.max_tracked, n, 0.0));
+                    // Exact from the tool's counts: when one of the counted stops counting.
+                    let (tool, plans) = (&snap.tool, &snap.plans);
+                    let leaves =
+                        template::until_one_leaves(tool, plans, t_pol.slot, window, self.period);
+                    let wait = leaves - self.now;
+                    return Err(too_many(Scope::Tenant, t_pol.max_tracked, n, wait));
                 }
                 n_tenants = n_tenants.with_own(t_pol.slot);
             }
