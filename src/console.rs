@@ -423,11 +423,7 @@ fn budget_use(
             BudgetUse {
                 period: b.period.as_str(),
                 max: b.max,
-                used: s
-                    .budgets
-                    .iter()
-                    .find(|c| c.period == b.period && c.start == start)
-                    .map_or(0.0, |c| c.used),
+                used: s.budgets.used_in(b.period, start),
             }
         })
         .collect()

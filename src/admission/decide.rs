@@ -324,7 +324,7 @@ impl<'p, 'a> Decision<'p, 'a> {
         let (now, c) = (self.now, self.plan.cost);
         for b in self.budgets(idx) {
             let (start, end) = self.windows.get(b.period, self.at);
-            let used = used_in(s, b.period, start);
+            let used = s.budgets.used_in(b.period, start);
             if used + c <= b.max + EPS {
                 continue;
             }
@@ -639,14 +639,6 @@ fn too_many(scope: Scope, max_tracked: u64, counted: u64, wait: f64) -> Fail {
         reset_at: None,
         sure_wait: 0.0,
     }
-}
-
-/// Units `s` counts in the `period` budget window that starts at `start`.
-fn used_in(s: &NodeState, period: BudgetPeriod, start: f64) -> f64 {
-    s.budgets
-        .iter()
-        .find(|x| x.period == period && x.start == start)
-        .map_or(0.0, |x| x.used)
 }
 
 /// The calendar windows of one decision's instant, worked out once per period (a division

@@ -132,6 +132,13 @@ impl Budgets {
         self.len += 1;
     }
 
+    /// Units counted in `period`'s window that starts at `start` (µs; 0 when the counter
+    /// counts another window, or there is none).
+    pub fn used_in(&self, period: BudgetPeriod, start: f64) -> f64 {
+        let counter = self.iter().find(|c| c.period == period && c.start == start);
+        counter.map_or(0.0, |c| c.used)
+    }
+
     /// The counters `items[..len]` (of distinct periods, as a store wrote them).
     pub(crate) fn of_first(len: usize, items: [BudgetCounter; 3]) -> Self {
         Budgets {
