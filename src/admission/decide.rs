@@ -415,7 +415,7 @@ impl<'p, 'a> Decision<'p, 'a> {
             until[0] = template::counts_until(&snap.tool, &snap.plans, period);
             until[1] = template::counted_until(window, period);
         }
-        if self.n == 3 && self.plan.instance.is_some_and(|i| i.policy.template) {
+        if self.plan.instance.is_some_and(|i| i.policy.template) {
             template::count_child(
                 &mut snap.tenant,
                 &mut PlanCounts::default(),

@@ -103,9 +103,15 @@ impl<S, C> Drop for Inner<S, C> {
 /// the runtime to one that needs I/O (call [`Limiter::return_leases`] before dropping to wait
 /// for it). A function pointer in `Inner`, made where the bounds hold.
 fn give_back_on_drop<S: Store, C: Clock>(inner: &mut Inner<S, C>) {
-    let now = inner.clock.now();
-    for r in inner.leases.drain() {
-        if let Answer::Later(f) = inner.store.adjust(&r.grant, r.factor, now) {
+    give_back_to(&inner.store, inner.leases.drain(), inner.clock.now());
+}
+
+/// Gives `returns` back to `store` (counted), without waiting: at once to a store that can
+/// take them so, on the runtime to one that needs I/O.
+fn give_back_to<S: Store>(store: &S, returns: Vec<lease::Return>, now: Timestamp) {
+    for r in returns {
+        telemetry::lease_returned(&r.grant.keys.tool, r.units);
+        if let Answer::Later(f) = store.adjust(&r.grant, r.factor, now) {
             spawn_or_drop(f);
         }
     }
@@ -588,12 +594,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Gives back what leases returned, without waiting: at once where the store can, by a
     /// task of its own on the tokio runtime otherwise.
     fn give_back(&self, returns: Vec<lease::Return>, now: Timestamp) {
-        for r in returns {
-            telemetry::lease_returned(&r.grant.keys.tool, r.units);
-            if let Answer::Later(f) = self.inner.store.adjust(&r.grant, r.factor, now) {
-                spawn_or_drop(f);
-            }
-        }
+        give_back_to(&self.inner.store, returns, now);
     }
 
     /// Gives back a grant that borrowed (never kept), without waiting. A correction that
