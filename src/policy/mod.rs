@@ -192,10 +192,8 @@ pub struct Policy {
 #[derive(Clone, Debug)]
 pub struct ToolPolicy {
     pub(crate) name: Arc<str>,
-    /// The tool's group: its own name unless the policy puts it in one.
-    pub(crate) group: Arc<str>,
-    /// The tool's name and its group (when not named after the tool) as a call's keys hold
-    /// them, made once.
+    /// The tool's name and its group (when the policy puts it in one not named after the
+    /// tool) as a call's keys hold them, made once.
     pub(crate) key: (Name, Option<Name>),
     pub(crate) unit: Unit,
     pub(crate) capacity: f64,
@@ -349,7 +347,7 @@ impl ToolPolicy {
     /// a group: a store shared by replicas keeps a group's state together (on Redis Cluster,
     /// in one slot) so that such a call is decided atomically.
     pub fn group(&self) -> &str {
-        &self.group
+        self.key.1.as_deref().unwrap_or(&self.name)
     }
 
     /// The tool's name as a call's keys hold it.

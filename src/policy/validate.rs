@@ -155,12 +155,12 @@ pub(crate) fn policy(raw: RawPolicy) -> Result<Policy, PolicyError> {
 /// its name, as it keeps an ungrouped tool's under the tool's.
 fn groups_apart_from_tools(cx: &mut Ctx, tools: &[Arc<ToolPolicy>]) {
     for (i, t) in tools.iter().enumerate() {
-        if t.group == t.name {
+        if t.group() == t.name() {
             continue;
         }
         if let Some(other) = tools
             .iter()
-            .find(|o| o.name == t.group && o.group != t.group)
+            .find(|o| o.name() == t.group() && o.group() != t.group())
         {
             cx.err(
                 format!("tool[{i}].group"),
@@ -223,7 +223,6 @@ fn tool_alone(cx: &mut Ctx, raw: &RawTool, path: &str) -> ToolPolicy {
     let concurrency_path = format!("{path}.max_concurrency");
     let group = raw.group.as_deref().filter(|g| *g != raw.name);
     ToolPolicy {
-        group: Arc::from(group.unwrap_or(&raw.name)),
         name: Arc::from(raw.name.as_str()),
         key: (Name::from(raw.name.as_str()), group.map(Name::from)),
         unit: raw.unit,

@@ -1236,12 +1236,6 @@ struct Decided {
     now: f64,
 }
 
-impl Decided {
-    fn nothing_to_write(&self) -> bool {
-        !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
-    }
-}
-
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
 fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
     let n = read.records.len();
@@ -1286,6 +1280,10 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
 }
 
 impl Decided {
+    fn nothing_to_write(&self) -> bool {
+        !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
+    }
+
     /// Decides a call's parts on the records as they stand: every part admitted and written,
     /// or the first refusal and nothing written.
     fn decide(&mut self, sh: &Shared, parts: &[Part], jks: &[JobKeys], now: Timestamp) -> Decision {
