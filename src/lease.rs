@@ -377,11 +377,7 @@ impl Leases {
             if !(l.known.covers(version, caller, tenant_wide) && cost <= l.tool.lease_max) {
                 return None;
             }
-            let spent = l.spend(cost, now, &can_fetch);
-            if spent.is_some() {
-                crate::telemetry::lease_hit(l.tool.name_arc(), cost);
-            }
-            return spent;
+            return l.spend(cost, now, &can_fetch);
         }
         None
     }

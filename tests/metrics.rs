@@ -474,6 +474,54 @@ fn a_lease_part_put_back_is_held_again() {
     assert_eq!(held, 0.0, "units held once every lease is given back");
 }
 
+/// On a tokio runtime a lease fetches its next grant ahead, and calls move on to it: each call
+/// spent from either grant is a hit and lowers the units held, so the counts still add up.
+#[test]
+fn lease_metrics_add_up_when_grants_are_fetched_ahead() {
+    use tower_fairshare::telemetry::{LEASE_GRANTED_UNITS, LEASE_GRANTS, LEASE_HITS};
+    use tower_fairshare::telemetry::{LEASE_HELD_UNITS, LEASE_RETURNED_UNITS};
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let clock = ManualClock::new(EPOCH);
+    let calls = 1_000;
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let policy = Policy::from_toml_str(&leasing_tool("search")).unwrap();
+            let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
+            let acme = Caller::new("acme");
+            for _ in 0..calls {
+                clock.advance(std::time::Duration::from_micros(10));
+                limiter.admit(&acme, "search", Cost(1.0)).await.unwrap();
+                // The grant fetched ahead arrives before the next call.
+                tokio::task::yield_now().await;
+            }
+            limiter.return_leases().await;
+        });
+    });
+    let text = handle.render();
+    let tool = ["tool=\"search\""];
+    let grants = value(&text, LEASE_GRANTS, &tool);
+    let granted = value(&text, LEASE_GRANTED_UNITS, &tool);
+    let hits = value(&text, LEASE_HITS, &tool);
+    let returned = value(&text, LEASE_RETURNED_UNITS, &tool);
+    assert!(
+        grants > 2.0,
+        "{grants} grants: the lease moved on to grants fetched ahead"
+    );
+    assert!(
+        hits > 0.9 * calls as f64,
+        "{hits} of {calls} calls from leases"
+    );
+    assert!(
+        granted >= hits + returned,
+        "{granted} granted: {hits} spent, {returned} back"
+    );
+    assert_eq!(value(&text, LEASE_HELD_UNITS, &tool), 0.0, "units held");
+}
+
 /// A leasing tool's tool section of a policy, in group `chat`.
 fn leasing_tool(name: &str) -> String {
     format!(

@@ -84,8 +84,8 @@ impl Decisions {
         self.count(policy, caller, tool, outcome);
     }
 
-    /// Records a call spent from its lease before the policy was read: the policy is loaded
-    /// only when someone reads what it would record.
+    /// Records a call admitted from its lease (a lease hit: the units it spent are no longer
+    /// held): the policy is loaded only when someone reads what it would record.
     pub(crate) fn record_leased(
         &self,
         policy: impl FnOnce() -> arc_swap::Guard<Arc<Policy>>,
@@ -101,7 +101,12 @@ impl Decisions {
             let outcome = Ok(ticket.clone());
             self.report_busy(&policy, caller, tool, cost, &outcome, 0, now);
             #[cfg(feature = "metrics")]
-            self.count(&policy, caller, tool, &outcome);
+            {
+                self.count(&policy, caller, tool, &outcome);
+                if let Some(tp) = policy.tool(tool) {
+                    super::lease_hit(tp.name_arc(), cost.0);
+                }
+            }
         }
     }
 

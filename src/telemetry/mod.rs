@@ -249,15 +249,11 @@ impl Started {
     pub(crate) fn record(self, _: &'static str) {}
 }
 
-/// A call admitted from a lease.
+/// A call admitted from a lease, spending `cost` of the units it held.
+#[cfg(feature = "metrics")]
 pub(crate) fn lease_hit(tool: &std::sync::Arc<str>, cost: f64) {
-    #[cfg(feature = "metrics")]
-    {
-        metrics::counter!(LEASE_HITS, "tool" => tool.clone()).increment(1);
-        metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).decrement(cost);
-    }
-    #[cfg(not(feature = "metrics"))]
-    let _ = (tool, cost);
+    metrics::counter!(LEASE_HITS, "tool" => tool.clone()).increment(1);
+    metrics::gauge!(LEASE_HELD_UNITS, "tool" => tool.clone()).decrement(cost);
 }
 
 /// A grant of `units` for a lease, `held` of them kept after its first call.
