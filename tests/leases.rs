@@ -475,6 +475,7 @@ burst = 1000
 
 /// The memory store behind a store that waits, as a remote one does, counting the decisions
 /// it makes, and those made while a call waited for them.
+#[cfg(feature = "tokio")]
 #[derive(Default)]
 struct Counting {
     inner: std::sync::Arc<MemoryStore>,
@@ -487,6 +488,7 @@ thread_local! {
     static IN_CALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+#[cfg(feature = "tokio")]
 impl Store for Counting {
     fn decide(&self, plans: &[engine::Plan<'_>]) -> Answer<store::Decision> {
         use std::sync::atomic::Ordering::Relaxed;
@@ -525,18 +527,21 @@ impl Store for Counting {
 /// On a tokio runtime the next grant is fetched ahead, in a task of its own, once half of the
 /// current one is spent: a busy caller's calls seldom wait for the store, at most two grants
 /// are held per caller path, and the store still counts exactly the calls admitted once the
-/// leases are given back.
+/// leases are given back. (Fetching ahead takes the `tokio` feature.)
+#[cfg(feature = "tokio")]
 #[test]
 fn the_next_grant_is_fetched_ahead_and_held_within_two_grants() {
     fetched_ahead(false)
 }
 
 /// The same through `try_admit`, which the layer tries first: it fetches ahead too.
+#[cfg(feature = "tokio")]
 #[test]
 fn a_call_decided_without_waiting_fetches_the_next_grant_ahead_too() {
     fetched_ahead(true)
 }
 
+#[cfg(feature = "tokio")]
 fn fetched_ahead(without_waiting: bool) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
