@@ -3,6 +3,7 @@
 
 use super::state::NodeState;
 use crate::clock::Timestamp;
+use crate::policy::BudgetPeriod;
 
 /// Tolerance for float comparisons: a draw passes when `have + EPS >= need`.
 pub(crate) const EPS: f64 = 1e-9;
@@ -30,6 +31,12 @@ pub(crate) fn aligned_window(t: f64, period: f64) -> f64 {
     } else {
         w
     }
+}
+
+/// The calendar window of `period` that holds `at`: (start, end) µs.
+pub(super) fn calendar_window(period: BudgetPeriod, at: Timestamp) -> (f64, f64) {
+    let (start, end) = period.window(at);
+    (start.as_micros() as f64, end.as_micros() as f64)
 }
 
 /// Brings a level's buckets up to `now` (a state never seen starts full).

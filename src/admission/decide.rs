@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
+use super::bucket::{aligned_window, bucket, calendar_window, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
@@ -15,7 +15,7 @@ use super::template::{self, Standing};
 use super::walk::{Fail, Label, Level};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
-use crate::policy::{Budget, BudgetPeriod, LevelPolicy};
+use crate::policy::{Budget, LevelPolicy};
 
 /// The stored states a decision reads; on an admission, the states to write back.
 #[derive(Clone, Debug, Default)]
@@ -543,13 +543,10 @@ fn tool_level(plan: &Plan<'_>) -> Level {
     Level {
         scope: Scope::Tool,
         numbers: LevelNumbers {
-            weight: 0.0,
-            floor: 0.0,
-            own_floor: 0.0,
             share: spare,
             ceiling: tool.capacity,
-            share_rate: 0.0,
             ceiling_rate: spare,
+            ..LevelNumbers::default()
         },
         buckets: [
             bucket(0.0, 0.0),
@@ -623,12 +620,6 @@ pub(super) fn instance_numbers(
     let template_weight = t.default_child.as_ref().map_or(0.0, |d| d.weight);
     let inner_weight = t.configured_child_weight + template_weight * n;
     level_numbers(i, inner_spare, inner_weight)
-}
-
-/// The calendar window of `period` that holds `at`: (start, end) µs.
-fn calendar_window(period: BudgetPeriod, at: Timestamp) -> (f64, f64) {
-    let (start, end) = period.window(at);
-    (start.as_micros() as f64, end.as_micros() as f64)
 }
 
 /// One level of a call as the decision sees it now: for [`Explanation`](crate::console::Explanation).
