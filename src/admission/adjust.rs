@@ -1,13 +1,15 @@
 //! Corrections after a decision: a charge corrected by a factor (settling the actual cost,
 //! refunding), and a concurrency permit given back.
 
+use super::bucket::calendar_window;
 use super::state::{Charge, NodeState};
 use crate::clock::Timestamp;
 
 /// Applies a correction to one level's state: `factor` × what was charged is added to the
 /// counters and taken from the buckets (a negative factor gives back, never above a
-/// bucket's depth). `now_window`/`now` say which window and budget windows are current, so
-/// a correction never touches a window that has already closed.
+/// bucket's depth). The counters count it only while the state still counts the charge's
+/// window, and the budgets while `now` is in their charged windows: a correction never
+/// touches a window that has already closed.
 pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now: Timestamp) {
     let lc = &charge.levels[level];
     if !lc.present || !s.live {
@@ -28,7 +30,7 @@ pub fn adjust(s: &mut NodeState, charge: &Charge, level: usize, factor: f64, now
         count_in_window(s, charge, level, factor);
     }
     for (period, start) in lc.budgets.iter() {
-        if period.window(now).0.as_micros() as f64 != start {
+        if calendar_window(period, now).0 != start {
             continue;
         }
         if let Some(b) = s

@@ -1,7 +1,9 @@
 //! Token-bucket arithmetic, pure: refilling, rolling the aligned window, waiting, and when a
 //! level's state is equivalent to a fresh one.
 
-use super::state::{BudgetCounter, NodeState};
+use super::state::NodeState;
+use crate::clock::Timestamp;
+use crate::policy::BudgetPeriod;
 
 /// Tolerance for float comparisons: a draw passes when `have + EPS >= need`.
 pub(crate) const EPS: f64 = 1e-9;
@@ -29,6 +31,12 @@ pub(crate) fn aligned_window(t: f64, period: f64) -> f64 {
     } else {
         w
     }
+}
+
+/// The calendar window of `period` that holds `at`: (start, end) µs.
+pub(super) fn calendar_window(period: BudgetPeriod, at: Timestamp) -> (f64, f64) {
+    let (start, end) = period.window(at);
+    (start.as_micros() as f64, end.as_micros() as f64)
 }
 
 /// Brings a level's buckets up to `now` (a state never seen starts full).
@@ -80,13 +88,11 @@ pub(super) fn wait_for(x: f64, need: f64, b: &Bucket, period: f64) -> f64 {
 }
 
 /// When a level's state is equivalent to a fresh one: every bucket full, its window and
-/// budget counters over (`end`: when a budget counter's window ends). (Permits held keep a
-/// state alive regardless: the store checks.)
+/// budget counters over. (Permits held keep a state alive regardless: the store checks.)
 pub(super) fn expiry(
     s: &NodeState,
     [f, h, k]: &Buckets,
     [now, period, next_window]: [f64; 3],
-    end: impl Fn(&BudgetCounter) -> f64,
 ) -> f64 {
     let mut at = now;
     for (x, b) in [(s.floor, f), (s.share, h), (s.ceiling, k)] {
@@ -99,7 +105,8 @@ pub(super) fn expiry(
     }
     for b in s.budgets.iter() {
         if b.used > 0.0 {
-            at = at.max(end(b));
+            let end = b.period.end_of(Timestamp(b.start as u64));
+            at = at.max(end.as_micros() as f64);
         }
     }
     at
@@ -215,7 +222,7 @@ mod tests {
             let mut s = live(x, x, x, now);
             s.window = window;
             s.total = total;
-            let at = expiry(&s, &[b, b, b], [now, P, (window + 1.0) * P], |_| 0.0);
+            let at = expiry(&s, &[b, b, b], [now, P, (window + 1.0) * P]);
             prop_assert!(at >= now);
             refill(&mut s, &[b, b, b], at, P);
             prop_assert!(s.floor + 1e-6 >= depth);

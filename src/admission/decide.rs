@@ -5,17 +5,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::bucket::{aligned_window, bucket, expiry, refill, roll_window, EPS};
+use super::bucket::{aligned_window, bucket, calendar_window, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
     Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts,
 };
-use super::template::{self, Counted, Standing};
-use super::walk::{Fail, Label, Level, Walker};
+use super::template::{self, Standing};
+use super::walk::{Fail, Label, Level};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
-use crate::policy::{Budget, BudgetPeriod};
+use crate::policy::{Budget, LevelPolicy};
 
 /// The stored states a decision reads; on an admission, the states to write back.
 #[derive(Clone, Debug, Default)]
@@ -90,22 +90,21 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
 
 /// A call's levels at the decision's instant: their numbers, their states brought up to
 /// date, how the caller stands among its parents' template children.
-struct Decision<'p, 'a> {
-    plan: &'p Plan<'a>,
+pub(super) struct Decision<'p, 'a> {
+    pub(super) plan: &'p Plan<'a>,
     /// The instant the call is decided at: its own, or its states' latest.
     at: Timestamp,
-    levels: [Level<'a>; 3],
-    n: usize,
-    banks: [f64; 3],
-    now: f64,
-    period: f64,
+    pub(super) levels: [Level; 3],
+    pub(super) n: usize,
+    /// What each level holds back for its children's share banks.
+    pub(super) banks: [f64; 3],
+    pub(super) now: f64,
+    pub(super) period: f64,
     window: f64,
-    next_window: f64,
+    pub(super) next_window: f64,
     /// How the tenant and the instance stood among their parents' template children before
     /// this call (template callers only).
     standing: [Standing; 2],
-    /// The calendar windows of this instant, worked out once per period.
-    windows: Windows,
 }
 
 impl<'p, 'a> Decision<'p, 'a> {
@@ -128,73 +127,81 @@ impl<'p, 'a> Decision<'p, 'a> {
             window,
             next_window: (window + 1.0) * period,
             standing: [Standing::NotCounted; 2],
-            windows: Windows::default(),
         }
     }
 
     /// The callers counted, every level's numbers, its state refilled and rolled; or why one
     /// template caller would be too many.
     fn prepare(&mut self, snap: &mut Snapshot) -> Result<(), Fail> {
-        let (n_tenants, n_instances) = self.count_callers(snap)?;
-        self.level_numbers(n_tenants, n_instances);
+        self.count_callers(snap)?;
+        self.level_numbers(snap);
         self.bring_up_to_date(snap);
         Ok(())
     }
 
-    /// How the tenant and the instance stand among their parents' template children, and
-    /// how many are counted with this call: (tenants per template, instances).
-    fn count_callers<'s>(&mut self, snap: &'s Snapshot) -> Result<(Counted<'s>, u64), Fail> {
-        let (plan, window) = (&self.plan, self.window);
-        let mut n_tenants = Counted::at(&snap.tool, &snap.plans, window);
-        let t_pol = plan.tenant.policy;
-        if t_pol.template {
-            self.standing[0] = template::standing(&snap.tenant, window);
-            if !self.standing[0].counted() {
-                let n = n_tenants.get(t_pol.slot);
-                if n >= t_pol.max_tracked {
-                    // Exact from the tool's counts: when one of the counted stops counting.
-                    let (tool, plans) = (&snap.tool, &snap.plans);
-                    let leaves =
-                        template::until_one_leaves(tool, plans, t_pol.slot, window, self.period);
-                    let wait = leaves - self.now;
-                    return Err(too_many(Scope::Tenant, t_pol.max_tracked, n, wait));
-                }
-                n_tenants = n_tenants.with_own(t_pol.slot);
+    /// How the tenant and the instance stand among their parents' template children; or why
+    /// one not counted yet would be one too many.
+    fn count_callers(&mut self, snap: &Snapshot) -> Result<(), Fail> {
+        for idx in 1..self.n {
+            let Some(p) = self.plan.policy(idx).filter(|p| p.template) else {
+                continue;
+            };
+            let standing = template::standing(snap.levels()[idx], self.window);
+            self.standing[idx - 1] = standing;
+            let (parent, plans, slot) = self.template_parent(snap, idx);
+            let n = template::counted(parent, plans, slot, self.window);
+            if !standing.counted() && n >= p.max_tracked {
+                // Exact from the parent's counts: when one of the counted stops counting.
+                let leaves =
+                    template::until_one_leaves(parent, plans, slot, self.window, self.period);
+                let scope = [Scope::Tenant, Scope::Instance][idx - 1];
+                let (limit, callers) = (p.max_tracked as f64, Label::Word("callers"));
+                let wait = leaves - self.now;
+                return Err(Fail::new(
+                    Reason::CapExceeded,
+                    scope,
+                    callers,
+                    limit,
+                    n as f64,
+                    wait,
+                ));
             }
         }
-        let mut n_instances = template::counted_at(&snap.tenant, window);
-        if let Some(i) = plan.instance.filter(|i| i.policy.template) {
-            self.standing[1] = template::standing(&snap.instance, window);
-            if !self.standing[1].counted() {
-                if n_instances >= i.policy.max_tracked {
-                    let leaves = template::until_one_leaves(
-                        &snap.tenant,
-                        &PlanCounts::NONE,
-                        0,
-                        window,
-                        self.period,
-                    );
-                    let wait = leaves - self.now;
-                    return Err(too_many(
-                        Scope::Instance,
-                        i.policy.max_tracked,
-                        n_instances,
-                        wait,
-                    ));
-                }
-                n_instances += 1;
-            }
-        }
-        Ok((n_tenants, n_instances))
+        Ok(())
     }
 
-    /// The tenant's and the instance's numbers at the counts given, and the share banks
-    /// their parents hold for their children.
-    fn level_numbers(&mut self, n_tenants: Counted<'_>, n_instances: u64) {
-        let (tool, t_pol, c) = (self.plan.tool, self.plan.tenant.policy, self.plan.cost);
+    /// Where the caller at level `idx` (1 tenant, 2 instance) counts as a template child:
+    /// its parent's state, the parent's plans' counts (a tenant has none) and its slot.
+    fn template_parent<'s>(
+        &self,
+        snap: &'s Snapshot,
+        idx: usize,
+    ) -> (&'s NodeState, &'s PlanCounts, usize) {
+        match idx {
+            1 => (&snap.tool, &snap.plans, self.plan.tenant.policy.slot),
+            _ => (&snap.tenant, &PlanCounts::NONE, 0),
+        }
+    }
+
+    /// Whether the caller at level `idx` (1 tenant, 2 instance) is a template caller not
+    /// counted yet: counted with this call.
+    fn fresh(&self, idx: usize) -> bool {
+        let template = self.plan.policy(idx).is_some_and(|p| p.template);
+        template && !self.standing[idx - 1].counted()
+    }
+
+    /// The tenant's and the instance's numbers with the template callers counted (this call's
+    /// own with them), and the share banks their parents hold for their children.
+    fn level_numbers(&mut self, snap: &Snapshot) {
+        let (tool, t_pol, k) = (self.plan.tool, self.plan.tenant.policy, self.window);
+        let c = self.plan.cost;
+        let own_slot = self.fresh(1).then_some(t_pol.slot);
         // Each template of the tool (`default_tenant`, then each plan's) with its tenants.
-        let templates = (0..1 + tool.plans.len())
-            .filter_map(|slot| tool.template(slot).map(|p| (p, n_tenants.get(slot))));
+        let templates = (0..1 + tool.plans.len()).filter_map(|slot| {
+            let n = || template::counted(&snap.tool, &snap.plans, slot, k);
+            tool.template(slot)
+                .map(|p| (p, n() + u64::from(own_slot == Some(slot))))
+        });
         let weight = templates
             .clone()
             .fold(tool.configured_weight, |w, (p, n)| w + p.weight * n as f64);
@@ -206,16 +213,14 @@ impl<'p, 'a> Decision<'p, 'a> {
             t_pol.burst,
             c,
         );
-        let fresh = t_pol.template && !self.standing[0].counted();
-        self.levels[1] = caller_level(Scope::Tenant, tn, tenant_bank, t_pol, fresh);
+        self.levels[1] = caller_level(Scope::Tenant, tn, tenant_bank, t_pol, self.fresh(1));
         self.banks[0] = tool_banks;
         let Some(i) = self.plan.instance else {
             return;
         };
-        let inner_spare = (tn.ceiling - t_pol.children_floor).max(0.0);
-        let template_weight = t_pol.default_child.as_ref().map_or(0.0, |d| d.weight);
-        let inner_weight = t_pol.configured_child_weight + template_weight * n_instances as f64;
-        let inn = level_numbers(i.policy, inner_spare, inner_weight);
+        let n_instances =
+            template::counted(&snap.tenant, &PlanCounts::NONE, 0, k) + u64::from(self.fresh(2));
+        let inn = instance_numbers(t_pol, tn, i.policy, n_instances as f64);
         let template_burst = t_pol.default_child.as_ref().map_or(0.0, |d| d.burst);
         let (instance_banks, instance_bank) = banks(
             t_pol.burst,
@@ -224,8 +229,7 @@ impl<'p, 'a> Decision<'p, 'a> {
             i.policy.burst,
             c,
         );
-        let fresh = i.policy.template && !self.standing[1].counted();
-        self.levels[2] = caller_level(Scope::Instance, inn, instance_bank, i.policy, fresh);
+        self.levels[2] = caller_level(Scope::Instance, inn, instance_bank, i.policy, self.fresh(2));
         self.banks[1] = instance_banks;
     }
 
@@ -253,28 +257,32 @@ impl<'p, 'a> Decision<'p, 'a> {
     /// Every check: concurrency, budgets, the walk (share first, else floor first). The
     /// units each level takes, or the worst failure with the time the same call surely
     /// cannot pass before.
-    fn check(&mut self, snap: &Snapshot) -> Result<[[f64; 3]; 3], Fail> {
+    fn check(&self, snap: &Snapshot) -> Result<[[f64; 3]; 3], Fail> {
         let states = snap.levels();
         for (idx, s) in states.iter().enumerate().take(self.n) {
-            if let Some(cap) = self.cap(idx).filter(|cap| s.in_flight + 1.0 > *cap as f64) {
-                return Err(Fail::concurrency(self.levels[idx].scope, cap, s.in_flight));
+            let Some(cap) = self.plan.cap(idx) else {
+                continue;
+            };
+            if s.in_flight + 1.0 > cap as f64 {
+                let (scope, window) = (self.levels[idx].scope, Label::Word("in_flight"));
+                let (reason, cap) = (Reason::ConcurrencyExceeded, cap as f64);
+                return Err(Fail::new(reason, scope, window, cap, s.in_flight, 1e6));
             }
         }
         let mut worst = None;
         for (idx, s) in states.iter().enumerate().take(self.n) {
-            self.budget_fails(idx, s, &mut worst);
+            for b in self.budgets(idx) {
+                if let Some(f) = self.budget_fail(idx, b, s) {
+                    Fail::keep_worse(&mut worst, f);
+                }
+            }
         }
         // A budget's wait is exact: the longest one is a sure wait.
         let mut sure_wait = worst.map_or(0.0, |f: Fail| f.wait);
-        let walker = self.walker(snap);
-        let takes = match walker.walk(true).or_else(|_| walker.walk(false)) {
+        let takes = match self.walk(snap, true).or_else(|_| self.walk(snap, false)) {
             Ok(t) => t,
             Err(f) => {
-                let fewest = [
-                    self.plan.tenant.policy.template,
-                    self.plan.instance.is_some_and(|i| i.policy.template),
-                ];
-                sure_wait = sure_wait.max(walker.sure_wait(&f, self.plan.tool, fewest));
+                sure_wait = sure_wait.max(self.sure_wait(snap, &f));
                 Fail::keep_worse(&mut worst, f);
                 [[0.0; 3]; 3]
             }
@@ -288,70 +296,40 @@ impl<'p, 'a> Decision<'p, 'a> {
         }
     }
 
-    fn walker<'s>(&'s self, snap: &'s Snapshot) -> Walker<'s, 'a> {
-        Walker {
-            levels: &self.levels[..self.n],
-            states: [&snap.tool, &snap.tenant, &snap.instance],
-            banks: self.banks,
-            cost: self.plan.cost,
-            period: self.period,
-            now: self.now,
-            next_window: self.next_window,
-            tool_period: self.plan.tool.period,
-        }
-    }
-
-    /// Level `idx`'s concurrency cap.
-    fn cap(&self, idx: usize) -> Option<u32> {
-        match idx {
-            0 => self.plan.tool.max_concurrency,
-            1 => self.plan.tenant.policy.max_concurrency,
-            _ => self.plan.instance.and_then(|i| i.policy.max_concurrency),
-        }
-    }
-
     /// Level `idx`'s calendar budgets.
     fn budgets(&self, idx: usize) -> &'a [Budget] {
         match idx {
             0 => &self.plan.tool.budgets,
-            1 => &self.plan.tenant.policy.budgets,
-            _ => self.plan.instance.map_or(&[], |i| &i.policy.budgets),
+            l => self.plan.policy(l).map_or(&[], |p| &p.budgets),
         }
     }
 
-    /// The failing budgets of level `idx` (state `s`), kept in `worst` if worse.
-    fn budget_fails(&mut self, idx: usize, s: &NodeState, worst: &mut Option<Fail>) {
-        let (now, c) = (self.now, self.plan.cost);
-        for b in self.budgets(idx) {
-            let (start, end) = self.windows.get(b.period, self.at);
-            let used = s.budgets.used_in(b.period, start);
-            if used + c <= b.max + EPS {
-                continue;
-            }
-            // A calendar window: the wait is exact.
-            let wait = if c > b.max + EPS {
-                f64::INFINITY
-            } else {
-                end - now
-            };
-            let f = Fail {
-                reason: Reason::CapExceeded,
-                scope: self.levels[idx].scope,
-                wait,
-                window: Label::Word(b.period.as_str()),
-                window_secs: Some(((end - start) / 1e6) as u64),
-                limit: b.max,
-                used,
-                reset_at: Some(end),
-                sure_wait: wait,
-            };
-            Fail::keep_worse(worst, f);
+    /// Why budget `b` of level `idx` (state `s`) cannot take the call, if it cannot.
+    fn budget_fail(&self, idx: usize, b: &Budget, s: &NodeState) -> Option<Fail> {
+        let c = self.plan.cost;
+        let (start, end) = calendar_window(b.period, self.at);
+        let used = s.budgets.used_in(b.period, start);
+        if used + c <= b.max + EPS {
+            return None;
         }
+        // A calendar window: the wait is exact.
+        let wait = if c > b.max + EPS {
+            f64::INFINITY
+        } else {
+            end - self.now
+        };
+        let (scope, window) = (self.levels[idx].scope, Label::Word(b.period.as_str()));
+        Some(Fail {
+            window_secs: Some(((end - start) / 1e6) as u64),
+            reset_at: Some(end),
+            sure_wait: wait,
+            ..Fail::new(Reason::CapExceeded, scope, window, b.max, used, wait)
+        })
     }
 
     /// The call admitted: `takes` drawn from every level, counted in its windows, budgets
     /// and template counts; the answer.
-    fn commit(&mut self, snap: &mut Snapshot, takes: [[f64; 3]; 3]) -> Admitted {
+    fn commit(&self, snap: &mut Snapshot, takes: [[f64; 3]; 3]) -> Admitted {
         let mut expires = [0.0; 3];
         for (idx, take) in takes.into_iter().enumerate().take(self.n) {
             expires[idx] = self.commit_level(idx, take, snap.level_mut(idx));
@@ -403,39 +381,26 @@ impl<'p, 'a> Decision<'p, 'a> {
     fn count_children(&self, snap: &mut Snapshot) -> [f64; 3] {
         let (window, period) = (self.window, self.period);
         let mut until = [0.0; 3];
-        if self.plan.tenant.policy.template {
-            let slot = self.plan.tenant.policy.slot;
-            template::count_child(
-                &mut snap.tool,
-                &mut snap.plans,
-                slot,
-                self.standing[0],
-                window,
-            );
-            until[0] = template::counts_until(&snap.tool, &snap.plans, period);
-            until[1] = template::counted_until(window, period);
-        }
-        if self.plan.instance.is_some_and(|i| i.policy.template) {
-            template::count_child(
-                &mut snap.tenant,
-                &mut PlanCounts::default(),
-                0,
-                self.standing[1],
-                window,
-            );
-            until[1] = until[1].max(template::counts_until(
-                &snap.tenant,
-                &PlanCounts::NONE,
-                period,
-            ));
-            until[2] = template::counted_until(window, period);
+        for idx in 1..self.n {
+            if !self.plan.policy(idx).is_some_and(|p| p.template) {
+                continue;
+            }
+            let (mut none, slot) = (PlanCounts::NONE, self.plan.tenant.policy.slot);
+            let (parent, plans, slot) = match idx {
+                1 => (&mut snap.tool, &mut snap.plans, slot),
+                _ => (&mut snap.tenant, &mut none, 0),
+            };
+            template::count_child(parent, plans, slot, self.standing[idx - 1], window);
+            let parent_until = template::counts_until(parent, plans, period);
+            until[idx - 1] = parent_until.max(until[idx - 1]);
+            until[idx] = template::counted_until(window, period);
         }
         until
     }
 
     /// Takes `take` (floor, share, ceiling) from level `idx`'s state `s`, counts the call in
     /// its windows and budgets; when the state may be forgotten (µs).
-    fn commit_level(&mut self, idx: usize, [f, h, k]: [f64; 3], s: &mut NodeState) -> f64 {
+    fn commit_level(&self, idx: usize, [f, h, k]: [f64; 3], s: &mut NodeState) -> f64 {
         let c = self.plan.cost;
         s.floor -= f;
         s.share -= h;
@@ -447,7 +412,7 @@ impl<'p, 'a> Decision<'p, 'a> {
             s.in_flight += 1.0;
         }
         for b in self.budgets(idx) {
-            let start = self.windows.get(b.period, self.at).0;
+            let start = calendar_window(b.period, self.at).0;
             match s.budgets.iter_mut().find(|x| x.period == b.period) {
                 Some(x) if x.start == start => x.used += c,
                 Some(x) => {
@@ -462,17 +427,7 @@ impl<'p, 'a> Decision<'p, 'a> {
             }
         }
         let l = &self.levels[idx];
-        let windows = &self.windows;
-        let end = |b: &BudgetCounter| match windows.0[b.period.index()] {
-            Some((start, end)) if start == b.start => end,
-            _ => b.period.end_of(Timestamp(b.start as u64)).as_micros() as f64,
-        };
-        expiry(
-            s,
-            &l.buckets,
-            [self.now, self.period, self.next_window],
-            end,
-        )
+        expiry(s, &l.buckets, [self.now, self.period, self.next_window])
     }
 
     /// What the call took at level `idx`, for corrections later.
@@ -506,7 +461,40 @@ impl<'p, 'a> Decision<'p, 'a> {
 
     /// The refusal for `f`.
     fn refuse(&self, f: Fail) -> Refusal {
-        refuse(self.plan, self.now, f)
+        let (plan, now, tool) = (self.plan, self.now, self.plan.tool);
+        let mut r = Refusal::named(
+            f.reason,
+            tool.name.clone(),
+            (!plan.untenanted).then(|| plan.tenant.name.clone()),
+            if plan.untenanted {
+                Some(plan.tenant.name.clone())
+            } else {
+                plan.instance.map(|i| i.name.clone())
+            },
+            Some(match f.window {
+                Label::Period => tool.period_label.clone(),
+                Label::Word(w) => Arc::from(w),
+            }),
+        );
+        r.scope = Some(f.scope);
+        r.limit = Some(f.limit);
+        r.used = Some(f.used);
+        r.window_secs = f.window_secs;
+        r.unit = match f.window {
+            Label::Word("in_flight") => Some(crate::policy::Unit::Calls),
+            Label::Word("callers") => None,
+            _ => Some(tool.unit()),
+        };
+        if f.wait.is_finite() {
+            let wait = f.wait.max(1.0).ceil();
+            r.retry_after = Some(Duration::from_micros(wait as u64));
+            r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
+            r.retryable = true;
+        }
+        if f.sure_wait.is_finite() && f.sure_wait > 0.0 {
+            r.not_before = Some(Duration::from_micros(f.sure_wait.floor() as u64));
+        }
+        r
     }
 
     /// Each level as the decision sees it, nothing charged: its limit per period, units
@@ -514,7 +502,7 @@ impl<'p, 'a> Decision<'p, 'a> {
     /// tool: its pool, within its per-window cap).
     fn figures(&self, snap: &Snapshot) -> Vec<LevelFigures> {
         let states = snap.levels();
-        let of = |l: &Level<'_>, s: &NodeState| LevelFigures {
+        let of = |l: &Level, s: &NodeState| LevelFigures {
             level: l.scope.as_str(),
             limit: l.numbers.ceiling,
             used: s.total,
@@ -534,7 +522,7 @@ impl<'p, 'a> Decision<'p, 'a> {
 
 impl Snapshot {
     /// The states: tool, tenant, instance.
-    fn levels(&self) -> [&NodeState; 3] {
+    pub(super) fn levels(&self) -> [&NodeState; 3] {
         [&self.tool, &self.tenant, &self.instance]
     }
 
@@ -549,38 +537,34 @@ impl Snapshot {
 }
 
 /// The tool's level: its pool of `S = C − Σ floors`, as deep as the tool's burst.
-fn tool_level<'a>(plan: &Plan<'a>) -> Level<'a> {
+fn tool_level(plan: &Plan<'_>) -> Level {
     let tool = plan.tool;
     let spare = tool.spare();
     Level {
         scope: Scope::Tool,
         numbers: LevelNumbers {
-            weight: 0.0,
-            floor: 0.0,
-            own_floor: 0.0,
             share: spare,
             ceiling: tool.capacity,
-            share_rate: 0.0,
             ceiling_rate: spare,
+            ..LevelNumbers::default()
         },
         buckets: [
             bucket(0.0, 0.0),
             bucket(0.0, 0.0),
             bucket(spare, tool.burst),
         ],
-        policy: None,
         fresh: false,
     }
 }
 
 /// A tenant's or an instance's level from its numbers and its share bank.
-fn caller_level<'a>(
+fn caller_level(
     scope: Scope,
     n: LevelNumbers,
     bank: f64,
-    policy: &'a crate::policy::LevelPolicy,
+    policy: &LevelPolicy,
     fresh: bool,
-) -> Level<'a> {
+) -> Level {
     Level {
         scope,
         numbers: n,
@@ -589,7 +573,6 @@ fn caller_level<'a>(
             bucket(n.share_rate, bank),
             bucket(n.ceiling_rate, policy.burst),
         ],
-        policy: Some(policy),
         fresh,
     }
 }
@@ -625,34 +608,18 @@ fn banks(
     (held, least(own))
 }
 
-/// The refusal for a template caller over `max_tracked`; `wait` is until a counted one stops
-/// counting.
-fn too_many(scope: Scope, max_tracked: u64, counted: u64, wait: f64) -> Fail {
-    Fail {
-        reason: Reason::CapExceeded,
-        scope,
-        wait,
-        window: Label::Word("callers"),
-        window_secs: None,
-        limit: max_tracked as f64,
-        used: counted as f64,
-        reset_at: None,
-        sure_wait: 0.0,
-    }
-}
-
-/// The calendar windows of one decision's instant, worked out once per period (a division
-/// each, and a calendar for months) however many levels have budgets in it: (start, end) µs.
-#[derive(Copy, Clone, Default)]
-struct Windows([Option<(f64, f64)>; 3]);
-
-impl Windows {
-    fn get(&mut self, period: BudgetPeriod, now: Timestamp) -> (f64, f64) {
-        *self.0[period.index()].get_or_insert_with(|| {
-            let (start, end) = period.window(now);
-            (start.as_micros() as f64, end.as_micros() as f64)
-        })
-    }
+/// An instance's numbers under tenant `t` (numbers `tn`) with `n` of `t`'s template
+/// instances counted.
+pub(super) fn instance_numbers(
+    t: &LevelPolicy,
+    tn: LevelNumbers,
+    i: &LevelPolicy,
+    n: f64,
+) -> LevelNumbers {
+    let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
+    let template_weight = t.default_child.as_ref().map_or(0.0, |d| d.weight);
+    let inner_weight = t.configured_child_weight + template_weight * n;
+    level_numbers(i, inner_spare, inner_weight)
 }
 
 /// One level of a call as the decision sees it now: for [`Explanation`](crate::console::Explanation).
@@ -685,42 +652,4 @@ pub struct BudgetUse {
     pub max: f64,
     /// Spent of it in the current window.
     pub used: f64,
-}
-
-/// The refusal for `f`, for a call of `plan` at `now`.
-fn refuse(plan: &Plan<'_>, now: f64, f: Fail) -> Refusal {
-    let tool = plan.tool;
-    let mut r = Refusal::named(
-        f.reason,
-        tool.name.clone(),
-        (!plan.untenanted).then(|| plan.tenant.name.clone()),
-        if plan.untenanted {
-            Some(plan.tenant.name.clone())
-        } else {
-            plan.instance.map(|i| i.name.clone())
-        },
-        Some(match f.window {
-            Label::Period => tool.period_label.clone(),
-            Label::Word(w) => Arc::from(w),
-        }),
-    );
-    r.scope = Some(f.scope);
-    r.limit = Some(f.limit);
-    r.used = Some(f.used);
-    r.window_secs = f.window_secs;
-    r.unit = match f.window {
-        Label::Word("in_flight") => Some(crate::policy::Unit::Calls),
-        Label::Word("callers") => None,
-        _ => Some(tool.unit()),
-    };
-    if f.wait.is_finite() {
-        let wait = f.wait.max(1.0).ceil();
-        r.retry_after = Some(Duration::from_micros(wait as u64));
-        r.reset_at = Some(Timestamp(f.reset_at.unwrap_or(now + wait) as u64));
-        r.retryable = true;
-    }
-    if f.sure_wait.is_finite() && f.sure_wait > 0.0 {
-        r.not_before = Some(Duration::from_micros(f.sure_wait.floor() as u64));
-    }
-    r
 }

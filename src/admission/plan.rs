@@ -35,7 +35,7 @@ pub struct Plan<'a> {
     pub untenanted: bool,
 }
 
-impl Plan<'_> {
+impl<'a> Plan<'a> {
     /// The store keys of this call: the tool's, the tenant's and the instance's names it
     /// carries (copied when short, see [`Name`]).
     pub fn keys(&self) -> CallKeys {
@@ -48,16 +48,28 @@ impl Plan<'_> {
         }
     }
 
+    /// The policy of the caller at level `level` (1 tenant, 2 instance); none for the tool
+    /// (0), nor for a call without an instance.
+    pub(crate) fn policy(&self, level: usize) -> Option<&'a LevelPolicy> {
+        match level {
+            0 => None,
+            1 => Some(self.tenant.policy),
+            _ => self.instance.map(|i| i.policy),
+        }
+    }
+
+    /// Level `level`'s concurrency cap (0 tool, 1 tenant, 2 instance).
+    pub(crate) fn cap(&self, level: usize) -> Option<u32> {
+        match level {
+            0 => self.tool.max_concurrency,
+            l => self.policy(l).and_then(|p| p.max_concurrency),
+        }
+    }
+
     /// Whether the call takes a concurrency permit at level `level` (0 tool, 1 tenant,
     /// 2 instance).
     pub(crate) fn takes_permit(&self, level: usize) -> bool {
-        match level {
-            0 => self.tool.max_concurrency.is_some(),
-            1 => self.tenant.policy.max_concurrency.is_some(),
-            _ => self
-                .instance
-                .is_some_and(|i| i.policy.max_concurrency.is_some()),
-        }
+        self.cap(level).is_some()
     }
 
     /// Whether any level of the call caps calls in flight.

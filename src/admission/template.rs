@@ -7,7 +7,6 @@
 //! So the functions below take a parent's state with its plans' counts (none for a tenant).
 
 use super::state::{NodeState, PlanCounts};
-use crate::policy::MAX_PLANS;
 
 /// How a template child stands at window `k`: last admitted in `k`, in `k − 1`, or earlier
 /// (or never): not counted.
@@ -50,61 +49,12 @@ pub(crate) fn counts(window: f64, in_window: f64, counted: f64, k: f64) -> (f64,
     }
 }
 
-/// The template children counted at `s`'s level at window `k` (for a tool: the tenants of
-/// `default_tenant`).
-pub(crate) fn counted_at(s: &NodeState, k: f64) -> u64 {
-    counts(
-        s.template_window,
-        s.template_in_window,
-        s.template_counted,
-        k,
-    )
-    .1 as u64
-}
-
-/// The unlisted tenants a tool counts at window `k`, per template slot (0: `default_tenant`,
-/// then each plan's), read from its state when asked; with a call's own tenant counted in
-/// its slot when it did not count yet.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Counted<'s> {
-    tool: &'s NodeState,
-    plans: &'s PlanCounts,
-    k: f64,
-    own: Option<usize>,
-}
-
-impl<'s> Counted<'s> {
-    /// The tenants counted at tool state `tool` (with its plans' counts) at window `k`.
-    pub(super) fn at(tool: &'s NodeState, plans: &'s PlanCounts, k: f64) -> Self {
-        Counted {
-            tool,
-            plans,
-            k,
-            own: None,
-        }
-    }
-
-    /// The tenants counted in `slot`.
-    pub(crate) fn get(&self, slot: usize) -> u64 {
-        let stored = match slot {
-            0 => counted_at(self.tool, self.k),
-            p if p <= MAX_PLANS => {
-                let (iw, c) = self.plans.get(p - 1);
-                let t = self.tool.template_window;
-                counts(t, f64::from(iw), f64::from(c), self.k).1 as u64
-            }
-            _ => 0,
-        };
-        stored + u64::from(self.own == Some(slot))
-    }
-
-    /// The call's own tenant counted in `slot`.
-    pub(super) fn with_own(self, slot: usize) -> Self {
-        Counted {
-            own: Some(slot),
-            ..self
-        }
-    }
+/// The template children of `slot` counted at the level of `parent` (with its plans'
+/// counts) at window `k`: for a tool, the unlisted tenants of `default_tenant` (slot 0) or
+/// of a plan; for a tenant (slot 0, no plans), its template instances.
+pub(super) fn counted(parent: &NodeState, plans: &PlanCounts, slot: usize, k: f64) -> u64 {
+    let (iw, c) = stored(parent, plans, slot);
+    counts(parent.template_window, iw, c, k).1 as u64
 }
 
 /// Slot `slot`'s counts as stored: (admitted in the parent's template window, counted).
@@ -208,8 +158,8 @@ pub(super) fn until_one_leaves(
     period: f64,
 ) -> f64 {
     let (iw, c) = stored(s, plans, slot);
-    let (in_window, counted) = counts(s.template_window, iw, c, k);
-    if counted > in_window {
+    let (in_window, n) = counts(s.template_window, iw, c, k);
+    if n > in_window {
         (k + 1.0) * period
     } else {
         counted_until(k, period)
@@ -250,17 +200,17 @@ mod tests {
         admit(&mut parent, &child(10.0), 10.0);
         admit(&mut parent, &NodeState::default(), 10.0);
         let s = parent;
-        assert_eq!(counted_at(&s, 10.0), 2);
+        assert_eq!(counted(&s, &PlanCounts::NONE, 0, 10.0), 2);
         // Window 11: both still count; c joins; a calls again (counted once).
-        assert_eq!(counted_at(&s, 11.0), 2);
+        assert_eq!(counted(&s, &PlanCounts::NONE, 0, 11.0), 2);
         admit(&mut parent, &NodeState::default(), 11.0);
         admit(&mut parent, &child(10.0), 11.0);
         let s = parent;
-        assert_eq!(counted_at(&s, 11.0), 3);
+        assert_eq!(counted(&s, &PlanCounts::NONE, 0, 11.0), 3);
         // Window 12: b (last in 10) no longer counts; a and c (in 11) do.
-        assert_eq!(counted_at(&s, 12.0), 2);
+        assert_eq!(counted(&s, &PlanCounts::NONE, 0, 12.0), 2);
         assert_eq!(standing(&child(10.0), 12.0), Standing::NotCounted);
         // Window 14: nobody.
-        assert_eq!(counted_at(&s, 14.0), 0);
+        assert_eq!(counted(&s, &PlanCounts::NONE, 0, 14.0), 0);
     }
 }

@@ -2,19 +2,18 @@
 //! is drawn from, share first or floor first, with the borrowing bar, or why it cannot pass.
 
 use super::bucket::{wait_for, Bucket, Buckets, EPS};
+use super::decide::{instance_numbers, Decision, Snapshot};
 use super::refusal::{Reason, Scope};
-use super::state::{LevelView, NodeState};
+use super::state::LevelView;
 use crate::policy::numbers::{level_numbers, LevelNumbers};
-use crate::policy::{LevelPolicy, ToolPolicy};
 
 /// A level of the call as the decision sees it: what it is owed now and its buckets.
 #[derive(Copy, Clone)]
-pub(super) struct Level<'a> {
+pub(super) struct Level {
     pub(super) scope: Scope,
     pub(super) numbers: LevelNumbers,
     /// Floor, share and ceiling buckets (at the tool: the pool).
     pub(super) buckets: Buckets,
-    pub(super) policy: Option<&'a LevelPolicy>,
     /// A template caller not counted at its parent (new, or back after two windows away):
     /// its bank starts with no more than its parent can back, and its first call, up to its
     /// bank's depth, is served as within its share: an advance its bank pays back as it
@@ -22,7 +21,7 @@ pub(super) struct Level<'a> {
     pub(super) fresh: bool,
 }
 
-impl Level<'_> {
+impl Level {
     pub(super) fn share_b(&self) -> &Bucket {
         &self.buckets[1]
     }
@@ -64,16 +63,24 @@ pub(super) struct Fail {
 }
 
 impl Fail {
-    /// A full concurrency cap at `scope`.
-    pub(super) fn concurrency(scope: Scope, cap: u32, in_flight: f64) -> Fail {
+    /// `used` of `limit` in `window` at `scope`, passable in `wait` µs; no window length,
+    /// reset time or sure wait known.
+    pub(super) fn new(
+        reason: Reason,
+        scope: Scope,
+        window: Label,
+        limit: f64,
+        used: f64,
+        wait: f64,
+    ) -> Fail {
         Fail {
-            reason: Reason::ConcurrencyExceeded,
+            reason,
             scope,
-            wait: 1_000_000.0,
-            window: Label::Word("in_flight"),
+            wait,
+            window,
             window_secs: None,
-            limit: cap as f64,
-            used: in_flight,
+            limit,
+            used,
             reset_at: None,
             sure_wait: 0.0,
         }
@@ -88,120 +95,88 @@ impl Fail {
     }
 }
 
-/// The levels of a call (tool, tenant, instance) and their states at the decision's instant,
-/// for walking a call's units up through them.
-pub(super) struct Walker<'l, 'a> {
-    pub(super) levels: &'l [Level<'a>],
-    pub(super) states: [&'l NodeState; 3],
-    /// What each level holds back for its children's share banks.
-    pub(super) banks: [f64; 3],
-    pub(super) cost: f64,
-    pub(super) period: f64,
-    pub(super) now: f64,
-    pub(super) next_window: f64,
-    /// The tool's period as written (its whole seconds name a refusal's window).
-    pub(super) tool_period: crate::policy::Period,
-}
-
-/// Where a walk from the caller up stands: what each level takes so far (floor, share,
-/// ceiling), what is left to place higher up, and whether everything so far was within its
-/// share.
-#[derive(Copy, Clone)]
-struct Walk {
-    takes: [[f64; 3]; 3],
-    rem: f64,
-    own_chain: bool,
-    child_threshold: f64,
-}
-
-impl Walker<'_, '_> {
-    /// The whole walk, caller first: what each level takes, share first (or floor first), or
-    /// why the call cannot pass.
-    pub(super) fn walk(&self, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
-        let mut w = Walk {
-            takes: [[0.0; 3]; 3],
-            rem: self.cost,
-            own_chain: true,
-            child_threshold: 0.5,
-        };
-        for idx in (0..self.levels.len()).rev() {
-            if w.rem <= EPS {
+impl Decision<'_, '_> {
+    /// The whole walk, caller first, on the states in `snap`: what each level takes (floor,
+    /// share, ceiling), share first (or floor first), or why the call cannot pass.
+    pub(super) fn walk(&self, snap: &Snapshot, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
+        let (states, leaf) = (snap.levels(), self.n - 1);
+        let mut takes = [[0.0; 3]; 3];
+        // What is left to place higher up; whether everything so far was within its share;
+        // the borrowing bar the level below sets.
+        let (mut rem, mut own_chain, mut child_threshold) = (self.plan.cost, true, 0.5);
+        for idx in (0..self.n).rev() {
+            if rem <= EPS {
                 break;
             }
-            self.step(idx, share_first, &mut w)?;
-        }
-        Ok(w.takes)
-    }
-
-    /// One level of the walk.
-    fn step(&self, idx: usize, share_first: bool, w: &mut Walk) -> Result<(), Fail> {
-        let leaf = self.levels.len() - 1;
-        let (l, s) = (&self.levels[idx], self.states[idx]);
-        // The level's own floor (a caller's floor, a tenant's residual floor), for what its
-        // share cannot cover.
-        let own_floor = l.numbers.own_floor;
-        if own_floor > 0.0 {
-            // The share covers the whole of what is left or none of it: a share bank that
-            // holds part of a call leaves the call to the floor, which gives it whole when its
-            // bucket holds it, so fractions of floors do not stay reserved at a window's end.
-            let share = s.share.min(s.ceiling);
-            let covered = match share_first && idx > 0 && share + EPS >= w.rem {
-                true => w.rem,
-                false => 0.0,
-            };
-            let x = (w.rem - covered)
-                .min(s.floor)
-                .min(own_floor - s.floor_used)
-                .max(0.0);
-            w.takes[idx][0] = x;
-            w.rem -= x;
-            if w.rem <= EPS {
-                return Ok(());
+            let (l, s) = (&self.levels[idx], states[idx]);
+            // The level's own floor (a caller's floor, a tenant's residual floor), for what
+            // its share cannot cover.
+            let own_floor = l.numbers.own_floor;
+            if own_floor > 0.0 {
+                // The share covers the whole of what is left or none of it: a share bank that
+                // holds part of a call leaves the call to the floor, which gives it whole when
+                // its bucket holds it, so fractions of floors do not stay reserved at a
+                // window's end.
+                let share = s.share.min(s.ceiling);
+                let covered = match share_first && idx > 0 && share + EPS >= rem {
+                    true => rem,
+                    false => 0.0,
+                };
+                let x = (rem - covered)
+                    .min(s.floor)
+                    .min(own_floor - s.floor_used)
+                    .max(0.0);
+                takes[idx][0] = x;
+                rem -= x;
+                if rem <= EPS {
+                    break;
+                }
             }
-        }
-        // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
-        // only take what lies above every other child's share bank (the borrower's own bank
-        // is its own to spend), so the pool always holds the share tokens its children have
-        // banked; inside that lending room, heavier borrowers see a lower bar.
-        let rem = w.rem;
-        let banks = if idx < leaf {
-            self.banks[idx] - self.levels[idx + 1].share_b().depth
-        } else {
-            0.0
-        };
-        let threshold = if idx < leaf && !w.own_chain {
-            banks + w.child_threshold * (l.ceil_b().depth - banks - rem).max(0.0)
-        } else {
-            0.0
-        };
-        let need = rem + threshold;
-        // Only the tool counts non-floor units per aligned window (at most `C − Σ floors`);
-        // borrowers also leave the banks' worth of the window to own-share draws.
-        let window_cap = match (idx, threshold > 0.0) {
-            (0, true) => l.numbers.ceiling_rate - banks,
-            (0, false) => l.numbers.ceiling_rate,
-            _ => f64::INFINITY,
-        };
-        let bucket_ok = s.ceiling + EPS >= need;
-        let window_ok = s.non_floor + rem <= window_cap + EPS;
-        if !(bucket_ok && window_ok) {
-            return Err(self.fail(idx, need, rem, window_ok));
-        }
-        w.takes[idx][2] = rem;
-        if idx > 0 {
-            if s.share + EPS >= rem || (l.fresh && rem <= l.share_b().depth + EPS) {
-                w.takes[idx][1] = rem;
+            // Then non-floor: the level's ceiling bucket (the pool, at the tool). A borrow may
+            // only take what lies above every other child's share bank (the borrower's own
+            // bank is its own to spend), so the pool always holds the share tokens its
+            // children have banked; inside that lending room, heavier borrowers see a lower
+            // bar.
+            let banks = if idx < leaf {
+                self.banks[idx] - self.levels[idx + 1].share_b().depth
             } else {
-                w.own_chain = false;
+                0.0
+            };
+            let threshold = if idx < leaf && !own_chain {
+                banks + child_threshold * (l.ceil_b().depth - banks - rem).max(0.0)
+            } else {
+                0.0
+            };
+            let need = rem + threshold;
+            // Only the tool counts non-floor units per aligned window (at most `C − Σ
+            // floors`); borrowers also leave the banks' worth of the window to own-share draws.
+            let window_cap = match (idx, threshold > 0.0) {
+                (0, true) => l.numbers.ceiling_rate - banks,
+                (0, false) => l.numbers.ceiling_rate,
+                _ => f64::INFINITY,
+            };
+            let bucket_ok = s.ceiling + EPS >= need;
+            let window_ok = s.non_floor + rem <= window_cap + EPS;
+            if !(bucket_ok && window_ok) {
+                return Err(self.fail(snap, idx, need, rem, window_ok));
             }
-            w.child_threshold = l.policy.map_or(0.5, |p| p.borrow_threshold);
+            takes[idx][2] = rem;
+            if idx > 0 {
+                if s.share + EPS >= rem || (l.fresh && rem <= l.share_b().depth + EPS) {
+                    takes[idx][1] = rem;
+                } else {
+                    own_chain = false;
+                }
+                child_threshold = self.plan.policy(idx).map_or(0.5, |p| p.borrow_threshold);
+            }
         }
-        Ok(())
+        Ok(takes)
     }
 
     /// Why level `idx` refuses a draw of `rem` units that needs `need` in its bucket.
-    fn fail(&self, idx: usize, need: f64, rem: f64, window_ok: bool) -> Fail {
-        let (l, s) = (&self.levels[idx], self.states[idx]);
+    fn fail(&self, snap: &Snapshot, idx: usize, need: f64, rem: f64, window_ok: bool) -> Fail {
+        let states = snap.levels();
+        let (l, s) = (&self.levels[idx], states[idx]);
         let mut wait = wait_for(s.ceiling, need, l.ceil_b(), self.period);
         if !window_ok {
             wait = wait.max(if rem > l.numbers.ceiling_rate + EPS {
@@ -213,16 +188,16 @@ impl Walker<'_, '_> {
         // A borrow the bar blocks can still pass once the caller's own share covers the
         // call: no later than its share bank refills.
         if need > rem + EPS && !wait.is_finite() {
-            wait = self.own_share_wait();
+            wait = self.own_share_wait(snap);
             if !wait.is_finite() {
                 // Larger than its bank: it can pass once fewer callers are counted.
                 wait = self.next_window - self.now;
             }
         }
         // Could the whole call be served by the caller's floor later instead?
-        let leaf = self.levels.len() - 1;
-        let (lf, sf) = (&self.levels[leaf], self.states[leaf]);
-        let c = self.cost;
+        let leaf = self.n - 1;
+        let (lf, sf) = (&self.levels[leaf], states[leaf]);
+        let c = self.plan.cost;
         if lf.numbers.own_floor + EPS >= c {
             let mut fw = wait_for(sf.floor, c, &lf.buckets[0], self.period);
             if sf.floor_used + c > lf.numbers.own_floor + EPS {
@@ -230,25 +205,19 @@ impl Walker<'_, '_> {
             }
             wait = wait.min(fw);
         }
+        let (limit, window) = (l.numbers.ceiling, Label::Period);
         Fail {
-            reason: Reason::RateLimited,
-            scope: l.scope,
-            wait,
-            window: Label::Period,
-            window_secs: Some(self.tool_period.as_secs_ceil()),
-            limit: l.numbers.ceiling,
-            used: s.total,
-            reset_at: None,
-            sure_wait: 0.0,
+            window_secs: Some(self.plan.tool.period.as_secs_ceil()),
+            ..Fail::new(Reason::RateLimited, l.scope, window, limit, s.total, wait)
         }
     }
 
     /// When the caller's own share bank (at every level below the tool) covers the whole
     /// call, so it passes without the borrowing bar: the longest of the levels' refills.
-    fn own_share_wait(&self) -> f64 {
+    fn own_share_wait(&self, snap: &Snapshot) -> f64 {
         let mut wait: f64 = 0.0;
-        for (l, s) in self.levels.iter().zip(self.states).skip(1) {
-            wait = wait.max(wait_for(s.share, self.cost, l.share_b(), self.period));
+        for (l, s) in self.levels[..self.n].iter().zip(snap.levels()).skip(1) {
+            wait = wait.max(wait_for(s.share, self.plan.cost, l.share_b(), self.period));
         }
         wait
     }
@@ -258,15 +227,15 @@ impl Walker<'_, '_> {
     /// it is full, at the highest rate its ceiling can reach (the fewest template callers
     /// counted), with no borrowing bar. A store may remember the refusal that long: it never
     /// refuses a call the decision would admit.
-    pub(super) fn sure_wait(&self, f: &Fail, tool: &ToolPolicy, fewest: [bool; 2]) -> f64 {
+    pub(super) fn sure_wait(&self, snap: &Snapshot, f: &Fail) -> f64 {
         let at = match f.scope {
             Scope::Tool => 0,
             Scope::Tenant => 1,
             Scope::Instance => 2,
         };
-        let (l, s) = (&self.levels[at], self.states[at]);
-        let mut rem = self.cost;
-        for below in &self.levels[at..] {
+        let (l, s) = (&self.levels[at], snap.levels()[at]);
+        let mut rem = self.plan.cost;
+        for below in &self.levels[at..self.n] {
             rem -= below.numbers.own_floor;
         }
         if rem <= EPS {
@@ -274,10 +243,9 @@ impl Walker<'_, '_> {
         }
         let mut b = *l.ceil_b();
         if at > 0 {
-            match self.fastest_ceiling(at, tool, fewest) {
-                Some(fastest) if fastest.rate > b.rate => b = fastest,
-                Some(_) => {}
-                None => return 0.0,
+            let fastest = self.fastest_ceiling(at);
+            if fastest.rate > b.rate {
+                b = fastest;
             }
         }
         let mut sure = wait_for(s.ceiling, rem, &b, self.period);
@@ -289,21 +257,23 @@ impl Walker<'_, '_> {
 
     /// The ceiling bucket level `at` (tenant 1, instance 2) has with the fewest template
     /// callers counted (only this caller): the fastest its ceiling can refill.
-    fn fastest_ceiling(&self, at: usize, tool: &ToolPolicy, fewest: [bool; 2]) -> Option<Bucket> {
-        let t = self.levels[1].policy?;
-        let n_t = if fewest[0] { 1.0 } else { 0.0 };
+    fn fastest_ceiling(&self, at: usize) -> Bucket {
+        let (tool, t) = (self.plan.tool, self.plan.tenant.policy);
+        let n_t = if t.template { 1.0 } else { 0.0 };
         let tn = level_numbers(t, tool.spare(), tool.configured_weight + t.weight * n_t);
-        let (mut rate, mut burst) = (tn.ceiling_rate, t.burst);
-        if at == 2 {
-            if let Some(i) = self.levels[2].policy {
-                let n_i = if fewest[1] { 1.0 } else { 0.0 };
-                let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
-                let inner_weight = t.configured_child_weight
-                    + t.default_child.as_ref().map_or(0.0, |d| d.weight) * n_i;
-                rate = level_numbers(i, inner_spare, inner_weight).ceiling_rate;
-                burst = i.burst;
+        match self.plan.instance.filter(|_| at == 2) {
+            Some(i) => {
+                let n_i = if i.policy.template { 1.0 } else { 0.0 };
+                let rate = instance_numbers(t, tn, i.policy, n_i).ceiling_rate;
+                Bucket {
+                    rate,
+                    depth: i.policy.burst,
+                }
             }
+            None => Bucket {
+                rate: tn.ceiling_rate,
+                depth: t.burst,
+            },
         }
-        Some(Bucket { rate, depth: burst })
     }
 }
