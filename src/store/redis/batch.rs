@@ -6,8 +6,8 @@
 //!   [`engine::adjust`] one after the other on one snapshot, each seeing the ones before it;
 //! - the worker remembers the records it last read and wrote ([`Cache`]), so a batch whose
 //!   records only this replica writes needs no read;
-//! - writes go one behind the other ([`pipeline`]): a write expects the versions the one ahead
-//!   of it makes, so if that one did not land, the one behind fails its check too;
+//! - writes go one behind the other ([`Worker::pipeline`]): a write expects the versions the
+//!   one ahead of it makes, so if that one did not land, the one behind fails its check too;
 //! - a caller that went away before its answer is answered nonetheless; when that answer
 //!   cannot be delivered and it was an admission, the worker gives it back: its units by a
 //!   refund through the queue, its permits released.
@@ -83,11 +83,11 @@ impl Job {
     fn fail(self, e: &StoreError) {
         match self {
             Job::Decide { reply, .. } => {
-                let _ = reply.send(Err(clone_error(e)));
+                let _ = reply.send(Err(e.clone()));
             }
             Job::Adjust { reply, .. } => {
                 if let Some(r) = reply {
-                    let _ = r.send(Err(clone_error(e)));
+                    let _ = r.send(Err(e.clone()));
                 }
             }
             Job::Heal { .. } => {}
@@ -168,8 +168,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
         if behind {
-            let turn = worker.turn(false);
-            let first = send_write(&sh, (&batch, &decided), turn).await;
+            let first = send_write(&sh, (&batch, &decided), worker.turn(false)).await;
             cache.wrote(&batch, &decided);
             let ahead = Ahead {
                 batch,
@@ -177,7 +176,9 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
                 reply: first,
                 then: Vec::new(),
             };
-            worker.claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
+            worker
+                .pipeline(&sh, &mut queue, &mut cache, injected, ahead, next)
+                .await;
             continue;
         }
         carried = worker
@@ -255,14 +256,9 @@ impl Worker {
             }
             Ok(c) => {
                 self.claim = false;
-                let read = c.read.expect("a read was asked for");
                 cache.clock(c.now);
-                if self.read_from_redis(&sh, cache, &batch, &read).await {
-                    queue.put_front(batch);
-                    return Some(None);
-                }
-                cache.read_from_redis(&batch, &read);
-                Some(Some((batch, read)))
+                let read = c.read.expect("a read was asked for");
+                Some(self.read_from_redis(&sh, queue, cache, batch, read).await)
             }
             // A read that failed on a dropped connection wrote nothing: once more.
             Err(StoreError::Unavailable(_)) if !batch.reconnected => {
@@ -280,7 +276,8 @@ impl Worker {
     }
 
     /// Writes a decided batch, with the read of `next` when the cache cannot decide it: the
-    /// batch to decide next with its read, if there is one.
+    /// batch to decide next with its read, if there is one. When the batch is to be decided
+    /// again (see [`settle`](Self::settle)), it goes back to the queue with `next`.
     async fn write(
         &mut self,
         sh: &Arc<Shared>,
@@ -290,53 +287,67 @@ impl Worker {
         next: Option<Batch>,
     ) -> Option<(Batch, Read)> {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
-        match cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await {
-            Ok(c) if c.written => {
-                cache.clock(c.now);
-                cache.wrote(&batch, &decided);
-                cache.landed(&batch, &decided.outcomes);
-                batch.answer(sh, decided.outcomes);
-                self.after_write(sh, queue, cache, next, c.read).await
-            }
-            Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
-                cache.conflict();
-                batch.fail(&conflicted());
-                queue.put_back(next);
-                None
-            }
-            // Another replica wrote first: decide again, with the next batch, on a fresh read
-            // that claims the tool's turn, so the other replica waits for this write.
-            Ok(_) => {
-                cache.conflict();
-                self.claim = true;
-                let attempts = batch.attempts + 1;
-                let mut jobs = batch.jobs;
-                if let Some(n) = next {
-                    jobs.extend(n.jobs);
-                }
-                queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
-                None
-            }
-            Err(e) => {
-                cache.conflict();
-                queue.put_back(next);
-                // Whether the write landed is not known: the permits it would have taken are
-                // given back (a permit given back twice, or never taken, removes nothing).
-                let released = release_decided(sh, &decided).await;
-                match e {
-                    // Once more, on the connection made again: decided afresh on a new read
-                    // (if the write did land, its units are counted twice: under-use, never
-                    // over-admission).
-                    StoreError::Unavailable(_) if released && !batch.reconnected => {
-                        let mut again = Batch::new(&queue.namespace, batch.jobs, batch.attempts);
-                        again.reconnected = true;
-                        queue.put_front(again);
-                    }
-                    e => batch.fail(&e),
-                }
+        let reply = cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await;
+        cache.wrote(&batch, &decided);
+        match self.settle(sh, cache, batch, decided, reply, true).await {
+            Ok(read) => self.after_write(sh, queue, cache, next, read).await,
+            Err(again) => {
+                queue.again(again.into_iter().chain(next));
                 None
             }
         }
+    }
+
+    /// What became of `batch`'s write, its answer (`reply`) in. When it landed, the batch is
+    /// answered and counted in the ledger, and the read that came with the write returned.
+    /// Otherwise the cache is forgotten, and the batch is failed or returned to be decided
+    /// again on a fresh read:
+    /// - after another replica wrote first, as another attempt whose read claims the tool's
+    ///   turn, so the other replica waits for this write (when the conflict is `counted`: a
+    ///   write behind one of this worker's that did not land fails its check, and is not);
+    /// - after a dropped connection, once more, on the connection made again, unseen by its
+    ///   callers. Whether the write landed is not known: the permits it would have taken are
+    ///   given back first (a permit given back twice, or never taken, removes nothing), and if
+    ///   it did land, its units are counted twice: under-use, never over-admission.
+    async fn settle(
+        &mut self,
+        sh: &Arc<Shared>,
+        cache: &mut Cache,
+        mut batch: Batch,
+        decided: Decided,
+        reply: Result<Cycle, StoreError>,
+        counted: bool,
+    ) -> Result<Option<Read>, Option<Batch>> {
+        let error = match reply {
+            Ok(c) if c.written => {
+                cache.clock(c.now);
+                cache.landed(&batch, &decided.outcomes);
+                batch.answer(sh, decided.outcomes);
+                return Ok(c.read);
+            }
+            Ok(_) => None,
+            Err(e) => Some(e),
+        };
+        cache.conflict();
+        match error {
+            None if batch.attempts + 1 >= MAX_ATTEMPTS => batch.fail(&conflicted()),
+            None => {
+                if counted {
+                    self.claim = true;
+                    batch.attempts += 1;
+                }
+                return Err(Some(batch));
+            }
+            Some(e) => {
+                let released = release_decided(sh, &decided).await;
+                if matches!(e, StoreError::Unavailable(_)) && released && !batch.reconnected {
+                    batch.reconnected = true;
+                    return Err(Some(batch));
+                }
+                batch.fail(&e);
+            }
+        }
+        Err(None)
     }
 
     /// After a write landed: the next batch with its read (from Redis, in the write's round
@@ -350,14 +361,7 @@ impl Worker {
         read: Option<Read>,
     ) -> Option<(Batch, Read)> {
         match (next, read) {
-            (Some(n), Some(r)) => {
-                if self.read_from_redis(sh, cache, &n, &r).await {
-                    queue.put_front(n);
-                    return None;
-                }
-                cache.read_from_redis(&n, &r);
-                Some((n, r))
-            }
+            (Some(n), Some(r)) => self.read_from_redis(sh, queue, cache, n, r).await,
             // Taken before the write only to see whether it needed a read: it takes the calls
             // that came in during the round trip too (they would otherwise wait for the next
             // one).
@@ -375,24 +379,28 @@ impl Worker {
         }
     }
 
-    /// After a read from Redis: whether it found the tool's state lost since this worker's
-    /// last read (its epoch marker changed). Then, before anything is decided on it, what
-    /// the loss took is healed: the refusals remembered on it forgotten, the permits of this
-    /// replica's calls still running put back, and what this replica counted in the windows
-    /// still open restored (see `Ledger`). The batch is then to be read again.
+    /// `batch` with its `read` from Redis, to decide (and remembered); `None` when the read
+    /// found the tool's state lost since this worker's last read (its epoch marker changed).
+    /// Then, before anything is decided on it, what the loss took is healed: the refusals
+    /// remembered on it forgotten, the permits of this replica's calls still running put back,
+    /// and what this replica counted in the windows still open restored (see `Ledger`); the
+    /// batch goes back to the queue, to be read again.
     async fn read_from_redis(
         &mut self,
         sh: &Arc<Shared>,
+        queue: &mut Queue,
         cache: &mut Cache,
-        batch: &Batch,
-        read: &Read,
-    ) -> bool {
+        batch: Batch,
+        read: Read,
+    ) -> Option<(Batch, Read)> {
         self.last_now = self.last_now.max(read.now).max(batch.now().as_micros());
         let before = self.epoch.replace(read.epoch.clone());
         sh.health.saw_epoch(&self.tool, &read.epoch);
         if before.is_none_or(|b| b == read.epoch) {
-            return false;
+            cache.read_from_redis(&batch, &read);
+            return Some((batch, read));
         }
+        queue.put_front(batch);
         cache.conflict();
         if let Some(refusals) = &sh.cache {
             refusals.forget_slot(&self.tool);
@@ -410,7 +418,7 @@ impl Worker {
                 tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not restore what this replica admitted after Redis lost the tool's state")
             }
         }
-        true
+        None
     }
 }
 
@@ -506,169 +514,143 @@ struct Ahead {
     then: Vec<(Batch, Decided)>,
 }
 
-/// What became of the write of `a`, its answer in, with the batches waiting on it: all
-/// answered when it landed; otherwise the cache is forgotten, and what is to be decided again
-/// comes back (the batch first if its write conflicted, then those waiting on it; a batch whose
-/// write failed, or conflicted once too often, is failed), with whether it conflicted.
-fn settle(
-    sh: &Arc<Shared>,
-    cache: &mut Cache,
-    a: Ahead,
-    reply: Result<Cycle, StoreError>,
-) -> Result<(), (Vec<Batch>, bool)> {
-    let waiting = a.then.into_iter();
-    match reply {
-        Ok(c) if c.written => {
-            cache.clock(c.now);
-            cache.landed(&a.batch, &a.decided.outcomes);
-            a.batch.answer(sh, a.decided.outcomes);
-            for (b, d) in waiting {
-                b.answer(sh, d.outcomes);
-            }
-            Ok(())
-        }
-        Ok(_) if a.batch.attempts + 1 >= MAX_ATTEMPTS => {
-            cache.conflict();
-            a.batch.fail(&conflicted());
-            Err((waiting.map(|(b, _)| b).collect(), false))
-        }
-        Ok(_) => {
-            cache.conflict();
-            let again = std::iter::once(a.batch).chain(waiting.map(|(b, _)| b));
-            Err((again.collect(), true))
-        }
-        Err(e) => {
-            cache.conflict();
-            a.batch.fail(&e);
-            Err((waiting.map(|(b, _)| b).collect(), false))
-        }
-    }
-}
-
 /// How many writes of one worker may be on their way at once.
 const IN_FLIGHT: usize = 4;
 
-/// Writes batches one behind the other while each can be decided on the cache as the writes
-/// ahead of it will leave it: the worker decides the calls that come in while writes are on
-/// their way and sends their write at once (it is queued on the connection behind them), up to
-/// [`IN_FLIGHT`] writes, so Redis is not idle while the worker decides and calls do not wait
-/// for an answer to come back. Exact as any write: a batch was decided on the versions the
-/// writes ahead of it make, so if one of those does not land (another replica wrote first),
-/// every write behind it fails its check too, and all their batches are decided again on a
-/// fresh read. A batch with nothing to write (refusals) is answered once the writes ahead of it
-/// landed. Returns when a batch cannot be decided that way (it goes back to the queue), when
-/// nothing is on its way any more, or when a write did not land; `true` if the next read is to
-/// claim the tool's turn (a conflict).
-async fn pipeline(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    injected: bool,
-    turn: Turn<'_>,
-    first: Ahead,
-    mut behind: Option<Batch>,
-) -> bool {
-    let mut flight = std::collections::VecDeque::from([first]);
-    loop {
-        // Decide and send what has come in, while there is room.
-        while flight.len() < IN_FLIGHT {
-            let b = match behind.take() {
-                Some(b) => Some(queue.grow(b, injected)),
-                None => queue.next_batch(injected, false).await,
-            };
-            let Some(mut b) = b else { break };
-            let Some(read) = cache.read(&b, sh.config.time) else {
-                queue.put_front(b);
-                return land_all(sh, queue, cache, flight).await;
-            };
-            b.retain_waited_for();
-            let d = decide(sh, &b, &read);
-            if d.nothing_to_write() {
-                match flight.back_mut() {
-                    Some(a) => a.then.push((b, d)),
-                    None => b.answer(sh, d.outcomes),
-                }
-                continue;
-            }
-            let reply = send_write(sh, (&b, &d), turn).await;
-            cache.wrote(&b, &d);
-            flight.push_back(Ahead {
-                batch: b,
-                decided: d,
-                reply,
-                then: Vec::new(),
-            });
-        }
-        // The oldest write's answer; or, while there is room, the first call to come in.
-        let room = flight.len() < IN_FLIGHT;
-        let Some(front) = flight.front_mut() else {
-            return false;
-        };
-        let reply = if room {
-            tokio::select! {
-                biased;
-                reply = &mut front.reply => reply,
-                job = queue.rx.recv() => match job {
-                    Some(j) => {
-                        behind = Some(Batch::new(&queue.namespace, vec![j], 0));
-                        continue;
+impl Worker {
+    /// Writes batches one behind the other while each can be decided on the cache as the
+    /// writes ahead of it will leave it: the worker decides the calls that come in while writes
+    /// are on their way and sends their write at once (it is queued on the connection behind
+    /// them), up to [`IN_FLIGHT`] writes, so Redis is not idle while the worker decides and
+    /// calls do not wait for an answer to come back. Exact as any write: a batch was decided on
+    /// the versions the writes ahead of it make, so if one of those does not land (another
+    /// replica wrote first), every write behind it fails its check too, and all their batches
+    /// are decided again on a fresh read. A batch with nothing to write (refusals) is answered
+    /// once the writes ahead of it landed. Returns when a batch cannot be decided that way (it
+    /// goes back to the queue), when nothing is on its way any more, or when a write did not
+    /// land.
+    async fn pipeline(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        injected: bool,
+        first: Ahead,
+        mut behind: Option<Batch>,
+    ) {
+        let mut flight = std::collections::VecDeque::from([first]);
+        loop {
+            // Decide and send what has come in, while there is room.
+            while flight.len() < IN_FLIGHT {
+                let b = match behind.take() {
+                    Some(b) => Some(queue.grow(b, injected)),
+                    None => queue.next_batch(injected, false).await,
+                };
+                let Some(mut b) = b else { break };
+                let Some(read) = cache.read(&b, sh.config.time) else {
+                    queue.put_front(b);
+                    return self.land(sh, queue, cache, flight, None, None).await;
+                };
+                b.retain_waited_for();
+                let d = decide(sh, &b, &read);
+                if d.nothing_to_write() {
+                    match flight.back_mut() {
+                        Some(a) => a.then.push((b, d)),
+                        None => b.answer(sh, d.outcomes),
                     }
-                    None => (&mut front.reply).await,
-                },
+                    continue;
+                }
+                let reply = send_write(sh, (&b, &d), self.turn(false)).await;
+                cache.wrote(&b, &d);
+                flight.push_back(Ahead {
+                    batch: b,
+                    decided: d,
+                    reply,
+                    then: Vec::new(),
+                });
             }
-        } else {
-            (&mut front.reply).await
-        };
-        let a = flight.pop_front().expect("the front");
-        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
-            return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
+            // The oldest write's answer; or, while there is room, the first call to come in.
+            let room = flight.len() < IN_FLIGHT;
+            let Some(front) = flight.front_mut() else {
+                return;
+            };
+            let reply = if room {
+                tokio::select! {
+                    biased;
+                    reply = &mut front.reply => reply,
+                    job = queue.rx.recv() => match job {
+                        Some(j) => {
+                            behind = Some(Batch::new(&queue.namespace, vec![j], 0));
+                            continue;
+                        }
+                        None => (&mut front.reply).await,
+                    },
+                }
+            } else {
+                (&mut front.reply).await
+            };
+            let a = flight.pop_front().expect("the front");
+            if let Err(again) = self.settle_ahead(sh, cache, a, reply, true).await {
+                return self
+                    .land(sh, queue, cache, flight, Some(again), behind)
+                    .await;
+            }
         }
     }
-}
 
-/// Waits for every write on its way (a batch that could not be decided behind them went back
-/// to the queue). Whether the next read claims the tool's turn.
-async fn land_all(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    mut flight: std::collections::VecDeque<Ahead>,
-) -> bool {
-    while let Some(mut a) = flight.pop_front() {
-        let reply = (&mut a.reply).await;
-        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
-            return finish_after(sh, queue, cache, flight, again, None, conflict).await;
+    /// Waits for every write on its way and settles it. Once one did not land (`again`: the
+    /// batches it left to decide again), every write behind it was decided on it and fails its
+    /// check too, which is not counted as a conflict (one that lands anyway touched none of the
+    /// same records, and is answered). The batches to decide again, then `behind`, go back to
+    /// the queue first, as one batch.
+    async fn land(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        flight: std::collections::VecDeque<Ahead>,
+        mut again: Option<Vec<Batch>>,
+        behind: Option<Batch>,
+    ) {
+        for mut a in flight {
+            let reply = (&mut a.reply).await;
+            if let Err(more) = self
+                .settle_ahead(sh, cache, a, reply, again.is_none())
+                .await
+            {
+                again.get_or_insert_with(Vec::new).extend(more);
+            }
         }
+        queue.again(again.into_iter().flatten().chain(behind));
     }
-    false
-}
 
-/// After a write that did not land: every write behind it was decided on it, so each fails
-/// its check (one that lands anyway touched none of the same records, and is answered); their
-/// batches, the batches waiting on them and `behind` go back to the queue, first, to be decided
-/// again — counted as another attempt after a conflict (`conflict`, which the return says).
-async fn finish_after(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    flight: std::collections::VecDeque<Ahead>,
-    mut again: Vec<Batch>,
-    behind: Option<Batch>,
-    conflict: bool,
-) -> bool {
-    for mut a in flight {
-        let reply = (&mut a.reply).await;
-        if let Err((more, _)) = settle(sh, cache, a, reply) {
-            again.extend(more);
+    /// [`Settles`](Self::settle) the write of `a` with the batches waiting on it: they are
+    /// answered when it landed; otherwise they are to be decided again, after its own batch
+    /// if that is too.
+    async fn settle_ahead(
+        &mut self,
+        sh: &Arc<Shared>,
+        cache: &mut Cache,
+        a: Ahead,
+        reply: Result<Cycle, StoreError>,
+        counted: bool,
+    ) -> Result<(), Vec<Batch>> {
+        match self
+            .settle(sh, cache, a.batch, a.decided, reply, counted)
+            .await
+        {
+            Ok(_) => {
+                for (b, d) in a.then {
+                    b.answer(sh, d.outcomes);
+                }
+                Ok(())
+            }
+            Err(again) => Err(again
+                .into_iter()
+                .chain(a.then.into_iter().map(|(b, _)| b))
+                .collect()),
         }
     }
-    again.extend(behind);
-    let attempts = again.iter().map(|b| b.attempts).max().unwrap_or(0) + usize::from(conflict);
-    let jobs: Vec<Job> = again.into_iter().flat_map(|b| b.jobs).collect();
-    if !jobs.is_empty() {
-        queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
-    }
-    conflict
 }
 
 /// The records this worker last read or wrote, as Redis holds them unless another replica
@@ -904,9 +886,20 @@ impl Queue {
         self.backlog.push_front(b);
     }
 
-    fn put_back(&mut self, b: Option<Batch>) {
-        if let Some(b) = b {
-            self.backlog.push_front(b);
+    /// Puts `batches` back first, as one batch to decide again: counted as many attempts as
+    /// the most of them made, and not tried once more after a dropped connection if one of
+    /// them already was.
+    fn again(&mut self, batches: impl IntoIterator<Item = Batch>) {
+        let (mut jobs, mut attempts, mut reconnected) = (Vec::new(), 0, false);
+        for b in batches {
+            jobs.extend(b.jobs);
+            attempts = attempts.max(b.attempts);
+            reconnected |= b.reconnected;
+        }
+        if !jobs.is_empty() {
+            let mut b = Batch::new(&self.namespace, jobs, attempts);
+            b.reconnected = reconnected;
+            self.put_front(b);
         }
     }
 }
@@ -1111,14 +1104,6 @@ fn conflicted() -> StoreError {
     StoreError::Unavailable(format!(
         "other replicas kept writing this tool's state: {MAX_ATTEMPTS} attempts conflicted"
     ))
-}
-
-fn clone_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Timeout(d) => StoreError::Timeout(*d),
-        StoreError::Unavailable(s) => StoreError::Unavailable(s.clone()),
-        StoreError::Protocol(s) => StoreError::Protocol(s.clone()),
-    }
 }
 
 /// The answer to a decision, as its caller waits for it. Dropped before it was taken (the
