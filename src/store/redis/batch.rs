@@ -168,7 +168,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
         if behind {
-            let first = send_write(&sh, (&batch, &decided), worker.turn(false)).await;
+            let first = send_write(&sh, (&batch, &decided), &worker).await;
             cache.wrote(&batch, &decided);
             let ahead = Ahead {
                 batch,
@@ -223,15 +223,6 @@ impl Worker {
         })
     }
 
-    fn turn(&self, claim: bool) -> Turn<'_> {
-        Turn {
-            key: &self.turn_key,
-            marker: &self.marker_key,
-            me: &self.me,
-            claim,
-        }
-    }
-
     /// The next batch and its read, from the cache or from Redis; `Some(None)` when it is to
     /// be tried again (another replica's turn, a failed read, a loss healed), `None` when the
     /// store is gone.
@@ -246,7 +237,7 @@ impl Worker {
             return Some(Some((batch, read)));
         }
         let sh = self.shared.upgrade()?;
-        match cycle(&sh, None, Some(&batch), self.turn(self.claim)).await {
+        match cycle(&sh, None, Some(&batch), self, self.claim).await {
             Ok(c) if c.others_turn && batch.attempts + 1 < MAX_ATTEMPTS => {
                 // Another replica's turn: read again once it has written.
                 batch.attempts += 1;
@@ -287,7 +278,7 @@ impl Worker {
         next: Option<Batch>,
     ) -> Option<(Batch, Read)> {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
-        let reply = cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await;
+        let reply = cycle(sh, Some((&batch, &decided)), read_next, self, false).await;
         cache.wrote(&batch, &decided);
         match self.settle(sh, cache, batch, decided, reply, true).await {
             Ok(read) => self.after_write(sh, queue, cache, next, read).await,
@@ -405,12 +396,12 @@ impl Worker {
         if let Some(refusals) = &sh.cache {
             refusals.forget_slot(&self.tool);
         }
-        if let Err(e) = sh.revive_permits(&self.tool).await {
+        if let Err(e) = sh.renew(Timestamp(0), Some(&self.tool)).await {
             tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not put back the permits of calls still running after Redis lost the tool's state");
         }
         let now = Timestamp(self.last_now);
         cache.ledger.forget_closed(now);
-        match restore(sh, &cache.ledger, self.turn(false), now, &read.epoch).await {
+        match restore(sh, &cache.ledger, self, now, &read.epoch).await {
             Ok(levels) => {
                 tracing::info!(store = "redis", tool = %self.tool, levels, "restored what this replica admitted in the windows still open")
             }
@@ -443,7 +434,7 @@ async fn release_decided(sh: &Arc<Shared>, d: &Decided) -> bool {
 async fn restore(
     sh: &Arc<Shared>,
     ledger: &Ledger,
-    turn: Turn<'_>,
+    worker: &Worker,
     now: Timestamp,
     epoch: &[u8],
 ) -> Result<usize, StoreError> {
@@ -452,7 +443,7 @@ async fn restore(
         let batch = Batch::of_records(chunk);
         let mut attempts = 0;
         loop {
-            let c = cycle(sh, None, Some(&batch), turn).await?;
+            let c = cycle(sh, None, Some(&batch), worker, false).await?;
             let read = c.read.expect("a read was asked for");
             if read.epoch != epoch {
                 return Err(StoreError::Unavailable(
@@ -460,7 +451,10 @@ async fn restore(
                 ));
             }
             let d = restored(sh, ledger, &batch, &read, now);
-            if cycle(sh, Some((&batch, &d)), None, turn).await?.written {
+            if cycle(sh, Some((&batch, &d)), None, worker, false)
+                .await?
+                .written
+            {
                 break;
             }
             attempts += 1;
@@ -475,33 +469,22 @@ async fn restore(
 
 /// The records of `batch` (read as `read`) with what `ledger` counted at them added.
 fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Timestamp) -> Decided {
-    let n = batch.keys.records.len();
-    let mut records = read.records.clone();
-    let mut written = vec![false; n];
+    let mut d = Decided::on(read);
     for (i, key) in batch.keys.records.iter().enumerate() {
-        let held = records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
+        let held = d.records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
         let Some((state, until)) = ledger.restored(key, held.map(|h| h.0), now) else {
             continue;
         };
-        records[i] = Some(Record {
+        d.records[i] = Some(Record {
             version: sh.ids.version(),
             expires: held.map_or(until, |h| h.1.max(until)),
             state,
             plans: held.map(|h| h.2).unwrap_or_default(),
         });
-        written[i] = true;
+        d.written[i] = true;
+        d.decided[i] = true;
     }
-    Decided {
-        outcomes: Vec::new(),
-        versions: read.versions.clone(),
-        records,
-        counts: Vec::new(),
-        decided: written.clone(),
-        written,
-        holds: vec![false; n],
-        zsets: Vec::new(),
-        now: read.now as f64,
-    }
+    d
 }
 
 /// A batch whose write is on its way.
@@ -560,7 +543,7 @@ impl Worker {
                     }
                     continue;
                 }
-                let reply = send_write(sh, (&b, &d), self.turn(false)).await;
+                let reply = send_write(sh, (&b, &d), self).await;
                 cache.wrote(&b, &d);
                 flight.push_back(Ahead {
                     batch: b,
@@ -972,18 +955,12 @@ impl Batch {
 
     /// A batch of no jobs that reads and writes these records (a restore).
     fn of_records(records: &[String]) -> Batch {
-        let mut keys = Keys::default();
+        let mut b = Batch::new("", Vec::new(), 0);
         for k in records {
-            keys.record(k);
+            b.keys.record(k);
         }
-        Batch {
-            jobs: Vec::new(),
-            keys,
-            job_keys: Vec::new(),
-            attempts: 0,
-            heals: true,
-            reconnected: false,
-        }
+        b.heals = true;
+        b
     }
 
     /// Drops the jobs whose callers left (their keys stay: reading them costs nothing).
@@ -1223,18 +1200,7 @@ struct Decided {
 
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
 fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
-    let n = read.records.len();
-    let mut d = Decided {
-        outcomes: Vec::with_capacity(batch.jobs.len()),
-        versions: read.versions.clone(),
-        records: read.records.clone(),
-        counts: read.counts.clone(),
-        written: vec![false; n],
-        decided: vec![false; n],
-        holds: vec![false; n],
-        zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
-        now: read.now as f64,
-    };
+    let mut d = Decided::on(read);
     for (job, jks) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
             TimeSource::Redis => Timestamp(read.now),
@@ -1265,6 +1231,22 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
 }
 
 impl Decided {
+    /// Nothing decided yet, on the records and permit counts of `read`.
+    fn on(read: &Read) -> Decided {
+        let n = read.records.len();
+        Decided {
+            outcomes: Vec::new(),
+            versions: read.versions.clone(),
+            records: read.records.clone(),
+            counts: read.counts.clone(),
+            written: vec![false; n],
+            decided: vec![false; n],
+            holds: vec![false; n],
+            zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
+            now: read.now as f64,
+        }
+    }
+
     fn nothing_to_write(&self) -> bool {
         !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
     }
@@ -1393,26 +1375,17 @@ struct Cycle {
     read: Option<Read>,
 }
 
-/// Who this replica is to the tool's turn (see the batch script), and whether its read claims
-/// it.
-#[derive(Copy, Clone)]
-struct Turn<'a> {
-    key: &'a str,
-    /// The tool's epoch marker, read (and set when missing) with every read.
-    marker: &'a str,
-    me: &'a str,
-    claim: bool,
-}
-
-/// One round trip: `write` (the last batch's records, if nothing it read has changed and no
-/// other replica holds the tool's turn), then the read for `next`.
+/// One round trip of `worker`: `write` (the last batch's records, if nothing it read has
+/// changed and no other replica holds the tool's turn), then the read for `next`, which
+/// claims the tool's turn when `claim` (see the batch script).
 async fn cycle(
     sh: &Shared,
     write: Option<(&Batch, &Decided)>,
     next: Option<&Batch>,
-    turn: Turn<'_>,
+    worker: &Worker,
+    claim: bool,
 ) -> Result<Cycle, StoreError> {
-    let (keys, args) = cycle_args(sh, write, next, turn);
+    let (keys, args) = cycle_args(sh, write, next, worker, claim);
     run_cycle(sh, &keys, &args, next.is_some()).await
 }
 
@@ -1430,8 +1403,8 @@ async fn run_cycle(
 /// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
 /// it needs (the worker decides the next batch meanwhile), and has been polled once, so the
 /// script is queued on the connection before any later one.
-async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), turn: Turn<'_>) -> InFlight {
-    let (keys, args) = cycle_args(sh, Some(write), None, turn);
+async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), worker: &Worker) -> InFlight {
+    let (keys, args) = cycle_args(sh, Some(write), None, worker, false);
     let sh = sh.clone();
     let mut reply: InFlight = Box::pin(async move { run_cycle(&sh, &keys, &args, false).await });
     let ready = std::future::poll_fn(|cx| match reply.as_mut().poll(cx) {
@@ -1454,7 +1427,8 @@ fn cycle_args(
     sh: &Shared,
     write: Option<(&Batch, &Decided)>,
     next: Option<&Batch>,
-    turn: Turn<'_>,
+    worker: &Worker,
+    claim: bool,
 ) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut keys: Vec<String> = Vec::new();
     let mut args: Vec<Vec<u8>> = Vec::new();
@@ -1482,16 +1456,12 @@ fn cycle_args(
     args.push(read_now.into_bytes());
     args.push(read_records.to_string().into_bytes());
     args.extend(write_args);
-    keys.push(turn.marker.to_owned());
-    keys.push(turn.key.to_owned());
+    keys.push(worker.marker_key.clone());
+    keys.push(worker.turn_key.clone());
     args.push(sh.ids.next().to_le_bytes().to_vec());
     args.push(super::wire::MARKER_TTL.as_secs().to_string().into_bytes());
-    args.push(turn.me.as_bytes().to_vec());
-    args.push(if turn.claim {
-        b"1".to_vec()
-    } else {
-        b"0".to_vec()
-    });
+    args.push(worker.me.as_bytes().to_vec());
+    args.push(if claim { b"1".to_vec() } else { b"0".to_vec() });
     (keys, args)
 }
 
@@ -1551,7 +1521,7 @@ async fn within<T>(
     sh: &Shared,
     f: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    let bound = (sh.config.timeout * 20).max(Duration::from_secs(5));
+    let bound = sh.worker_bound();
     match tokio::time::timeout(bound, f).await {
         Ok(r) => r,
         Err(_) => Err(StoreError::Timeout(bound)),
@@ -1564,66 +1534,47 @@ fn parse_cycle(reply: Value, read: bool, newest: u8) -> Result<Cycle, StoreError
     let Value::Array(items) = reply else {
         return Err(bad("something other than an array"));
     };
-    let mut it = items.into_iter();
-    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts), Some(others)) = (
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-    ) else {
-        return Err(bad("the wrong number of parts"));
-    };
-    let epoch: Vec<u8> = match it.next() {
-        Some(v) => redis::from_redis_value(v).map_err(|_| bad("an epoch that is not a string"))?,
-        None => return Err(bad("no epoch")),
-    };
-    let written = matches!(written, Value::Int(1));
-    let others_turn = matches!(others, Value::Int(1));
+    let [written, _changed, now, records, counts, others, epoch]: [Value; 7] = items
+        .try_into()
+        .map_err(|_| bad("the wrong number of parts"))?;
+    let epoch: Vec<u8> =
+        redis::from_redis_value(epoch).map_err(|_| bad("an epoch that is not a string"))?;
     let now: u64 = redis::from_redis_value::<String>(now)
         .map_err(|_| bad("no time"))?
         .parse::<f64>()
         .map_err(|_| bad("a time that is not a number"))? as u64;
+    let mut cycle = Cycle {
+        written: matches!(written, Value::Int(1)),
+        others_turn: matches!(others, Value::Int(1)),
+        now,
+        read: None,
+    };
     if !read {
-        return Ok(Cycle {
-            written,
-            others_turn,
-            now,
-            read: None,
-        });
+        return Ok(cycle);
     }
     let raw: Vec<Option<Vec<u8>>> =
         redis::from_redis_value(records).map_err(|_| bad("records that are not strings"))?;
     let counts: Vec<u64> =
         redis::from_redis_value(counts).map_err(|_| bad("counts that are not numbers"))?;
-    let mut records = Vec::with_capacity(raw.len());
-    let mut versions = Vec::with_capacity(raw.len());
-    for r in raw {
-        match r {
-            Some(bytes) => {
-                let rec = Record::decode(&bytes, newest)?;
-                versions.push(rec.version.to_le_bytes().to_vec());
-                records.push(Some(rec));
-            }
-            None => {
-                versions.push(Vec::new());
-                records.push(None);
-            }
-        }
-    }
-    Ok(Cycle {
-        written,
-        others_turn,
+    let records: Vec<Option<Record>> = raw
+        .into_iter()
+        .map(|r| r.map(|bytes| Record::decode(&bytes, newest)).transpose())
+        .collect::<Result<_, _>>()?;
+    let versions = records
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .map_or_else(Vec::new, |r| r.version.to_le_bytes().to_vec())
+        })
+        .collect();
+    cycle.read = Some(Read {
         now,
-        read: Some(Read {
-            now,
-            records,
-            versions,
-            counts: counts.into_iter().map(|c| c as f64).collect(),
-            epoch,
-        }),
-    })
+        records,
+        versions,
+        counts: counts.into_iter().map(|c| c as f64).collect(),
+        epoch,
+    });
+    Ok(cycle)
 }
 
 #[cfg(test)]
