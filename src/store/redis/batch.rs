@@ -169,7 +169,7 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
         if behind {
             let first = send_write(&sh, (&batch, &decided), &worker).await;
-            cache.wrote(&batch, &decided);
+            cache.remember(&batch, &decided);
             let ahead = Ahead {
                 batch,
                 decided,
@@ -279,7 +279,7 @@ impl Worker {
     ) -> Option<(Batch, Read)> {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         let reply = cycle(sh, Some((&batch, &decided)), read_next, self, false).await;
-        cache.wrote(&batch, &decided);
+        cache.remember(&batch, &decided);
         match self.settle(sh, cache, batch, decided, reply, true).await {
             Ok(read) => self.after_write(sh, queue, cache, next, read).await,
             Err(again) => {
@@ -388,7 +388,7 @@ impl Worker {
         let before = self.epoch.replace(read.epoch.clone());
         sh.health.saw_epoch(&self.tool, &read.epoch);
         if before.is_none_or(|b| b == read.epoch) {
-            cache.read_from_redis(&batch, &read);
+            cache.remember(&batch, &Decided::on(&read));
             return Some((batch, read));
         }
         queue.put_front(batch);
@@ -544,7 +544,7 @@ impl Worker {
                     continue;
                 }
                 let reply = send_write(sh, (&b, &d), self).await;
-                cache.wrote(&b, &d);
+                cache.remember(&b, &d);
                 flight.push_back(Ahead {
                     batch: b,
                     decided: d,
@@ -730,19 +730,9 @@ impl Cache {
         })
     }
 
-    /// Remembers what `b` read (the records as Redis held them).
-    fn read_from_redis(&mut self, b: &Batch, read: &Read) {
-        self.make_room(b.keys.records.len());
-        for (i, k) in b.keys.records.iter().enumerate() {
-            self.records.insert(
-                k.clone(),
-                (read.records[i].clone(), read.versions[i].clone()),
-            );
-        }
-    }
-
-    /// Remembers what `b` wrote (and what it read and left as it was).
-    fn wrote(&mut self, b: &Batch, d: &Decided) {
+    /// Remembers the records of `b` as `d` leaves them: what it writes, and what it read and
+    /// left as it was (nothing decided yet: as Redis held them).
+    fn remember(&mut self, b: &Batch, d: &Decided) {
         self.make_room(b.keys.records.len());
         for (i, k) in b.keys.records.iter().enumerate() {
             let version = match (&d.records[i], d.written[i]) {
@@ -810,26 +800,25 @@ impl Queue {
     /// The next batch: waits for a job when `wait`, otherwise takes only what is there. With
     /// an injected clock a batch shares one `now` (the counts it reads are at that time).
     async fn next_batch(&mut self, injected: bool, wait: bool) -> Option<Batch> {
-        if let Some(b) = self.backlog.pop_front() {
-            return Some(b);
-        }
-        let first = if wait {
-            self.rx.recv().await?
-        } else {
-            self.rx.try_recv().ok()?
-        };
-        let mut jobs = vec![first];
-        self.take_queued(&mut jobs, injected);
-        jobs.retain(|j| !j.gone());
-        let batch = Batch::new(&self.namespace, jobs, 0);
-        if batch.jobs.is_empty() {
-            return if wait {
-                Box::pin(self.next_batch(injected, wait)).await
+        loop {
+            if let Some(b) = self.backlog.pop_front() {
+                return Some(b);
+            }
+            let first = if wait {
+                self.rx.recv().await?
             } else {
-                None
+                self.rx.try_recv().ok()?
             };
+            let mut jobs = vec![first];
+            self.take_queued(&mut jobs, injected);
+            jobs.retain(|j| !j.gone());
+            if !jobs.is_empty() {
+                return Some(Batch::new(&self.namespace, jobs, 0));
+            }
+            if !wait {
+                return None;
+            }
         }
-        Some(batch)
     }
 
     /// `b` with the jobs queued since it was taken, up to [`MAX_BATCH`] (none while older
@@ -965,15 +954,9 @@ impl Batch {
 
     /// Drops the jobs whose callers left (their keys stay: reading them costs nothing).
     fn retain_waited_for(&mut self) {
-        let mut i = 0;
-        while i < self.jobs.len() {
-            if self.jobs[i].gone() {
-                self.jobs.remove(i);
-                self.job_keys.remove(i);
-            } else {
-                i += 1;
-            }
-        }
+        let jobs = std::mem::take(&mut self.jobs).into_iter();
+        let job_keys = std::mem::take(&mut self.job_keys);
+        (self.jobs, self.job_keys) = jobs.zip(job_keys).filter(|(j, _)| !j.gone()).unzip();
     }
 
     fn now(&self) -> Timestamp {
@@ -1431,37 +1414,29 @@ fn cycle_args(
     claim: bool,
 ) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut keys: Vec<String> = Vec::new();
-    let mut args: Vec<Vec<u8>> = Vec::new();
-    let mut write_keys = 0;
-    let mut checked = 0;
-    let mut write_args: Vec<Vec<u8>> = Vec::new();
-    if let Some((batch, d)) = write {
-        keys.extend(batch.keys.records.iter().cloned());
-        keys.extend(batch.keys.zsets.iter().cloned());
-        write_keys = keys.len();
-        checked = batch.keys.records.len();
-        write_args = write_of(sh, batch, d);
+    let written = write.map(|(b, _)| b);
+    for b in written.into_iter().chain(next) {
+        keys.extend(b.keys.records.iter().chain(&b.keys.zsets).cloned());
     }
-    let (read_now, read_records) = match next {
-        Some(b) => {
-            let now = sh.now_arg(b.now());
-            keys.extend(b.keys.records.iter().cloned());
-            keys.extend(b.keys.zsets.iter().cloned());
-            (now, b.keys.records.len())
-        }
-        None => (String::new(), 0),
-    };
-    args.push(write_keys.to_string().into_bytes());
-    args.push(checked.to_string().into_bytes());
-    args.push(read_now.into_bytes());
-    args.push(read_records.to_string().into_bytes());
-    args.extend(write_args);
-    keys.push(worker.marker_key.clone());
-    keys.push(worker.turn_key.clone());
-    args.push(sh.ids.next().to_le_bytes().to_vec());
-    args.push(super::wire::MARKER_TTL.as_secs().to_string().into_bytes());
-    args.push(worker.me.as_bytes().to_vec());
-    args.push(if claim { b"1".to_vec() } else { b"0".to_vec() });
+    keys.extend([worker.marker_key.clone(), worker.turn_key.clone()]);
+    let records = |b: Option<&Batch>| b.map_or(0, |b| b.keys.records.len());
+    let write_keys = written.map_or(0, |b| b.keys.records.len() + b.keys.zsets.len());
+    let mut args: Vec<Vec<u8>> = vec![
+        write_keys.to_string().into_bytes(),
+        records(written).to_string().into_bytes(),
+        next.map_or_else(String::new, |b| sh.now_arg(b.now()))
+            .into_bytes(),
+        records(next).to_string().into_bytes(),
+    ];
+    if let Some((b, d)) = write {
+        args.extend(write_of(sh, b, d));
+    }
+    args.extend([
+        sh.ids.next().to_le_bytes().to_vec(),
+        super::wire::MARKER_TTL.as_secs().to_string().into_bytes(),
+        worker.me.as_bytes().to_vec(),
+        if claim { b"1".to_vec() } else { b"0".to_vec() },
+    ]);
     (keys, args)
 }
 
