@@ -85,12 +85,10 @@ impl Job {
             Job::Decide { reply, .. } => {
                 let _ = reply.send(Err(e.clone()));
             }
-            Job::Adjust { reply, .. } => {
-                if let Some(r) = reply {
-                    let _ = r.send(Err(e.clone()));
-                }
+            Job::Adjust { reply: Some(r), .. } => {
+                let _ = r.send(Err(e.clone()));
             }
-            Job::Heal { .. } => {}
+            Job::Adjust { reply: None, .. } | Job::Heal { .. } => {}
         }
     }
 }
@@ -251,16 +249,12 @@ impl Worker {
                 let read = c.read.expect("a read was asked for");
                 Some(self.read_from_redis(&sh, queue, cache, batch, read).await)
             }
-            // A read that failed on a dropped connection wrote nothing: once more.
-            Err(StoreError::Unavailable(_)) if !batch.reconnected => {
-                cache.conflict();
-                batch.reconnected = true;
-                queue.put_front(batch);
-                Some(None)
-            }
             Err(e) => {
                 cache.conflict();
-                batch.fail(&e);
+                // A read wrote nothing: after a dropped connection, once more.
+                if let Some(again) = batch.again_after(e, true) {
+                    queue.put_front(again);
+                }
                 Some(None)
             }
         }
@@ -331,11 +325,7 @@ impl Worker {
             }
             Some(e) => {
                 let released = release_decided(sh, &decided).await;
-                if matches!(e, StoreError::Unavailable(_)) && released && !batch.reconnected {
-                    batch.reconnected = true;
-                    return Err(Some(batch));
-                }
-                batch.fail(&e);
+                return Err(batch.again_after(e, released));
             }
         }
         Err(None)
@@ -501,17 +491,13 @@ struct Ahead {
 const IN_FLIGHT: usize = 4;
 
 impl Worker {
-    /// Writes batches one behind the other while each can be decided on the cache as the
-    /// writes ahead of it will leave it: the worker decides the calls that come in while writes
-    /// are on their way and sends their write at once (it is queued on the connection behind
-    /// them), up to [`IN_FLIGHT`] writes, so Redis is not idle while the worker decides and
-    /// calls do not wait for an answer to come back. Exact as any write: a batch was decided on
-    /// the versions the writes ahead of it make, so if one of those does not land (another
-    /// replica wrote first), every write behind it fails its check too, and all their batches
-    /// are decided again on a fresh read. A batch with nothing to write (refusals) is answered
-    /// once the writes ahead of it landed. Returns when a batch cannot be decided that way (it
-    /// goes back to the queue), when nothing is on its way any more, or when a write did not
-    /// land.
+    /// Writes batches one behind the other (`docs/redis.md`, *Performance*) while each can be
+    /// decided on the cache as the writes ahead of it will leave it: the worker decides the
+    /// calls that come in while up to [`IN_FLIGHT`] writes are on their way and sends their
+    /// write at once, queued on the connection behind them. A batch with nothing to write
+    /// (refusals) is answered once the writes ahead of it landed. Returns when a batch cannot
+    /// be decided that way (it goes back to the queue), when nothing is on its way any more,
+    /// or when a write did not land (see [`land`](Self::land)).
     async fn pipeline(
         &mut self,
         sh: &Arc<Shared>,
@@ -1024,6 +1010,18 @@ impl Batch {
         }
     }
 
+    /// After a round trip of it failed with `e`: the batch to try once more when the
+    /// connection dropped and it `may` be (on the connection made again, unseen by its
+    /// callers), if it was not yet; otherwise none, and every job fails.
+    fn again_after(mut self, e: StoreError, may: bool) -> Option<Batch> {
+        if may && !self.reconnected && matches!(e, StoreError::Unavailable(_)) {
+            self.reconnected = true;
+            return Some(self);
+        }
+        self.fail(&e);
+        None
+    }
+
     /// Answers every job; an admission whose caller left is given back.
     fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
         for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
@@ -1379,7 +1377,13 @@ async fn run_cycle(
     args: &[Vec<u8>],
     read: bool,
 ) -> Result<Cycle, StoreError> {
-    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, keys, args)).await?;
+    // It may take longer than the callers wait (they count their own timeouts as store
+    // errors): it is awaited to the end — callers that left by then get their admissions
+    // given back — within a bound.
+    let bound = sh.worker_bound();
+    let reply: Value = tokio::time::timeout(bound, sh.eval(&sh.scripts.cycle, keys, args))
+        .await
+        .map_err(|_| StoreError::Timeout(bound))??;
     parse_cycle(reply, read, sh.config.formats[1])
 }
 
@@ -1487,20 +1491,6 @@ fn write_of(sh: &Shared, batch: &Batch, d: &Decided) -> Vec<Vec<u8>> {
 fn score(x: f64) -> String {
     // Whole microseconds: exact in a double, and in Redis's parser.
     format!("{}", x as u64)
-}
-
-/// A worker's Redis call. It may take longer than the callers wait (they count their own
-/// timeouts as store errors): it is awaited to the end — callers that left by then get their
-/// admissions given back — within a bound.
-async fn within<T>(
-    sh: &Shared,
-    f: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let bound = sh.worker_bound();
-    match tokio::time::timeout(bound, f).await {
-        Ok(r) => r,
-        Err(_) => Err(StoreError::Timeout(bound)),
-    }
 }
 
 /// The script's answer; records in formats up to `newest` are read.

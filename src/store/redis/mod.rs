@@ -29,15 +29,16 @@ use super::{Admission, Answer, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{NodeState, OwnedPlan, Plan, Stored};
 use crate::clock::Timestamp;
 
+/// A Lua script, and the hash EVALSHA runs it by.
 #[derive(Debug)]
 struct Script {
-    code: String,
+    code: &'static str,
     hash: String,
 }
 
 impl Script {
-    fn standalone(code: String) -> Self {
-        let hash = redis::Script::new(&code).get_hash().to_owned();
+    fn new(code: &'static str) -> Self {
+        let hash = redis::Script::new(code).get_hash().to_owned();
         Script { code, hash }
     }
 }
@@ -53,13 +54,12 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
-        let script = |code: &str| Script::standalone(code.to_owned());
         Scripts {
-            cycle: script(include_str!("cycle.lua")),
-            release: script(include_str!("release.lua")),
-            renew: script(include_str!("renew.lua")),
-            sweep: script(include_str!("sweep.lua")),
-            inspect: script(include_str!("inspect.lua")),
+            cycle: Script::new(include_str!("cycle.lua")),
+            release: Script::new(include_str!("release.lua")),
+            renew: Script::new(include_str!("renew.lua")),
+            sweep: Script::new(include_str!("sweep.lua")),
+            inspect: Script::new(include_str!("inspect.lua")),
         }
     }
 }
@@ -590,7 +590,7 @@ impl Shared {
         match backend.query(&cmd).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg(&script.code).arg(keys.len()).arg(keys).arg(args);
+                cmd.arg(script.code).arg(keys.len()).arg(keys).arg(args);
                 backend.query(&cmd).await.map_err(|e| map_error(e, timeout))
             }
             r => r.map_err(|e| map_error(e, timeout)),
