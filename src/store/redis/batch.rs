@@ -50,7 +50,7 @@ pub(super) enum Job {
         admission: Arc<Admission>,
         factor: f64,
         now: Timestamp,
-        reply: Option<oneshot::Sender<Result<(), StoreError>>>,
+        reply: oneshot::Sender<Result<(), StoreError>>,
     },
     /// Read the tool's state from Redis (nothing decided): a health check found its epoch
     /// marker changed, and the worker heals what the loss took (see `Worker::read_from_redis`).
@@ -85,10 +85,10 @@ impl Job {
             Job::Decide { reply, .. } => {
                 let _ = reply.send(Err(e.clone()));
             }
-            Job::Adjust { reply: Some(r), .. } => {
-                let _ = r.send(Err(e.clone()));
+            Job::Adjust { reply, .. } => {
+                let _ = reply.send(Err(e.clone()));
             }
-            Job::Adjust { reply: None, .. } | Job::Heal { .. } => {}
+            Job::Heal { .. } => {}
         }
     }
 }
@@ -274,10 +274,21 @@ impl Worker {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         let reply = cycle(sh, Some((&batch, &decided)), read_next, self, false).await;
         cache.remember(&batch, &decided);
-        match self.settle(sh, cache, batch, decided, reply, true).await {
-            Ok(read) => self.after_write(sh, queue, cache, next, read).await,
+        let read = match self.settle(sh, cache, batch, decided, reply, true).await {
+            Ok(read) => read,
             Err(again) => {
                 queue.again(again.into_iter().chain(next));
+                return None;
+            }
+        };
+        match (next?, read) {
+            (next, Some(read)) => self.read_from_redis(sh, queue, cache, next, read).await,
+            // Taken before the write only to see whether it needed a read: it takes the calls
+            // that came in during the round trip too (they would otherwise wait for the next
+            // one), and is decided next, on the cache if it can be.
+            (next, None) => {
+                let next = queue.grow(next, sh.config.time == TimeSource::Injected);
+                queue.put_front(next);
                 None
             }
         }
@@ -329,35 +340,6 @@ impl Worker {
             }
         }
         Err(None)
-    }
-
-    /// After a write landed: the next batch with its read (from Redis, in the write's round
-    /// trip, or from the cache), if there is one to decide now.
-    async fn after_write(
-        &mut self,
-        sh: &Arc<Shared>,
-        queue: &mut Queue,
-        cache: &mut Cache,
-        next: Option<Batch>,
-        read: Option<Read>,
-    ) -> Option<(Batch, Read)> {
-        match (next, read) {
-            (Some(n), Some(r)) => self.read_from_redis(sh, queue, cache, n, r).await,
-            // Taken before the write only to see whether it needed a read: it takes the calls
-            // that came in during the round trip too (they would otherwise wait for the next
-            // one).
-            (Some(n), None) => {
-                let n = queue.grow(n, sh.config.time == TimeSource::Injected);
-                match cache.read(&n, sh.config.time) {
-                    Some(r) => Some((n, r)),
-                    None => {
-                        queue.put_front(n);
-                        None
-                    }
-                }
-            }
-            (None, _) => None,
-        }
     }
 
     /// `batch` with its `read` from Redis, to decide (and remembered); `None` when the read
@@ -1032,9 +1014,7 @@ impl Batch {
                     }
                 }
                 (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
-                    if let Some(r) = reply {
-                        let _ = r.send(Ok(()));
-                    }
+                    let _ = reply.send(Ok(()));
                 }
                 (Job::Heal { reply }, Outcome::Read) => {
                     let _ = reply.send(());
@@ -1131,7 +1111,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
             admission,
             factor: -1.0,
             now,
-            reply: Some(reply),
+            reply,
         },
     );
     // Counted as background work until the refund is written (see `Store::flush`).

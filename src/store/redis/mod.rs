@@ -584,17 +584,16 @@ impl Shared {
         args: &[Vec<u8>],
     ) -> Result<T, StoreError> {
         let backend = self.backend()?;
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&script.hash).arg(keys.len()).arg(keys).arg(args);
-        let timeout = self.config.timeout;
-        match backend.query(&cmd).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut cmd = redis::cmd("EVAL");
-                cmd.arg(script.code).arg(keys.len()).arg(keys).arg(args);
-                backend.query(&cmd).await.map_err(|e| map_error(e, timeout))
-            }
-            r => r.map_err(|e| map_error(e, timeout)),
+        let run = |how: &str, script: &str| {
+            let mut cmd = redis::cmd(how);
+            cmd.arg(script).arg(keys.len()).arg(keys).arg(args);
+            cmd
+        };
+        let mut reply = backend.query(&run("EVALSHA", &script.hash)).await;
+        if matches!(&reply, Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)) {
+            reply = backend.query(&run("EVAL", script.code)).await;
         }
+        reply.map_err(|e| map_error(e, self.config.timeout))
     }
 
     /// Logs and counts a failed store call.
@@ -772,7 +771,7 @@ impl Store for RedisStore {
             admission,
             factor,
             now,
-            reply: Some(reply),
+            reply,
         };
         batch::submit(&sh, &slot, job);
         Answer::later(async move {
