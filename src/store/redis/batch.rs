@@ -115,6 +115,26 @@ pub(super) fn submit(shared: &Arc<Shared>, tool: &str, job: Job) {
     rt.spawn(work(Arc::downgrade(shared), rx, tool));
 }
 
+/// Adds `factor` × an admitted call's charge at every level it charged, through its tool's
+/// queue: answered once written.
+pub(super) fn adjust(
+    sh: &Arc<Shared>,
+    admission: Arc<Admission>,
+    factor: f64,
+    now: Timestamp,
+) -> oneshot::Receiver<Result<(), StoreError>> {
+    let (reply, answer) = oneshot::channel();
+    let slot = admission.keys.slot().clone();
+    let job = Job::Adjust {
+        admission,
+        factor,
+        now,
+        reply,
+    };
+    submit(sh, &slot, job);
+    answer
+}
+
 fn drop_job(job: Job, why: &str) {
     job.fail(&StoreError::Unavailable(why.to_owned()));
 }
@@ -1058,11 +1078,8 @@ impl Answer {
         shared: &Arc<Shared>,
     ) -> (oneshot::Sender<Result<Decision, StoreError>>, Answer) {
         let (tx, rx) = oneshot::channel();
-        let answer = Answer {
-            shared: shared.clone(),
-            rx,
-        };
-        (tx, answer)
+        let shared = shared.clone();
+        (tx, Answer { shared, rx })
     }
 }
 
@@ -1094,7 +1111,6 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     sh.abandoned
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     crate::telemetry::abandoned(&admission.keys.tool);
-    let slot = admission.keys.slot().clone();
     if admission.charge.holds_permits() {
         let (sh2, a) = (sh.clone(), admission.clone());
         tokio::spawn(async move {
@@ -1103,17 +1119,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
         });
     }
     let now = admission.at;
-    let (reply, refunded) = oneshot::channel();
-    submit(
-        sh,
-        &slot,
-        Job::Adjust {
-            admission,
-            factor: -1.0,
-            now,
-            reply,
-        },
-    );
+    let refunded = adjust(sh, admission, -1.0, now);
     // Counted as background work until the refund is written (see `Store::flush`).
     let working = sh.working();
     tokio::spawn(async move {

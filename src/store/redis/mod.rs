@@ -764,16 +764,8 @@ impl Store for RedisStore {
                 cache.forget_slot(admission.keys.slot());
             }
         }
-        let (reply, answer) = tokio::sync::oneshot::channel();
         let tool = admission.keys.tool.clone();
-        let slot = admission.keys.slot().clone();
-        let job = batch::Job::Adjust {
-            admission,
-            factor,
-            now,
-            reply,
-        };
-        batch::submit(&sh, &slot, job);
+        let answer = batch::adjust(&sh, admission, factor, now);
         Answer::later(async move {
             // Not waited for, it is still applied.
             let done = sh.worker_answer(answer).await;
