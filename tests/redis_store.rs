@@ -387,6 +387,85 @@ fn a_slow_redis_hits_the_timeout() {
     });
 }
 
+/// A call decided on the records the worker remembers has its write sent without a read,
+/// behind any other on its way (`batch::pipeline`). When the connection drops under that
+/// write (here: held by `CLIENT PAUSE WRITE`, so it has surely not run, then the store's
+/// connection killed), the call is decided again on the connection made again, unseen by the
+/// caller, as a write of any other batch is — and counted once.
+#[test]
+fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
+    let server = RedisServer::start();
+    // Every call decided at the store: no lease charges ahead.
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "strict"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+lease = "off"
+[tool.tenants.A]
+"#,
+    )
+    .unwrap();
+    multi_thread().block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .timeout(Duration::from_secs(5))
+            .health_checks_every(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let a = Caller::new("A");
+        // Read once: the worker remembers A's records, and decides A's next call on them.
+        assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
+        let mut admin = server.conn();
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(10_000)
+            .arg("WRITE")
+            .query(&mut admin)
+            .unwrap();
+        clock.advance(Duration::from_millis(1));
+        let call = tokio::spawn({
+            let (limiter, a) = (limiter.clone(), a.clone());
+            async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
+        });
+        // Until the call's write waits in Redis.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut admin).unwrap();
+            if clients
+                .lines()
+                .any(|l| l.contains("flags=b") && l.contains("cmd=evalsha"))
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the write never reached Redis");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let killed: u64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .arg("SKIPME")
+            .arg("yes")
+            .query(&mut admin)
+            .unwrap();
+        assert!(killed >= 1);
+        let _: () = redis::cmd("CLIENT")
+            .arg("UNPAUSE")
+            .query(&mut admin)
+            .unwrap();
+        let answer = call.await.unwrap();
+        assert!(answer.is_ok(), "{answer:?}");
+        let keys = limiter.call_keys(&a, "strict").unwrap();
+        let state = limiter.store().inspect(&keys).await.unwrap();
+        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
+    });
+}
+
 /// A limiter on `server` with the injected clock at `EPOCH`, and the caller `parasite`, whose
 /// ceiling of 3 a minute (burst 3) its first three calls have spent.
 async fn parasite_at_its_ceiling(

@@ -59,7 +59,7 @@ pub(super) fn refill(s: &mut NodeState, [f, h, k]: &Buckets, now: f64, period: f
 }
 
 /// Brings a level's window counters to `window` (cleared when it moved on).
-pub(super) fn roll_window(s: &mut NodeState, window: f64) {
+pub(crate) fn roll_window(s: &mut NodeState, window: f64) {
     if s.window != window {
         s.window = window;
         s.total = 0.0;

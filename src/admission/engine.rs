@@ -17,6 +17,6 @@ pub use super::state::{
     PlanCounts, Stored,
 };
 
-pub(crate) use super::bucket::aligned_window;
+pub(crate) use super::bucket::{aligned_window, roll_window};
 pub(crate) use super::decide::explain;
 pub(crate) use super::template::counts as template_counts;

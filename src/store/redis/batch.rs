@@ -6,8 +6,8 @@
 //!   [`engine::adjust`] one after the other on one snapshot, each seeing the ones before it;
 //! - the worker remembers the records it last read and wrote ([`Cache`]), so a batch whose
 //!   records only this replica writes needs no read;
-//! - writes go one behind the other ([`pipeline`]): a write expects the versions the one ahead
-//!   of it makes, so if that one did not land, the one behind fails its check too;
+//! - writes go one behind the other ([`Worker::pipeline`]): a write expects the versions the
+//!   one ahead of it makes, so if that one did not land, the one behind fails its check too;
 //! - a caller that went away before its answer is answered nonetheless; when that answer
 //!   cannot be delivered and it was an admission, the worker gives it back: its units by a
 //!   refund through the queue, its permits released.
@@ -50,7 +50,7 @@ pub(super) enum Job {
         admission: Arc<Admission>,
         factor: f64,
         now: Timestamp,
-        reply: Option<oneshot::Sender<Result<(), StoreError>>>,
+        reply: oneshot::Sender<Result<(), StoreError>>,
     },
     /// Read the tool's state from Redis (nothing decided): a health check found its epoch
     /// marker changed, and the worker heals what the loss took (see `Worker::read_from_redis`).
@@ -83,12 +83,10 @@ impl Job {
     fn fail(self, e: &StoreError) {
         match self {
             Job::Decide { reply, .. } => {
-                let _ = reply.send(Err(clone_error(e)));
+                let _ = reply.send(Err(e.clone()));
             }
             Job::Adjust { reply, .. } => {
-                if let Some(r) = reply {
-                    let _ = r.send(Err(clone_error(e)));
-                }
+                let _ = reply.send(Err(e.clone()));
             }
             Job::Heal { .. } => {}
         }
@@ -115,6 +113,26 @@ pub(super) fn submit(shared: &Arc<Shared>, tool: &str, job: Job) {
     let tool: Arc<str> = Arc::from(tool);
     queues.insert(tool.clone(), tx);
     rt.spawn(work(Arc::downgrade(shared), rx, tool));
+}
+
+/// Adds `factor` × an admitted call's charge at every level it charged, through its tool's
+/// queue: answered once written.
+pub(super) fn adjust(
+    sh: &Arc<Shared>,
+    admission: Arc<Admission>,
+    factor: f64,
+    now: Timestamp,
+) -> oneshot::Receiver<Result<(), StoreError>> {
+    let (reply, answer) = oneshot::channel();
+    let slot = admission.keys.slot().clone();
+    let job = Job::Adjust {
+        admission,
+        factor,
+        now,
+        reply,
+    };
+    submit(sh, &slot, job);
+    answer
 }
 
 fn drop_job(job: Job, why: &str) {
@@ -168,16 +186,17 @@ async fn work(shared: Weak<Shared>, rx: mpsc::UnboundedReceiver<Job>, tool: Arc<
             && cache.cool == 0
             && next.as_ref().is_none_or(|n| cache.covers(n, &batch));
         if behind {
-            let turn = worker.turn(false);
-            let first = send_write(&sh, (&batch, &decided), turn).await;
-            cache.wrote(&batch, &decided);
+            let first = send_write(&sh, (&batch, &decided), &worker).await;
+            cache.remember(&batch, &decided);
             let ahead = Ahead {
                 batch,
                 decided,
                 reply: first,
                 then: Vec::new(),
             };
-            worker.claim = pipeline(&sh, &mut queue, &mut cache, injected, turn, ahead, next).await;
+            worker
+                .pipeline(&sh, &mut queue, &mut cache, injected, ahead, next)
+                .await;
             continue;
         }
         carried = worker
@@ -222,15 +241,6 @@ impl Worker {
         })
     }
 
-    fn turn(&self, claim: bool) -> Turn<'_> {
-        Turn {
-            key: &self.turn_key,
-            marker: &self.marker_key,
-            me: &self.me,
-            claim,
-        }
-    }
-
     /// The next batch and its read, from the cache or from Redis; `Some(None)` when it is to
     /// be tried again (another replica's turn, a failed read, a loss healed), `None` when the
     /// store is gone.
@@ -245,7 +255,7 @@ impl Worker {
             return Some(Some((batch, read)));
         }
         let sh = self.shared.upgrade()?;
-        match cycle(&sh, None, Some(&batch), self.turn(self.claim)).await {
+        match cycle(&sh, None, Some(&batch), self, self.claim).await {
             Ok(c) if c.others_turn && batch.attempts + 1 < MAX_ATTEMPTS => {
                 // Another replica's turn: read again once it has written.
                 batch.attempts += 1;
@@ -255,32 +265,24 @@ impl Worker {
             }
             Ok(c) => {
                 self.claim = false;
-                let read = c.read.expect("a read was asked for");
                 cache.clock(c.now);
-                if self.read_from_redis(&sh, cache, &batch, &read).await {
-                    queue.put_front(batch);
-                    return Some(None);
-                }
-                cache.read_from_redis(&batch, &read);
-                Some(Some((batch, read)))
-            }
-            // A read that failed on a dropped connection wrote nothing: once more.
-            Err(StoreError::Unavailable(_)) if !batch.reconnected => {
-                cache.conflict();
-                batch.reconnected = true;
-                queue.put_front(batch);
-                Some(None)
+                let read = c.read.expect("a read was asked for");
+                Some(self.read_from_redis(&sh, queue, cache, batch, read).await)
             }
             Err(e) => {
                 cache.conflict();
-                batch.fail(&e);
+                // A read wrote nothing: after a dropped connection, once more.
+                if let Some(again) = batch.again_after(e, true) {
+                    queue.put_front(again);
+                }
                 Some(None)
             }
         }
     }
 
     /// Writes a decided batch, with the read of `next` when the cache cannot decide it: the
-    /// batch to decide next with its read, if there is one.
+    /// batch to decide next with its read, if there is one. When the batch is to be decided
+    /// again (see [`settle`](Self::settle)), it goes back to the queue with `next`.
     async fn write(
         &mut self,
         sh: &Arc<Shared>,
@@ -290,119 +292,108 @@ impl Worker {
         next: Option<Batch>,
     ) -> Option<(Batch, Read)> {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
-        match cycle(sh, Some((&batch, &decided)), read_next, self.turn(false)).await {
-            Ok(c) if c.written => {
-                cache.clock(c.now);
-                cache.wrote(&batch, &decided);
-                cache.landed(&batch, &decided.outcomes);
-                batch.answer(sh, decided.outcomes);
-                self.after_write(sh, queue, cache, next, c.read).await
+        let reply = cycle(sh, Some((&batch, &decided)), read_next, self, false).await;
+        cache.remember(&batch, &decided);
+        let read = match self.settle(sh, cache, batch, decided, reply, true).await {
+            Ok(read) => read,
+            Err(again) => {
+                queue.again(again.into_iter().chain(next));
+                return None;
             }
-            Ok(_) if batch.attempts + 1 >= MAX_ATTEMPTS => {
-                cache.conflict();
-                batch.fail(&conflicted());
-                queue.put_back(next);
-                None
-            }
-            // Another replica wrote first: decide again, with the next batch, on a fresh read
-            // that claims the tool's turn, so the other replica waits for this write.
-            Ok(_) => {
-                cache.conflict();
-                self.claim = true;
-                let attempts = batch.attempts + 1;
-                let mut jobs = batch.jobs;
-                if let Some(n) = next {
-                    jobs.extend(n.jobs);
-                }
-                queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
-                None
-            }
-            Err(e) => {
-                cache.conflict();
-                queue.put_back(next);
-                // Whether the write landed is not known: the permits it would have taken are
-                // given back (a permit given back twice, or never taken, removes nothing).
-                let released = release_decided(sh, &decided).await;
-                match e {
-                    // Once more, on the connection made again: decided afresh on a new read
-                    // (if the write did land, its units are counted twice: under-use, never
-                    // over-admission).
-                    StoreError::Unavailable(_) if released && !batch.reconnected => {
-                        let mut again = Batch::new(&queue.namespace, batch.jobs, batch.attempts);
-                        again.reconnected = true;
-                        queue.put_front(again);
-                    }
-                    e => batch.fail(&e),
-                }
+        };
+        match (next?, read) {
+            (next, Some(read)) => self.read_from_redis(sh, queue, cache, next, read).await,
+            // Taken before the write only to see whether it needed a read: it takes the calls
+            // that came in during the round trip too (they would otherwise wait for the next
+            // one), and is decided next, on the cache if it can be.
+            (next, None) => {
+                let next = queue.grow(next, sh.config.time == TimeSource::Injected);
+                queue.put_front(next);
                 None
             }
         }
     }
 
-    /// After a write landed: the next batch with its read (from Redis, in the write's round
-    /// trip, or from the cache), if there is one to decide now.
-    async fn after_write(
+    /// What became of `batch`'s write, its answer (`reply`) in. When it landed, the batch is
+    /// answered and counted in the ledger, and the read that came with the write returned.
+    /// Otherwise the cache is forgotten, and the batch is failed or returned to be decided
+    /// again on a fresh read:
+    /// - after another replica wrote first, as another attempt whose read claims the tool's
+    ///   turn, so the other replica waits for this write (when the conflict is `counted`: a
+    ///   write behind one of this worker's that did not land fails its check, and is not);
+    /// - after a dropped connection, once more, on the connection made again, unseen by its
+    ///   callers. Whether the write landed is not known: the permits it would have taken are
+    ///   given back first (a permit given back twice, or never taken, removes nothing), and if
+    ///   it did land, its units are counted twice: under-use, never over-admission.
+    async fn settle(
+        &mut self,
+        sh: &Arc<Shared>,
+        cache: &mut Cache,
+        mut batch: Batch,
+        decided: Decided,
+        reply: Result<Cycle, StoreError>,
+        counted: bool,
+    ) -> Result<Option<Read>, Option<Batch>> {
+        let error = match reply {
+            Ok(c) if c.written => {
+                cache.clock(c.now);
+                cache.landed(&batch, &decided.outcomes);
+                batch.answer(sh, decided.outcomes);
+                return Ok(c.read);
+            }
+            Ok(_) => None,
+            Err(e) => Some(e),
+        };
+        cache.conflict();
+        match error {
+            None if batch.attempts + 1 >= MAX_ATTEMPTS => batch.fail(&conflicted()),
+            None => {
+                if counted {
+                    self.claim = true;
+                    batch.attempts += 1;
+                }
+                return Err(Some(batch));
+            }
+            Some(e) => {
+                let released = release_decided(sh, &decided).await;
+                return Err(batch.again_after(e, released));
+            }
+        }
+        Err(None)
+    }
+
+    /// `batch` with its `read` from Redis, to decide (and remembered); `None` when the read
+    /// found the tool's state lost since this worker's last read (its epoch marker changed).
+    /// Then, before anything is decided on it, what the loss took is healed: the refusals
+    /// remembered on it forgotten, the permits of this replica's calls still running put back,
+    /// and what this replica counted in the windows still open restored (see `Ledger`); the
+    /// batch goes back to the queue, to be read again.
+    async fn read_from_redis(
         &mut self,
         sh: &Arc<Shared>,
         queue: &mut Queue,
         cache: &mut Cache,
-        next: Option<Batch>,
-        read: Option<Read>,
+        batch: Batch,
+        read: Read,
     ) -> Option<(Batch, Read)> {
-        match (next, read) {
-            (Some(n), Some(r)) => {
-                if self.read_from_redis(sh, cache, &n, &r).await {
-                    queue.put_front(n);
-                    return None;
-                }
-                cache.read_from_redis(&n, &r);
-                Some((n, r))
-            }
-            // Taken before the write only to see whether it needed a read: it takes the calls
-            // that came in during the round trip too (they would otherwise wait for the next
-            // one).
-            (Some(n), None) => {
-                let n = queue.grow(n, sh.config.time == TimeSource::Injected);
-                match cache.read(&n, sh.config.time) {
-                    Some(r) => Some((n, r)),
-                    None => {
-                        queue.put_front(n);
-                        None
-                    }
-                }
-            }
-            (None, _) => None,
-        }
-    }
-
-    /// After a read from Redis: whether it found the tool's state lost since this worker's
-    /// last read (its epoch marker changed). Then, before anything is decided on it, what
-    /// the loss took is healed: the refusals remembered on it forgotten, the permits of this
-    /// replica's calls still running put back, and what this replica counted in the windows
-    /// still open restored (see `Ledger`). The batch is then to be read again.
-    async fn read_from_redis(
-        &mut self,
-        sh: &Arc<Shared>,
-        cache: &mut Cache,
-        batch: &Batch,
-        read: &Read,
-    ) -> bool {
         self.last_now = self.last_now.max(read.now).max(batch.now().as_micros());
         let before = self.epoch.replace(read.epoch.clone());
         sh.health.saw_epoch(&self.tool, &read.epoch);
         if before.is_none_or(|b| b == read.epoch) {
-            return false;
+            cache.remember(&batch, &Decided::on(&read));
+            return Some((batch, read));
         }
+        queue.put_front(batch);
         cache.conflict();
         if let Some(refusals) = &sh.cache {
             refusals.forget_slot(&self.tool);
         }
-        if let Err(e) = sh.revive_permits(&self.tool).await {
+        if let Err(e) = sh.renew(Timestamp(0), Some(&self.tool)).await {
             tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not put back the permits of calls still running after Redis lost the tool's state");
         }
         let now = Timestamp(self.last_now);
         cache.ledger.forget_closed(now);
-        match restore(sh, &cache.ledger, self.turn(false), now, &read.epoch).await {
+        match restore(sh, &cache.ledger, self, now, &read.epoch).await {
             Ok(levels) => {
                 tracing::info!(store = "redis", tool = %self.tool, levels, "restored what this replica admitted in the windows still open")
             }
@@ -410,7 +401,7 @@ impl Worker {
                 tracing::warn!(store = "redis", tool = %self.tool, error = %e, "could not restore what this replica admitted after Redis lost the tool's state")
             }
         }
-        true
+        None
     }
 }
 
@@ -435,7 +426,7 @@ async fn release_decided(sh: &Arc<Shared>, d: &Decided) -> bool {
 async fn restore(
     sh: &Arc<Shared>,
     ledger: &Ledger,
-    turn: Turn<'_>,
+    worker: &Worker,
     now: Timestamp,
     epoch: &[u8],
 ) -> Result<usize, StoreError> {
@@ -444,7 +435,7 @@ async fn restore(
         let batch = Batch::of_records(chunk);
         let mut attempts = 0;
         loop {
-            let c = cycle(sh, None, Some(&batch), turn).await?;
+            let c = cycle(sh, None, Some(&batch), worker, false).await?;
             let read = c.read.expect("a read was asked for");
             if read.epoch != epoch {
                 return Err(StoreError::Unavailable(
@@ -452,7 +443,10 @@ async fn restore(
                 ));
             }
             let d = restored(sh, ledger, &batch, &read, now);
-            if cycle(sh, Some((&batch, &d)), None, turn).await?.written {
+            if cycle(sh, Some((&batch, &d)), None, worker, false)
+                .await?
+                .written
+            {
                 break;
             }
             attempts += 1;
@@ -467,33 +461,22 @@ async fn restore(
 
 /// The records of `batch` (read as `read`) with what `ledger` counted at them added.
 fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Timestamp) -> Decided {
-    let n = batch.keys.records.len();
-    let mut records = read.records.clone();
-    let mut written = vec![false; n];
+    let mut d = Decided::on(read);
     for (i, key) in batch.keys.records.iter().enumerate() {
-        let held = records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
+        let held = d.records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
         let Some((state, until)) = ledger.restored(key, held.map(|h| h.0), now) else {
             continue;
         };
-        records[i] = Some(Record {
+        d.records[i] = Some(Record {
             version: sh.ids.version(),
             expires: held.map_or(until, |h| h.1.max(until)),
             state,
             plans: held.map(|h| h.2).unwrap_or_default(),
         });
-        written[i] = true;
+        d.written[i] = true;
+        d.decided[i] = true;
     }
-    Decided {
-        outcomes: Vec::new(),
-        versions: read.versions.clone(),
-        records,
-        counts: Vec::new(),
-        decided: written.clone(),
-        written,
-        holds: vec![false; n],
-        zsets: Vec::new(),
-        now: read.now as f64,
-    }
+    d
 }
 
 /// A batch whose write is on its way.
@@ -506,169 +489,139 @@ struct Ahead {
     then: Vec<(Batch, Decided)>,
 }
 
-/// What became of the write of `a`, its answer in, with the batches waiting on it: all
-/// answered when it landed; otherwise the cache is forgotten, and what is to be decided again
-/// comes back (the batch first if its write conflicted, then those waiting on it; a batch whose
-/// write failed, or conflicted once too often, is failed), with whether it conflicted.
-fn settle(
-    sh: &Arc<Shared>,
-    cache: &mut Cache,
-    a: Ahead,
-    reply: Result<Cycle, StoreError>,
-) -> Result<(), (Vec<Batch>, bool)> {
-    let waiting = a.then.into_iter();
-    match reply {
-        Ok(c) if c.written => {
-            cache.clock(c.now);
-            cache.landed(&a.batch, &a.decided.outcomes);
-            a.batch.answer(sh, a.decided.outcomes);
-            for (b, d) in waiting {
-                b.answer(sh, d.outcomes);
-            }
-            Ok(())
-        }
-        Ok(_) if a.batch.attempts + 1 >= MAX_ATTEMPTS => {
-            cache.conflict();
-            a.batch.fail(&conflicted());
-            Err((waiting.map(|(b, _)| b).collect(), false))
-        }
-        Ok(_) => {
-            cache.conflict();
-            let again = std::iter::once(a.batch).chain(waiting.map(|(b, _)| b));
-            Err((again.collect(), true))
-        }
-        Err(e) => {
-            cache.conflict();
-            a.batch.fail(&e);
-            Err((waiting.map(|(b, _)| b).collect(), false))
-        }
-    }
-}
-
 /// How many writes of one worker may be on their way at once.
 const IN_FLIGHT: usize = 4;
 
-/// Writes batches one behind the other while each can be decided on the cache as the writes
-/// ahead of it will leave it: the worker decides the calls that come in while writes are on
-/// their way and sends their write at once (it is queued on the connection behind them), up to
-/// [`IN_FLIGHT`] writes, so Redis is not idle while the worker decides and calls do not wait
-/// for an answer to come back. Exact as any write: a batch was decided on the versions the
-/// writes ahead of it make, so if one of those does not land (another replica wrote first),
-/// every write behind it fails its check too, and all their batches are decided again on a
-/// fresh read. A batch with nothing to write (refusals) is answered once the writes ahead of it
-/// landed. Returns when a batch cannot be decided that way (it goes back to the queue), when
-/// nothing is on its way any more, or when a write did not land; `true` if the next read is to
-/// claim the tool's turn (a conflict).
-async fn pipeline(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    injected: bool,
-    turn: Turn<'_>,
-    first: Ahead,
-    mut behind: Option<Batch>,
-) -> bool {
-    let mut flight = std::collections::VecDeque::from([first]);
-    loop {
-        // Decide and send what has come in, while there is room.
-        while flight.len() < IN_FLIGHT {
-            let b = match behind.take() {
-                Some(b) => Some(queue.grow(b, injected)),
-                None => queue.next_batch(injected, false).await,
-            };
-            let Some(mut b) = b else { break };
-            let Some(read) = cache.read(&b, sh.config.time) else {
-                queue.put_front(b);
-                return land_all(sh, queue, cache, flight).await;
-            };
-            b.retain_waited_for();
-            let d = decide(sh, &b, &read);
-            if d.nothing_to_write() {
-                match flight.back_mut() {
-                    Some(a) => a.then.push((b, d)),
-                    None => b.answer(sh, d.outcomes),
-                }
-                continue;
-            }
-            let reply = send_write(sh, (&b, &d), turn).await;
-            cache.wrote(&b, &d);
-            flight.push_back(Ahead {
-                batch: b,
-                decided: d,
-                reply,
-                then: Vec::new(),
-            });
-        }
-        // The oldest write's answer; or, while there is room, the first call to come in.
-        let room = flight.len() < IN_FLIGHT;
-        let Some(front) = flight.front_mut() else {
-            return false;
-        };
-        let reply = if room {
-            tokio::select! {
-                biased;
-                reply = &mut front.reply => reply,
-                job = queue.rx.recv() => match job {
-                    Some(j) => {
-                        behind = Some(Batch::new(&queue.namespace, vec![j], 0));
-                        continue;
+impl Worker {
+    /// Writes batches one behind the other (`docs/redis.md`, *Performance*) while each can be
+    /// decided on the cache as the writes ahead of it will leave it: the worker decides the
+    /// calls that come in while up to [`IN_FLIGHT`] writes are on their way and sends their
+    /// write at once, queued on the connection behind them. A batch with nothing to write
+    /// (refusals) is answered once the writes ahead of it landed. Returns when a batch cannot
+    /// be decided that way (it goes back to the queue), when nothing is on its way any more,
+    /// or when a write did not land (see [`land`](Self::land)).
+    async fn pipeline(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        injected: bool,
+        first: Ahead,
+        mut behind: Option<Batch>,
+    ) {
+        let mut flight = std::collections::VecDeque::from([first]);
+        loop {
+            // Decide and send what has come in, while there is room.
+            while flight.len() < IN_FLIGHT {
+                let b = match behind.take() {
+                    Some(b) => Some(queue.grow(b, injected)),
+                    None => queue.next_batch(injected, false).await,
+                };
+                let Some(mut b) = b else { break };
+                let Some(read) = cache.read(&b, sh.config.time) else {
+                    queue.put_front(b);
+                    return self.land(sh, queue, cache, flight, None, None).await;
+                };
+                b.retain_waited_for();
+                let d = decide(sh, &b, &read);
+                if d.nothing_to_write() {
+                    match flight.back_mut() {
+                        Some(a) => a.then.push((b, d)),
+                        None => b.answer(sh, d.outcomes),
                     }
-                    None => (&mut front.reply).await,
-                },
+                    continue;
+                }
+                let reply = send_write(sh, (&b, &d), self).await;
+                cache.remember(&b, &d);
+                flight.push_back(Ahead {
+                    batch: b,
+                    decided: d,
+                    reply,
+                    then: Vec::new(),
+                });
             }
-        } else {
-            (&mut front.reply).await
-        };
-        let a = flight.pop_front().expect("the front");
-        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
-            return finish_after(sh, queue, cache, flight, again, behind, conflict).await;
+            // The oldest write's answer; or, while there is room, the first call to come in.
+            let room = flight.len() < IN_FLIGHT;
+            let Some(front) = flight.front_mut() else {
+                return;
+            };
+            let reply = if room {
+                tokio::select! {
+                    biased;
+                    reply = &mut front.reply => reply,
+                    job = queue.rx.recv() => match job {
+                        Some(j) => {
+                            behind = Some(Batch::new(&queue.namespace, vec![j], 0));
+                            continue;
+                        }
+                        None => (&mut front.reply).await,
+                    },
+                }
+            } else {
+                (&mut front.reply).await
+            };
+            let a = flight.pop_front().expect("the front");
+            if let Err(again) = self.settle_ahead(sh, cache, a, reply, true).await {
+                return self
+                    .land(sh, queue, cache, flight, Some(again), behind)
+                    .await;
+            }
         }
     }
-}
 
-/// Waits for every write on its way (a batch that could not be decided behind them went back
-/// to the queue). Whether the next read claims the tool's turn.
-async fn land_all(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    mut flight: std::collections::VecDeque<Ahead>,
-) -> bool {
-    while let Some(mut a) = flight.pop_front() {
-        let reply = (&mut a.reply).await;
-        if let Err((again, conflict)) = settle(sh, cache, a, reply) {
-            return finish_after(sh, queue, cache, flight, again, None, conflict).await;
+    /// Waits for every write on its way and settles it. Once one did not land (`again`: the
+    /// batches it left to decide again), every write behind it was decided on it and fails its
+    /// check too, which is not counted as a conflict (one that lands anyway touched none of the
+    /// same records, and is answered). The batches to decide again, then `behind`, go back to
+    /// the queue first, as one batch.
+    async fn land(
+        &mut self,
+        sh: &Arc<Shared>,
+        queue: &mut Queue,
+        cache: &mut Cache,
+        flight: std::collections::VecDeque<Ahead>,
+        mut again: Option<Vec<Batch>>,
+        behind: Option<Batch>,
+    ) {
+        for mut a in flight {
+            let reply = (&mut a.reply).await;
+            if let Err(more) = self
+                .settle_ahead(sh, cache, a, reply, again.is_none())
+                .await
+            {
+                again.get_or_insert_with(Vec::new).extend(more);
+            }
         }
+        queue.again(again.into_iter().flatten().chain(behind));
     }
-    false
-}
 
-/// After a write that did not land: every write behind it was decided on it, so each fails
-/// its check (one that lands anyway touched none of the same records, and is answered); their
-/// batches, the batches waiting on them and `behind` go back to the queue, first, to be decided
-/// again — counted as another attempt after a conflict (`conflict`, which the return says).
-async fn finish_after(
-    sh: &Arc<Shared>,
-    queue: &mut Queue,
-    cache: &mut Cache,
-    flight: std::collections::VecDeque<Ahead>,
-    mut again: Vec<Batch>,
-    behind: Option<Batch>,
-    conflict: bool,
-) -> bool {
-    for mut a in flight {
-        let reply = (&mut a.reply).await;
-        if let Err((more, _)) = settle(sh, cache, a, reply) {
-            again.extend(more);
+    /// [`Settles`](Self::settle) the write of `a` with the batches waiting on it: they are
+    /// answered when it landed; otherwise they are to be decided again, after its own batch
+    /// if that is too.
+    async fn settle_ahead(
+        &mut self,
+        sh: &Arc<Shared>,
+        cache: &mut Cache,
+        a: Ahead,
+        reply: Result<Cycle, StoreError>,
+        counted: bool,
+    ) -> Result<(), Vec<Batch>> {
+        match self
+            .settle(sh, cache, a.batch, a.decided, reply, counted)
+            .await
+        {
+            Ok(_) => {
+                for (b, d) in a.then {
+                    b.answer(sh, d.outcomes);
+                }
+                Ok(())
+            }
+            Err(again) => Err(again
+                .into_iter()
+                .chain(a.then.into_iter().map(|(b, _)| b))
+                .collect()),
         }
     }
-    again.extend(behind);
-    let attempts = again.iter().map(|b| b.attempts).max().unwrap_or(0) + usize::from(conflict);
-    let jobs: Vec<Job> = again.into_iter().flat_map(|b| b.jobs).collect();
-    if !jobs.is_empty() {
-        queue.put_front(Batch::new(&queue.namespace, jobs, attempts));
-    }
-    conflict
 }
 
 /// The records this worker last read or wrote, as Redis holds them unless another replica
@@ -765,19 +718,9 @@ impl Cache {
         })
     }
 
-    /// Remembers what `b` read (the records as Redis held them).
-    fn read_from_redis(&mut self, b: &Batch, read: &Read) {
-        self.make_room(b.keys.records.len());
-        for (i, k) in b.keys.records.iter().enumerate() {
-            self.records.insert(
-                k.clone(),
-                (read.records[i].clone(), read.versions[i].clone()),
-            );
-        }
-    }
-
-    /// Remembers what `b` wrote (and what it read and left as it was).
-    fn wrote(&mut self, b: &Batch, d: &Decided) {
+    /// Remembers the records of `b` as `d` leaves them: what it writes, and what it read and
+    /// left as it was (nothing decided yet: as Redis held them).
+    fn remember(&mut self, b: &Batch, d: &Decided) {
         self.make_room(b.keys.records.len());
         for (i, k) in b.keys.records.iter().enumerate() {
             let version = match (&d.records[i], d.written[i]) {
@@ -845,26 +788,25 @@ impl Queue {
     /// The next batch: waits for a job when `wait`, otherwise takes only what is there. With
     /// an injected clock a batch shares one `now` (the counts it reads are at that time).
     async fn next_batch(&mut self, injected: bool, wait: bool) -> Option<Batch> {
-        if let Some(b) = self.backlog.pop_front() {
-            return Some(b);
-        }
-        let first = if wait {
-            self.rx.recv().await?
-        } else {
-            self.rx.try_recv().ok()?
-        };
-        let mut jobs = vec![first];
-        self.take_queued(&mut jobs, injected);
-        jobs.retain(|j| !j.gone());
-        let batch = Batch::new(&self.namespace, jobs, 0);
-        if batch.jobs.is_empty() {
-            return if wait {
-                Box::pin(self.next_batch(injected, wait)).await
+        loop {
+            if let Some(b) = self.backlog.pop_front() {
+                return Some(b);
+            }
+            let first = if wait {
+                self.rx.recv().await?
             } else {
-                None
+                self.rx.try_recv().ok()?
             };
+            let mut jobs = vec![first];
+            self.take_queued(&mut jobs, injected);
+            jobs.retain(|j| !j.gone());
+            if !jobs.is_empty() {
+                return Some(Batch::new(&self.namespace, jobs, 0));
+            }
+            if !wait {
+                return None;
+            }
         }
-        Some(batch)
     }
 
     /// `b` with the jobs queued since it was taken, up to [`MAX_BATCH`] (none while older
@@ -904,9 +846,20 @@ impl Queue {
         self.backlog.push_front(b);
     }
 
-    fn put_back(&mut self, b: Option<Batch>) {
-        if let Some(b) = b {
-            self.backlog.push_front(b);
+    /// Puts `batches` back first, as one batch to decide again: counted as many attempts as
+    /// the most of them made, and not tried once more after a dropped connection if one of
+    /// them already was.
+    fn again(&mut self, batches: impl IntoIterator<Item = Batch>) {
+        let (mut jobs, mut attempts, mut reconnected) = (Vec::new(), 0, false);
+        for b in batches {
+            jobs.extend(b.jobs);
+            attempts = attempts.max(b.attempts);
+            reconnected |= b.reconnected;
+        }
+        if !jobs.is_empty() {
+            let mut b = Batch::new(&self.namespace, jobs, attempts);
+            b.reconnected = reconnected;
+            self.put_front(b);
         }
     }
 }
@@ -979,31 +932,19 @@ impl Batch {
 
     /// A batch of no jobs that reads and writes these records (a restore).
     fn of_records(records: &[String]) -> Batch {
-        let mut keys = Keys::default();
+        let mut b = Batch::new("", Vec::new(), 0);
         for k in records {
-            keys.record(k);
+            b.keys.record(k);
         }
-        Batch {
-            jobs: Vec::new(),
-            keys,
-            job_keys: Vec::new(),
-            attempts: 0,
-            heals: true,
-            reconnected: false,
-        }
+        b.heals = true;
+        b
     }
 
     /// Drops the jobs whose callers left (their keys stay: reading them costs nothing).
     fn retain_waited_for(&mut self) {
-        let mut i = 0;
-        while i < self.jobs.len() {
-            if self.jobs[i].gone() {
-                self.jobs.remove(i);
-                self.job_keys.remove(i);
-            } else {
-                i += 1;
-            }
-        }
+        let jobs = std::mem::take(&mut self.jobs).into_iter();
+        let job_keys = std::mem::take(&mut self.job_keys);
+        (self.jobs, self.job_keys) = jobs.zip(job_keys).filter(|(j, _)| !j.gone()).unzip();
     }
 
     fn now(&self) -> Timestamp {
@@ -1071,6 +1012,18 @@ impl Batch {
         }
     }
 
+    /// After a round trip of it failed with `e`: the batch to try once more when the
+    /// connection dropped and it `may` be (on the connection made again, unseen by its
+    /// callers), if it was not yet; otherwise none, and every job fails.
+    fn again_after(mut self, e: StoreError, may: bool) -> Option<Batch> {
+        if may && !self.reconnected && matches!(e, StoreError::Unavailable(_)) {
+            self.reconnected = true;
+            return Some(self);
+        }
+        self.fail(&e);
+        None
+    }
+
     /// Answers every job; an admission whose caller left is given back.
     fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
         for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
@@ -1081,9 +1034,7 @@ impl Batch {
                     }
                 }
                 (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
-                    if let Some(r) = reply {
-                        let _ = r.send(Ok(()));
-                    }
+                    let _ = reply.send(Ok(()));
                 }
                 (Job::Heal { reply }, Outcome::Read) => {
                     let _ = reply.send(());
@@ -1113,14 +1064,6 @@ fn conflicted() -> StoreError {
     ))
 }
 
-fn clone_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Timeout(d) => StoreError::Timeout(*d),
-        StoreError::Unavailable(s) => StoreError::Unavailable(s.clone()),
-        StoreError::Protocol(s) => StoreError::Protocol(s.clone()),
-    }
-}
-
 /// The answer to a decision, as its caller waits for it. Dropped before it was taken (the
 /// caller went away, or its timeout fired as the answer came in), an admission in it is given
 /// back: whichever way the caller leaves, an admitted call is either handed over or undone.
@@ -1135,11 +1078,8 @@ impl Answer {
         shared: &Arc<Shared>,
     ) -> (oneshot::Sender<Result<Decision, StoreError>>, Answer) {
         let (tx, rx) = oneshot::channel();
-        let answer = Answer {
-            shared: shared.clone(),
-            rx,
-        };
-        (tx, answer)
+        let shared = shared.clone();
+        (tx, Answer { shared, rx })
     }
 }
 
@@ -1171,7 +1111,6 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
     sh.abandoned
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     crate::telemetry::abandoned(&admission.keys.tool);
-    let slot = admission.keys.slot().clone();
     if admission.charge.holds_permits() {
         let (sh2, a) = (sh.clone(), admission.clone());
         tokio::spawn(async move {
@@ -1180,17 +1119,7 @@ fn give_back(sh: &Arc<Shared>, admission: Arc<Admission>) {
         });
     }
     let now = admission.at;
-    let (reply, refunded) = oneshot::channel();
-    submit(
-        sh,
-        &slot,
-        Job::Adjust {
-            admission,
-            factor: -1.0,
-            now,
-            reply: Some(reply),
-        },
-    );
+    let refunded = adjust(sh, admission, -1.0, now);
     // Counted as background work until the refund is written (see `Store::flush`).
     let working = sh.working();
     tokio::spawn(async move {
@@ -1238,18 +1167,7 @@ struct Decided {
 
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
 fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
-    let n = read.records.len();
-    let mut d = Decided {
-        outcomes: Vec::with_capacity(batch.jobs.len()),
-        versions: read.versions.clone(),
-        records: read.records.clone(),
-        counts: read.counts.clone(),
-        written: vec![false; n],
-        decided: vec![false; n],
-        holds: vec![false; n],
-        zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
-        now: read.now as f64,
-    };
+    let mut d = Decided::on(read);
     for (job, jks) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
             TimeSource::Redis => Timestamp(read.now),
@@ -1280,6 +1198,22 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
 }
 
 impl Decided {
+    /// Nothing decided yet, on the records and permit counts of `read`.
+    fn on(read: &Read) -> Decided {
+        let n = read.records.len();
+        Decided {
+            outcomes: Vec::new(),
+            versions: read.versions.clone(),
+            records: read.records.clone(),
+            counts: read.counts.clone(),
+            written: vec![false; n],
+            decided: vec![false; n],
+            holds: vec![false; n],
+            zsets: (0..read.counts.len()).map(|_| ZChange::default()).collect(),
+            now: read.now as f64,
+        }
+    }
+
     fn nothing_to_write(&self) -> bool {
         !self.written.iter().any(|w| *w) && self.zsets.iter().all(|z| z.adds.is_empty())
     }
@@ -1408,26 +1342,17 @@ struct Cycle {
     read: Option<Read>,
 }
 
-/// Who this replica is to the tool's turn (see the batch script), and whether its read claims
-/// it.
-#[derive(Copy, Clone)]
-struct Turn<'a> {
-    key: &'a str,
-    /// The tool's epoch marker, read (and set when missing) with every read.
-    marker: &'a str,
-    me: &'a str,
-    claim: bool,
-}
-
-/// One round trip: `write` (the last batch's records, if nothing it read has changed and no
-/// other replica holds the tool's turn), then the read for `next`.
+/// One round trip of `worker`: `write` (the last batch's records, if nothing it read has
+/// changed and no other replica holds the tool's turn), then the read for `next`, which
+/// claims the tool's turn when `claim` (see the batch script).
 async fn cycle(
     sh: &Shared,
     write: Option<(&Batch, &Decided)>,
     next: Option<&Batch>,
-    turn: Turn<'_>,
+    worker: &Worker,
+    claim: bool,
 ) -> Result<Cycle, StoreError> {
-    let (keys, args) = cycle_args(sh, write, next, turn);
+    let (keys, args) = cycle_args(sh, write, next, worker, claim);
     run_cycle(sh, &keys, &args, next.is_some()).await
 }
 
@@ -1438,15 +1363,21 @@ async fn run_cycle(
     args: &[Vec<u8>],
     read: bool,
 ) -> Result<Cycle, StoreError> {
-    let reply: Value = within(sh, sh.eval(&sh.scripts.cycle, keys, args)).await?;
+    // It may take longer than the callers wait (they count their own timeouts as store
+    // errors): it is awaited to the end — callers that left by then get their admissions
+    // given back — within a bound.
+    let bound = sh.worker_bound();
+    let reply: Value = tokio::time::timeout(bound, sh.eval(&sh.scripts.cycle, keys, args))
+        .await
+        .map_err(|_| StoreError::Timeout(bound))??;
     parse_cycle(reply, read, sh.config.formats[1])
 }
 
 /// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
 /// it needs (the worker decides the next batch meanwhile), and has been polled once, so the
 /// script is queued on the connection before any later one.
-async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), turn: Turn<'_>) -> InFlight {
-    let (keys, args) = cycle_args(sh, Some(write), None, turn);
+async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), worker: &Worker) -> InFlight {
+    let (keys, args) = cycle_args(sh, Some(write), None, worker, false);
     let sh = sh.clone();
     let mut reply: InFlight = Box::pin(async move { run_cycle(&sh, &keys, &args, false).await });
     let ready = std::future::poll_fn(|cx| match reply.as_mut().poll(cx) {
@@ -1469,44 +1400,33 @@ fn cycle_args(
     sh: &Shared,
     write: Option<(&Batch, &Decided)>,
     next: Option<&Batch>,
-    turn: Turn<'_>,
+    worker: &Worker,
+    claim: bool,
 ) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut keys: Vec<String> = Vec::new();
-    let mut args: Vec<Vec<u8>> = Vec::new();
-    let mut write_keys = 0;
-    let mut checked = 0;
-    let mut write_args: Vec<Vec<u8>> = Vec::new();
-    if let Some((batch, d)) = write {
-        keys.extend(batch.keys.records.iter().cloned());
-        keys.extend(batch.keys.zsets.iter().cloned());
-        write_keys = keys.len();
-        checked = batch.keys.records.len();
-        write_args = write_of(sh, batch, d);
+    let written = write.map(|(b, _)| b);
+    for b in written.into_iter().chain(next) {
+        keys.extend(b.keys.records.iter().chain(&b.keys.zsets).cloned());
     }
-    let (read_now, read_records) = match next {
-        Some(b) => {
-            let now = sh.now_arg(b.now());
-            keys.extend(b.keys.records.iter().cloned());
-            keys.extend(b.keys.zsets.iter().cloned());
-            (now, b.keys.records.len())
-        }
-        None => (String::new(), 0),
-    };
-    args.push(write_keys.to_string().into_bytes());
-    args.push(checked.to_string().into_bytes());
-    args.push(read_now.into_bytes());
-    args.push(read_records.to_string().into_bytes());
-    args.extend(write_args);
-    keys.push(turn.marker.to_owned());
-    keys.push(turn.key.to_owned());
-    args.push(sh.ids.next().to_le_bytes().to_vec());
-    args.push(super::wire::MARKER_TTL.as_secs().to_string().into_bytes());
-    args.push(turn.me.as_bytes().to_vec());
-    args.push(if turn.claim {
-        b"1".to_vec()
-    } else {
-        b"0".to_vec()
-    });
+    keys.extend([worker.marker_key.clone(), worker.turn_key.clone()]);
+    let records = |b: Option<&Batch>| b.map_or(0, |b| b.keys.records.len());
+    let write_keys = written.map_or(0, |b| b.keys.records.len() + b.keys.zsets.len());
+    let mut args: Vec<Vec<u8>> = vec![
+        write_keys.to_string().into_bytes(),
+        records(written).to_string().into_bytes(),
+        next.map_or_else(String::new, |b| sh.now_arg(b.now()))
+            .into_bytes(),
+        records(next).to_string().into_bytes(),
+    ];
+    if let Some((b, d)) = write {
+        args.extend(write_of(sh, b, d));
+    }
+    args.extend([
+        sh.ids.next().to_le_bytes().to_vec(),
+        super::wire::MARKER_TTL.as_secs().to_string().into_bytes(),
+        worker.me.as_bytes().to_vec(),
+        if claim { b"1".to_vec() } else { b"0".to_vec() },
+    ]);
     (keys, args)
 }
 
@@ -1559,86 +1479,53 @@ fn score(x: f64) -> String {
     format!("{}", x as u64)
 }
 
-/// A worker's Redis call. It may take longer than the callers wait (they count their own
-/// timeouts as store errors): it is awaited to the end — callers that left by then get their
-/// admissions given back — within a bound.
-async fn within<T>(
-    sh: &Shared,
-    f: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let bound = (sh.config.timeout * 20).max(Duration::from_secs(5));
-    match tokio::time::timeout(bound, f).await {
-        Ok(r) => r,
-        Err(_) => Err(StoreError::Timeout(bound)),
-    }
-}
-
 /// The script's answer; records in formats up to `newest` are read.
 fn parse_cycle(reply: Value, read: bool, newest: u8) -> Result<Cycle, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("the batch script answered {what}"));
     let Value::Array(items) = reply else {
         return Err(bad("something other than an array"));
     };
-    let mut it = items.into_iter();
-    let (Some(written), Some(_changed), Some(now), Some(records), Some(counts), Some(others)) = (
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-    ) else {
-        return Err(bad("the wrong number of parts"));
-    };
-    let epoch: Vec<u8> = match it.next() {
-        Some(v) => redis::from_redis_value(v).map_err(|_| bad("an epoch that is not a string"))?,
-        None => return Err(bad("no epoch")),
-    };
-    let written = matches!(written, Value::Int(1));
-    let others_turn = matches!(others, Value::Int(1));
+    let [written, _changed, now, records, counts, others, epoch]: [Value; 7] = items
+        .try_into()
+        .map_err(|_| bad("the wrong number of parts"))?;
+    let epoch: Vec<u8> =
+        redis::from_redis_value(epoch).map_err(|_| bad("an epoch that is not a string"))?;
     let now: u64 = redis::from_redis_value::<String>(now)
         .map_err(|_| bad("no time"))?
         .parse::<f64>()
         .map_err(|_| bad("a time that is not a number"))? as u64;
+    let mut cycle = Cycle {
+        written: matches!(written, Value::Int(1)),
+        others_turn: matches!(others, Value::Int(1)),
+        now,
+        read: None,
+    };
     if !read {
-        return Ok(Cycle {
-            written,
-            others_turn,
-            now,
-            read: None,
-        });
+        return Ok(cycle);
     }
     let raw: Vec<Option<Vec<u8>>> =
         redis::from_redis_value(records).map_err(|_| bad("records that are not strings"))?;
     let counts: Vec<u64> =
         redis::from_redis_value(counts).map_err(|_| bad("counts that are not numbers"))?;
-    let mut records = Vec::with_capacity(raw.len());
-    let mut versions = Vec::with_capacity(raw.len());
-    for r in raw {
-        match r {
-            Some(bytes) => {
-                let rec = Record::decode(&bytes, newest)?;
-                versions.push(rec.version.to_le_bytes().to_vec());
-                records.push(Some(rec));
-            }
-            None => {
-                versions.push(Vec::new());
-                records.push(None);
-            }
-        }
-    }
-    Ok(Cycle {
-        written,
-        others_turn,
+    let records: Vec<Option<Record>> = raw
+        .into_iter()
+        .map(|r| r.map(|bytes| Record::decode(&bytes, newest)).transpose())
+        .collect::<Result<_, _>>()?;
+    let versions = records
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .map_or_else(Vec::new, |r| r.version.to_le_bytes().to_vec())
+        })
+        .collect();
+    cycle.read = Some(Read {
         now,
-        read: Some(Read {
-            now,
-            records,
-            versions,
-            counts: counts.into_iter().map(|c| c as f64).collect(),
-            epoch,
-        }),
-    })
+        records,
+        versions,
+        counts: counts.into_iter().map(|c| c as f64).collect(),
+        epoch,
+    });
+    Ok(cycle)
 }
 
 #[cfg(test)]

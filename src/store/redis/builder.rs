@@ -289,9 +289,13 @@ impl RedisStoreBuilder {
 
     /// The client of the single server at the URL, with the credentials and certificates
     /// given.
-    fn client(&self) -> Result<redis::Client, RedisError> {
+    fn client(&self) -> Result<redis::Client, StoreError> {
         use redis::IntoConnectionInfo;
-        let mut info = self.url.as_str().into_connection_info()?;
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(connect_error)?;
         if let Some((user, password)) = &self.credentials {
             let mut settings = info.redis_settings().clone().set_password(password);
             if let Some(user) = user {
@@ -301,9 +305,10 @@ impl RedisStoreBuilder {
         }
         #[cfg(feature = "redis-tls")]
         if self.tls.given() {
-            return redis::Client::build_with_tls(info, self.tls.certificates());
+            return redis::Client::build_with_tls(info, self.tls.certificates())
+                .map_err(connect_error);
         }
-        redis::Client::open(info)
+        redis::Client::open(info).map_err(connect_error)
     }
 
     /// The client of the cluster reachable through `nodes`, likewise.
@@ -312,8 +317,8 @@ impl RedisStoreBuilder {
         nodes: &[String],
     ) -> Result<redis::cluster::ClusterClient, RedisError> {
         let mut b = redis::cluster::ClusterClient::builder(nodes.to_vec())
-            .connection_timeout(self.timeout.max(Duration::from_millis(100)))
-            .response_timeout(self.timeout.max(Duration::from_millis(100)))
+            .connection_timeout(self.connect_timeout())
+            .response_timeout(self.connect_timeout())
             .retries(2)
             .min_retry_wait(10)
             .max_retry_wait(200);
@@ -347,34 +352,27 @@ impl RedisStoreBuilder {
     /// decisions go to Redis. Must run inside the tokio runtime that will drive the store.
     pub fn connect_lazy(self) -> Result<RedisStore, StoreError> {
         self.check()?;
-        let unavailable = |e: RedisError| connect_error(e);
         let backend = match &self.connection {
             _ if self.given.is_some() => self.given.clone(),
-            Connection::Multiplexed => {
-                let client = self.client().map_err(unavailable)?;
-                Some(Backend::Multiplexed(
-                    ConnectionManager::new_lazy_with_config(client, manager_config(&self))
-                        .map_err(unavailable)?,
-                ))
-            }
+            Connection::Multiplexed => Some(Backend::Multiplexed(
+                ConnectionManager::new_lazy_with_config(self.client()?, manager_config(&self))
+                    .map_err(connect_error)?,
+            )),
             #[cfg(feature = "redis-bb8")]
-            Connection::Pool(size) => {
-                let manager = bb8_redis::RedisConnectionManager::new(self.url.as_str())
-                    .map_err(unavailable)?;
-                Some(Backend::Pool(
-                    bb8::Pool::builder()
-                        .max_size(*size)
-                        .test_on_check_out(false)
-                        .connection_timeout(self.timeout.max(Duration::from_millis(100)))
-                        .build_unchecked(manager),
-                ))
-            }
+            Connection::Pool(size) => Some(Backend::Pool(
+                pool_builder(&self, *size).build_unchecked(pool_manager(&self)?),
+            )),
             // The cluster client connects eagerly: keep trying in the background.
             Connection::Cluster(_) => None,
         };
         let store = RedisStore::from_parts(self, backend);
         store.shared.spawn_upkeep(false);
         Ok(store)
+    }
+
+    /// How long opening a connection may take: the timeout, at least 100 ms.
+    fn connect_timeout(&self) -> Duration {
+        self.timeout.max(Duration::from_millis(100))
     }
 }
 
@@ -383,49 +381,53 @@ fn manager_config(b: &RedisStoreBuilder) -> ConnectionManagerConfig {
         .set_min_delay(Duration::from_millis(20))
         .set_max_delay(Duration::from_millis(200))
         .set_number_of_retries(8)
-        .set_connection_timeout(Some(b.timeout.max(Duration::from_millis(100))))
+        .set_connection_timeout(Some(b.connect_timeout()))
         .set_response_timeout(None)
+}
+
+#[cfg(feature = "redis-bb8")]
+fn pool_manager(b: &RedisStoreBuilder) -> Result<bb8_redis::RedisConnectionManager, StoreError> {
+    bb8_redis::RedisConnectionManager::new(b.url.as_str()).map_err(connect_error)
+}
+
+#[cfg(feature = "redis-bb8")]
+fn pool_builder(
+    b: &RedisStoreBuilder,
+    size: u32,
+) -> bb8::Builder<bb8_redis::RedisConnectionManager> {
+    bb8::Pool::builder()
+        .max_size(size)
+        .test_on_check_out(false)
+        .connection_timeout(b.connect_timeout())
 }
 
 /// Opens the connection now (or fails).
 pub(super) async fn connect_now(b: &RedisStoreBuilder) -> Result<Backend, StoreError> {
-    let unavailable = connect_error;
     let within = b.timeout.max(Duration::from_secs(2));
+    let timed_out = |_| StoreError::Timeout(within);
     if let Some(given) = &b.given {
         return Ok(given.clone());
     }
     Ok(match &b.connection {
         Connection::Multiplexed => {
-            let client = b.client().map_err(unavailable)?;
-            let manager = tokio::time::timeout(
-                within,
-                ConnectionManager::new_with_config(client, manager_config(b)),
-            )
-            .await
-            .map_err(|_| StoreError::Timeout(within))?
-            .map_err(unavailable)?;
-            Backend::Multiplexed(manager)
+            let connecting = ConnectionManager::new_with_config(b.client()?, manager_config(b));
+            let manager = tokio::time::timeout(within, connecting)
+                .await
+                .map_err(timed_out)?;
+            Backend::Multiplexed(manager.map_err(connect_error)?)
         }
         Connection::Cluster(nodes) => {
-            let client = b.cluster_client(nodes).map_err(unavailable)?;
-            let conn = tokio::time::timeout(within, client.get_async_connection())
+            let client = b.cluster_client(nodes).map_err(connect_error)?;
+            let connecting = client.get_async_connection();
+            let conn = tokio::time::timeout(within, connecting)
                 .await
-                .map_err(|_| StoreError::Timeout(within))?
-                .map_err(unavailable)?;
-            Backend::Cluster(conn)
+                .map_err(timed_out)?;
+            Backend::Cluster(conn.map_err(connect_error)?)
         }
         #[cfg(feature = "redis-bb8")]
         Connection::Pool(size) => {
-            let manager =
-                bb8_redis::RedisConnectionManager::new(b.url.as_str()).map_err(unavailable)?;
-            let pool = bb8::Pool::builder()
-                .max_size(*size)
-                .test_on_check_out(false)
-                .connection_timeout(b.timeout.max(Duration::from_millis(100)))
-                .build(manager)
-                .await
-                .map_err(unavailable)?;
-            Backend::Pool(pool)
+            let pool = pool_builder(b, *size).build(pool_manager(b)?).await;
+            Backend::Pool(pool.map_err(connect_error)?)
         }
     })
 }

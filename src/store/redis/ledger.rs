@@ -8,7 +8,9 @@
 
 use std::collections::HashMap;
 
-use crate::admission::engine::{aligned_window, count_in_window, BudgetCounter, Charge, NodeState};
+use crate::admission::engine::{
+    aligned_window, count_in_window, roll_window, BudgetCounter, Charge, NodeState,
+};
 use crate::clock::Timestamp;
 
 /// The most levels one tool's ledger counts; past it, new levels are not counted (their part
@@ -89,12 +91,7 @@ impl Ledger {
         let window = aligned_window(now.as_micros() as f64, c.period_us);
         let mut until = 0.0f64;
         if mine.window == window && mine.total > 0.0 {
-            if s.window != window {
-                s.window = window;
-                s.total = 0.0;
-                s.non_floor = 0.0;
-                s.floor_used = 0.0;
-            }
+            roll_window(&mut s, window);
             s.total += mine.total;
             s.non_floor += mine.non_floor;
             s.floor_used += mine.floor_used;
@@ -137,10 +134,7 @@ fn count(counters: &mut NodeState, charge: &Charge, level: usize, factor: f64) {
         return;
     }
     if charge.window > counters.window {
-        counters.window = charge.window;
-        counters.total = 0.0;
-        counters.non_floor = 0.0;
-        counters.floor_used = 0.0;
+        roll_window(counters, charge.window);
     }
     if charge.window == counters.window {
         count_in_window(counters, charge, level, factor);

@@ -25,20 +25,20 @@ pub use upkeep::StoreHealth;
 
 use self::builder::{map_error, Backend};
 use self::cache::RefusalCache;
-use self::wire::LevelKeys;
 use super::{Admission, Answer, CallKeys, Decision, Store, StoreError};
 use crate::admission::engine::{NodeState, OwnedPlan, Plan, Stored};
 use crate::clock::Timestamp;
 
+/// A Lua script, and the hash EVALSHA runs it by.
 #[derive(Debug)]
 struct Script {
-    code: String,
+    code: &'static str,
     hash: String,
 }
 
 impl Script {
-    fn standalone(code: String) -> Self {
-        let hash = redis::Script::new(&code).get_hash().to_owned();
+    fn new(code: &'static str) -> Self {
+        let hash = redis::Script::new(code).get_hash().to_owned();
         Script { code, hash }
     }
 }
@@ -54,13 +54,12 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
-        let script = |code: &str| Script::standalone(code.to_owned());
         Scripts {
-            cycle: script(include_str!("cycle.lua")),
-            release: script(include_str!("release.lua")),
-            renew: script(include_str!("renew.lua")),
-            sweep: script(include_str!("sweep.lua")),
-            inspect: script(include_str!("inspect.lua")),
+            cycle: Script::new(include_str!("cycle.lua")),
+            release: Script::new(include_str!("release.lua")),
+            renew: Script::new(include_str!("renew.lua")),
+            sweep: Script::new(include_str!("sweep.lua")),
+            inspect: Script::new(include_str!("inspect.lua")),
         }
     }
 }
@@ -335,7 +334,7 @@ impl RedisStore {
     /// [injected clock](RedisStoreBuilder::injected_clock) call it yourself. Returns how many
     /// permits were renewed.
     pub async fn renew_permits(&self, now: Timestamp) -> Result<u64, StoreError> {
-        self.shared.renew_permits(now).await
+        self.shared.renew(now, None).await
     }
 
     /// Checks Redis now: whether its configuration keeps the store's state (eviction policy,
@@ -418,10 +417,12 @@ impl RedisStore {
             }
             Decision::Admitted(admissions) => {
                 for a in admissions.iter().filter(|a| a.charge.holds_permits()) {
-                    let levels = LevelKeys::new(sh.state_keys(&a.keys));
+                    let state = sh.state_keys(&a.keys);
                     let held = HeldPermits {
                         slot: a.keys.slot().clone(),
-                        keys: levels.permits(&a.charge),
+                        keys: wire::permitted(&state, &a.charge)
+                            .map(|k| wire::permits_key(k))
+                            .collect(),
                     };
                     lock(&sh.held).insert(a.call, held);
                 }
@@ -539,6 +540,12 @@ impl Shared {
         }
     }
 
+    /// How long a worker's Redis call, or work waiting for a worker, may take at most: longer
+    /// than a caller waits (callers count their own timeouts as store errors).
+    fn worker_bound(&self) -> std::time::Duration {
+        (self.config.timeout * 20).max(std::time::Duration::from_secs(5))
+    }
+
     /// A tool's worker's `answer` to a job, within the timeout.
     async fn worker_answer<T>(
         &self,
@@ -577,17 +584,16 @@ impl Shared {
         args: &[Vec<u8>],
     ) -> Result<T, StoreError> {
         let backend = self.backend()?;
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&script.hash).arg(keys.len()).arg(keys).arg(args);
-        let timeout = self.config.timeout;
-        match backend.query(&cmd).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut cmd = redis::cmd("EVAL");
-                cmd.arg(&script.code).arg(keys.len()).arg(keys).arg(args);
-                backend.query(&cmd).await.map_err(|e| map_error(e, timeout))
-            }
-            r => r.map_err(|e| map_error(e, timeout)),
+        let run = |how: &str, script: &str| {
+            let mut cmd = redis::cmd(how);
+            cmd.arg(script).arg(keys.len()).arg(keys).arg(args);
+            cmd
+        };
+        let mut reply = backend.query(&run("EVALSHA", &script.hash)).await;
+        if matches!(&reply, Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)) {
+            reply = backend.query(&run("EVAL", script.code)).await;
         }
+        reply.map_err(|e| map_error(e, self.config.timeout))
     }
 
     /// Logs and counts a failed store call.
@@ -648,7 +654,7 @@ impl Shared {
     /// Waits until no background work is under way (within the bound of a worker's round
     /// trips).
     async fn flush(&self) {
-        let bound = (self.config.timeout * 20).max(std::time::Duration::from_secs(5));
+        let bound = self.worker_bound();
         let idle = async {
             loop {
                 let woken = self.pending.idle.notified();
@@ -664,8 +670,11 @@ impl Shared {
     /// One attempt of [`release_call`](Self::release_call).
     async fn release_once(&self, admission: &Admission) -> Result<(), StoreError> {
         lock(&self.held).remove(&admission.call);
-        let levels = LevelKeys::new(self.state_keys(&admission.keys));
-        let keys = levels.for_release(&admission.charge);
+        // Pairs of (permits, state) keys, as the release script takes them.
+        let state = self.state_keys(&admission.keys);
+        let keys: Vec<String> = wire::permitted(&state, &admission.charge)
+            .flat_map(|k| [wire::permits_key(k), k.clone()])
+            .collect();
         if keys.is_empty() {
             return Ok(());
         }
@@ -684,18 +693,9 @@ impl Shared {
         Ok(())
     }
 
-    async fn renew_permits(&self, now: Timestamp) -> Result<u64, StoreError> {
-        self.renew(now, None).await
-    }
-
-    /// Puts back the permits of this store's calls of `tool` still running, after Redis lost
-    /// the tool's state: they count again at once, until the permit TTL (renewed as usual).
-    async fn revive_permits(&self, tool: &str) -> Result<u64, StoreError> {
-        self.renew(Timestamp(0), Some(tool)).await
-    }
-
-    /// Renews the permits of this store's calls still running (of `revive`'s tool only, when
-    /// given: and those its permits zsets lost are added again).
+    /// Renews the permits of this store's calls still running. With `revive`, only those of
+    /// that tool, after Redis lost its state, and those its permits zsets lost are put back:
+    /// they count again at once, until the permit TTL (renewed as usual).
     async fn renew(&self, now: Timestamp, revive: Option<&str>) -> Result<u64, StoreError> {
         // Per tool (one slot), per permits key: the ids to renew.
         let mut by_tool: HashMap<crate::key::Name, HashMap<String, Vec<u8>>> = HashMap::new();
@@ -764,16 +764,8 @@ impl Store for RedisStore {
                 cache.forget_slot(admission.keys.slot());
             }
         }
-        let (reply, answer) = tokio::sync::oneshot::channel();
         let tool = admission.keys.tool.clone();
-        let slot = admission.keys.slot().clone();
-        let job = batch::Job::Adjust {
-            admission,
-            factor,
-            now,
-            reply: Some(reply),
-        };
-        batch::submit(&sh, &slot, job);
+        let answer = batch::adjust(&sh, admission, factor, now);
         Answer::later(async move {
             // Not waited for, it is still applied.
             let done = sh.worker_answer(answer).await;
@@ -820,43 +812,35 @@ impl Shared {
     /// The records of `keys`' levels and the permits they hold that have not lapsed by `at`
     /// (µs; `-1`: Redis `TIME`), through `inspect.lua`, writing nothing.
     async fn read_states(&self, keys: &CallKeys, at: Vec<u8>) -> Result<Stored, StoreError> {
-        let sh = self;
-        let encoded = sh.state_keys(keys);
-        let present: Vec<(usize, &str)> = encoded
+        let encoded = self.state_keys(keys);
+        let present: Vec<(usize, &String)> = encoded
             .iter()
             .enumerate()
-            .filter_map(|(i, k)| k.as_deref().map(|k| (i, k)))
+            .filter_map(|(i, k)| Some((i, k.as_ref()?)))
             .collect();
-        let mut script_keys: Vec<String> = present.iter().map(|(_, k)| (*k).to_owned()).collect();
+        let mut script_keys: Vec<String> = present.iter().map(|(_, k)| (*k).clone()).collect();
         script_keys.extend(present.iter().map(|(_, k)| wire::permits_key(k)));
-        let (values, held): (Vec<Option<Vec<u8>>>, Vec<u64>) = sh
-            .guarded("inspect", &keys.tool, async {
-                let reply: (Vec<Option<Vec<u8>>>, Vec<u64>) =
-                    sh.eval(&sh.scripts.inspect, &script_keys, &[at]).await?;
-                Ok(reply)
-            })
-            .await?;
+        let at = [at];
+        let inspect = self.eval(&self.scripts.inspect, &script_keys, &at);
+        let (values, held): (Vec<Option<Vec<u8>>>, Vec<u64>) =
+            self.guarded("inspect", &keys.tool, inspect).await?;
         let mut out = Stored::default();
         for (((level, _), value), held) in present.iter().zip(values).zip(held) {
-            let record = match value {
-                Some(bytes) => Some(record::Record::decode(&bytes, self.config.formats[1])?),
-                None => None,
-            };
+            let newest = self.config.formats[1];
+            let record = value
+                .map(|bytes| record::Record::decode(&bytes, newest))
+                .transpose()?;
             if *level == 0 {
                 out.plans = record.as_ref().map(|r| r.plans).unwrap_or_default();
             }
             // Calls in flight: the permits that count (see above).
-            out.levels[*level] = match record.map(|r| r.state) {
-                Some(mut s) => {
-                    s.in_flight = held as f64;
-                    Some(s)
-                }
-                None if held > 0 => Some(NodeState {
+            let state = record.map(|r| r.state);
+            out.levels[*level] = state
+                .or_else(|| (held > 0).then(NodeState::default))
+                .map(|s| NodeState {
                     in_flight: held as f64,
-                    ..NodeState::default()
-                }),
-                None => None,
-            };
+                    ..s
+                });
         }
         Ok(out)
     }

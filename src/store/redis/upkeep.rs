@@ -109,7 +109,7 @@ impl Shared {
                 }
                 // With an injected clock the store does not know the time: the caller renews.
                 if sh.config.time == TimeSource::Redis && !lock(&sh.held).is_empty() {
-                    if let Err(e) = sh.renew_permits(Timestamp(0)).await {
+                    if let Err(e) = sh.renew(Timestamp(0), None).await {
                         tracing::warn!(store = "redis", error = %e, "could not renew permits; they lapse after the permit TTL unless renewed");
                     }
                 }
@@ -192,7 +192,7 @@ impl Shared {
                 lost.push(tool.to_string());
             }
         }
-        let bound = (self.config.timeout * 20).max(Duration::from_secs(5));
+        let bound = self.worker_bound();
         for done in healed {
             let _ = tokio::time::timeout(bound, done).await;
         }

@@ -45,40 +45,17 @@ fn suffixed(key: &str, mark: char) -> String {
     k
 }
 
-/// The record keys of one call's levels (`None` for the instance level of a call without one),
-/// and the keys derived from them.
-#[derive(Clone, Debug)]
-pub(super) struct LevelKeys {
-    pub(super) state: [Option<String>; 3],
-}
-
-impl LevelKeys {
-    pub(super) fn new(encoded: [Option<String>; 3]) -> Self {
-        LevelKeys { state: encoded }
-    }
-
-    /// The release script's KEYS for the levels of `charge` that took a permit: pairs of
-    /// (permits, state).
-    pub(super) fn for_release(&self, charge: &Charge) -> Vec<String> {
-        let mut keys = Vec::new();
-        for (level, key) in self.state.iter().enumerate() {
-            if let (Some(key), true) = (key, charge.levels[level].permit) {
-                keys.push(permits_key(key));
-                keys.push(key.clone());
-            }
-        }
-        keys
-    }
-
-    /// The permits keys of the levels of `charge` that took a permit.
-    pub(super) fn permits(&self, charge: &Charge) -> Vec<String> {
-        self.state
-            .iter()
-            .enumerate()
-            .filter(|(level, _)| charge.levels[*level].permit)
-            .filter_map(|(_, k)| k.as_deref().map(permits_key))
-            .collect()
-    }
+/// Among a call's `state` keys (see [`state_keys`]), those of the levels where `charge` took a
+/// permit.
+pub(super) fn permitted<'a>(
+    state: &'a [Option<String>; 3],
+    charge: &'a Charge,
+) -> impl Iterator<Item = &'a String> {
+    state
+        .iter()
+        .zip(&charge.levels)
+        .filter(|(_, level)| level.permit)
+        .filter_map(|(key, _)| key.as_ref())
 }
 
 #[cfg(test)]
