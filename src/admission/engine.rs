@@ -17,6 +17,8 @@ pub use super::state::{
     PlanCounts, Stored,
 };
 
-pub(crate) use super::bucket::{aligned_window, roll_window};
+pub(crate) use super::bucket::aligned_window;
+#[cfg(feature = "redis")]
+pub(crate) use super::bucket::roll_window;
 pub(crate) use super::decide::explain;
 pub(crate) use super::template::counts as template_counts;
