@@ -168,8 +168,8 @@ pub(crate) struct Leases {
     shards: std::sync::OnceLock<Box<[Padded]>>,
     /// The hash's seed, random per limiter.
     seed: RandomState,
-    /// One bit per length of a tool name ever granted a lease: a call of another tool looks
-    /// for no lease before the policy is read.
+    /// The marks of every tool ever granted a lease ([`tool_marks`]): a call of another tool
+    /// looks for no lease before the policy is read.
     tools: AtomicU64,
     /// When the shards were last swept (µs).
     swept_at: AtomicU64,
@@ -355,7 +355,8 @@ impl Leases {
         now: impl FnOnce() -> Timestamp,
         can_fetch: impl Fn() -> bool,
     ) -> Option<Spent> {
-        if self.tools.load(Relaxed) & tool_bit(tool) == 0 || !(cost.is_finite() && cost >= 0.0) {
+        let marks = tool_marks(tool);
+        if self.tools.load(Relaxed) & marks != marks || !(cost.is_finite() && cost >= 0.0) {
             return None;
         }
         let mut path = Path::of_caller(tool, caller);
@@ -450,7 +451,7 @@ impl Leases {
             next: None,
             refreshing: false,
         };
-        self.tools.fetch_or(tool_bit(plan.tool.name()), Relaxed);
+        self.tools.fetch_or(tool_marks(plan.tool.name()), Relaxed);
         let one_call = granted <= plan.cost;
         self.put(lease, one_call, returns);
         if left > EPS {
@@ -679,10 +680,17 @@ fn hash_keys(seed: &RandomState, k: &CallKeys) -> u64 {
     hash_path(seed, Path::of(k))
 }
 
-/// The bit of a tool in [`Leases::tools`]: by the length of its name (free to compute; tools
-/// whose names are as long share a bit, and only look for a lease in vain).
-fn tool_bit(tool: &str) -> u64 {
-    1 << (tool.len() % 64)
+/// A tool's two marks in [`Leases::tools`], picked by its name's length and its first,
+/// middle and last bytes (read without hashing the whole name). A tool whose marks are not
+/// both set has never been granted a lease; two tools that share both marks only look for a
+/// lease in vain.
+fn tool_marks(tool: &str) -> u64 {
+    let b = tool.as_bytes();
+    let n = b.len();
+    let byte = |i: usize| u64::from(b.get(i).copied().unwrap_or(0));
+    let mix = (n as u64 | byte(0) << 16 | byte(n / 2) << 24 | byte(n.wrapping_sub(1)) << 32)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    1 << (mix >> 58) | 1 << ((mix >> 52) & 63)
 }
 
 /// A path's hash, from a seed random per limiter.

@@ -174,3 +174,35 @@ fn a_lease_ends_on_the_callers_clock_whatever_the_stores_says() {
     // A long window: the lifetime ends it first.
     assert_eq!(ends(&grant(now, 1e12), now), now + LIFETIME_US);
 }
+
+/// Tools whose names are as long as a leasing tool's are told apart by their marks: a call of
+/// `search` does not look for a lease because `leased` holds some (it did when a tool was
+/// marked by its name's length alone). Among these common names of equal lengths, no name's
+/// marks are all among another's.
+#[test]
+fn tools_of_names_as_long_are_marked_apart() {
+    let names = [
+        "search",
+        "leased",
+        "report",
+        "lookup",
+        "render",
+        "upload",
+        "fetch",
+        "write",
+        "query",
+        "parse",
+        "chat.tokens",
+        "web_search1",
+        "embeddings1",
+        "chat.request",
+    ];
+    for a in names {
+        let marks = tool_marks(a);
+        assert_eq!(marks.count_ones(), 2, "{a}: two marks");
+        for b in names.iter().filter(|b| **b != a) {
+            let other = tool_marks(b);
+            assert_ne!(marks & other, marks, "{a} is marked as if it were {b}");
+        }
+    }
+}
