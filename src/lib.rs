@@ -104,7 +104,7 @@ pub use layer::{
     ModelCallLayer, ModelFuture, RequestHead, ResponseBody, ResponseFuture, ToolName, Usage,
     MCP_REFUSED, RATELIMIT, RATELIMIT_POLICY,
 };
-pub use limiter::{Limiter, Ticket, MAX_TOOLS_PER_CALL};
+pub use limiter::{Admit, Limiter, Ticket, MAX_TOOLS_PER_CALL};
 pub use policy::{
     BudgetPeriod, InstanceBuilder, OnStoreError, Period, Policy, PolicyBuilder, PolicyError,
     TenantBuilder, ToolBuilder, Unit, UnknownPlan, MAX_PLANS,

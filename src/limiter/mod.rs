@@ -4,8 +4,8 @@
 //!
 //! A call goes one way: [`Limiter::begin`] does every step that needs no waiting and answers,
 //! or hands back the rest — the store's I/O and what follows it — as a future that owns what
-//! it needs. [`Limiter::admit`] awaits that; [`Limiter::try_admit`] answers only what needs no
-//! waiting.
+//! it needs. [`Limiter::admit`]'s future ([`Admit`]) begins the call at its first poll and
+//! awaits the rest; [`Limiter::try_admit`] answers only what needs no waiting.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+mod admit;
 mod together;
+pub use admit::Admit;
 pub use together::MAX_TOOLS_PER_CALL;
 
 use crate::admission::engine::{OwnedPlan, Plan};
@@ -247,7 +249,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.inner.decisions.busiest(tool, self.inner.clock.now())
     }
 
-    /// Decides one call of `tool` by `caller`, costing `cost`, and commits it if admitted.
+    /// Decides one call of `tool` by `caller`, costing `cost`, and commits it if admitted:
+    /// await the [`Admit`] future it returns (nothing is decided until it is polled).
     ///
     /// Order: identity → tool and tier (no counter touched on denial) → concurrency → every
     /// rate and budget, checked and committed atomically.
@@ -256,18 +259,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// before it is decided, like any awaited operation: a task that loops on calls answered
     /// at once (spent from a lease, or decided in memory) still lets the runtime run its
     /// other tasks.
-    pub async fn admit(&self, caller: &Caller, tool: &str, cost: Cost) -> Outcome {
-        // A call answered at once (spent from a lease, decided in memory) waits for nothing:
-        // each call spends a unit of the task's cooperative budget first, so a task that loops
-        // on such calls still lets the runtime run its other tasks. (Spent before deciding,
-        // nothing but the arguments is held across that wait.)
-        #[cfg(feature = "tokio")]
-        tokio::task::coop::consume_budget().await;
-        let rest = match self.begin(caller, tool, cost) {
-            Begun::Done(outcome) => return outcome,
-            Begun::Waiting(rest) => rest,
-        };
-        rest.await
+    pub fn admit<'a>(&'a self, caller: &'a Caller, tool: &'a str, cost: Cost) -> Admit<'a, S, C> {
+        Admit::new(self, caller, tool, cost)
     }
 
     /// Decides one call like [`admit`](Self::admit), when that needs no waiting: `Some` when
