@@ -91,11 +91,6 @@ impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
 
 impl<S, C> std::fmt::Debug for Admit<'_, S, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let step = match self.step {
-            Step::Start { .. } => "not polled",
-            Step::Waiting(_) => "waiting for the store",
-            Step::Done => "answered",
-        };
-        f.debug_struct("Admit").field("step", &step).finish()
+        f.debug_struct("Admit").finish_non_exhaustive()
     }
 }
