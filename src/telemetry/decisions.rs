@@ -81,7 +81,7 @@ impl Decisions {
         }
         self.report_busy(policy, caller, tool, cost, outcome, refusals_in_window, now);
         #[cfg(feature = "metrics")]
-        self.count(policy, caller, tool, outcome);
+        let _ = self.count(policy, caller, tool, outcome);
     }
 
     /// Records a call admitted from its lease (a lease hit: the units it spent are no longer
@@ -102,9 +102,9 @@ impl Decisions {
             self.report_busy(&policy, caller, tool, cost, &outcome, 0, now);
             #[cfg(feature = "metrics")]
             {
-                self.count(&policy, caller, tool, &outcome);
-                if let Some(tp) = policy.tool(tool) {
-                    super::lease_hit(tp.name_arc(), cost.0);
+                let labels = self.count(&policy, caller, tool, &outcome);
+                if let super::LabelValue::Name(tool) = &labels.tool {
+                    super::lease_hit(tool, cost.0);
                 }
             }
         }
@@ -203,9 +203,15 @@ impl Decisions {
         self.refusal_lines.event(r, names, cost.0, outcome, windows)
     }
 
-    /// The decision's metrics.
+    /// The decision's metrics; the labels they were counted under.
     #[cfg(feature = "metrics")]
-    fn count(&self, policy: &Policy, caller: &Caller, tool: &str, outcome: &Outcome) {
+    fn count(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        tool: &str,
+        outcome: &Outcome,
+    ) -> super::Labels {
         let labels = self.labels(policy, caller, tool);
         let scope = |r: &Refusal| r.scope.map_or("none", |s| s.as_str());
         match outcome {
@@ -219,6 +225,7 @@ impl Decisions {
             },
             Err(r) => super::decision(&labels, "refused", r.reason.as_str(), scope(r)),
         }
+        labels
     }
 
     /// The metric labels of `caller` calling `tool`: names the policy lists (listed callers,
