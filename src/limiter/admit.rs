@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use super::{Begun, Limiter};
+use super::{Begun, Limiter, Waiting};
 use crate::clock::Clock;
 use crate::identity::{Caller, Cost};
 use crate::store::Store;
@@ -35,7 +35,7 @@ enum Step<'a, S, C> {
         cost: Cost,
     },
     /// Waiting for the store, and what follows its answer.
-    Waiting(Pin<Box<dyn Future<Output = Outcome> + Send>>),
+    Waiting(Waiting),
     /// Answered.
     Done,
 }

@@ -124,8 +124,11 @@ pub(crate) enum Begun {
     /// Answered.
     Done(Outcome),
     /// The store's I/O, and what follows it.
-    Waiting(Pin<Box<dyn Future<Output = Outcome> + Send>>),
+    Waiting(Waiting),
 }
+
+/// The rest of a call that waits for the store: its I/O and what follows it.
+pub(crate) type Waiting = Pin<Box<dyn Future<Output = Outcome> + Send>>;
 
 impl Limiter<MemoryStore, SystemClock> {
     /// A limiter with an in-process store and the system clock.
