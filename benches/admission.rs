@@ -12,7 +12,8 @@
 //! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
 //! (`benches/sketch/mod.rs`) instead of the crate. `FS_LAYER=bare|admitted|headers` makes N
 //! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
-//! headers) instead, each request built and its response dropped.
+//! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
+//! `bare-unmatched`) the same for a path no tool matches.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,7 +87,8 @@ criterion_group!(benches, bench);
 
 /// `FS_LAYER=bare|admitted|headers`: `n` calls through a bare service, or through
 /// `FairShareLayer` over it without or with RateLimit headers, each request built and its
-/// response dropped (the bare case's count is what the layer's are measured from).
+/// response dropped (the bare case's count is what the layer's are measured from);
+/// `unmatched` and `bare-unmatched`: the same for `/health`, a path no tool matches.
 fn layered(mode: &str, n: u64) {
     use tower::{Layer, Service};
     use tower_fairshare::{Caller, FairShareLayer};
@@ -96,9 +98,13 @@ fn layered(mode: &str, n: u64) {
             Ok::<_, std::convert::Infallible>(http::Response::new(tonic::body::Body::empty()))
         })
     };
+    let uri = match mode {
+        "unmatched" | "bare-unmatched" => "/health",
+        _ => "/tools/search",
+    };
     let request = || {
         let mut req = http::Request::builder()
-            .uri("/tools/search")
+            .uri(uri)
             .body(tonic::body::Body::empty())
             .expect("a valid request");
         req.extensions_mut()
@@ -106,7 +112,7 @@ fn layered(mode: &str, n: u64) {
         req
     };
     let mut ok = 0u64;
-    if mode == "bare" {
+    if mode.starts_with("bare") {
         let mut s = bare();
         for _ in 0..n {
             ok += u64::from(now(s.call(request())).is_ok_and(|r| r.status().is_success()));

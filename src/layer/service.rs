@@ -110,10 +110,12 @@ where
                 let clone = self.inner.clone();
                 return ResponseFuture {
                     state: State::Admitting {
-                        admission,
-                        inner: Some(std::mem::replace(&mut self.inner, clone)),
-                        req: Some(req),
-                        shared: self.shared.clone(),
+                        waiting: Box::new(Waiting {
+                            admission,
+                            inner: Some(std::mem::replace(&mut self.inner, clone)),
+                            req: Some(req),
+                            shared: self.shared.clone(),
+                        }),
                     },
                 };
             }
@@ -184,11 +186,10 @@ pin_project! {
     where
         S: Service<Request<ReqB>>,
     {
+        // Out of line: only a store that must be waited for (Redis) takes this way, and the
+        // future every other request moves stays the size of the inner one and a ticket.
         Admitting {
-            admission: BoxFuture<Result<Ticket, Refusal>>,
-            inner: Option<S>,
-            req: Option<Request<ReqB>>,
-            shared: Arc<Shared>,
+            waiting: Box<Waiting<S, ReqB>>,
         },
         Calling {
             #[pin]
@@ -205,6 +206,14 @@ pin_project! {
             res: Option<Response<Option<Bytes>>>,
         },
     }
+}
+
+/// A call whose store must be waited for: the decision, and what the call needs after it.
+struct Waiting<S, ReqB> {
+    admission: BoxFuture<Result<Ticket, Refusal>>,
+    inner: Option<S>,
+    req: Option<Request<ReqB>>,
+    shared: Arc<Shared>,
 }
 
 impl<S, ReqB> fmt::Debug for ResponseFuture<S, ReqB>
@@ -227,17 +236,13 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let next = match self.as_mut().project().state.project() {
-                StateProj::Admitting {
-                    admission,
-                    inner,
-                    req,
-                    shared,
-                } => {
-                    let outcome = ready!(admission.as_mut().poll(cx));
-                    let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
+                StateProj::Admitting { waiting } => {
+                    let outcome = ready!(waiting.admission.as_mut().poll(cx));
+                    let (Some(mut inner), Some(req)) = (waiting.inner.take(), waiting.req.take())
+                    else {
                         panic!("ResponseFuture polled after completion");
                     };
-                    after_admission(outcome, &mut inner, req, shared)
+                    after_admission(outcome, &mut inner, req, &waiting.shared)
                 }
                 StateProj::Calling { fut, held, shared } => {
                     // An inner error drops `held` with the future: the permits come back.

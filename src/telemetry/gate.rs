@@ -2,9 +2,11 @@
 //! fallback) is written at most a few times a second per tool; the lines held back are counted
 //! and said with the next line written. The metrics count every one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
+
+use arc_swap::ArcSwap;
 
 /// Lines of one kind written per tool and second at most.
 const PER_SECOND: u32 = 2;
@@ -61,20 +63,30 @@ pub(crate) fn let_through(kind: &'static str, tool: &str) -> Option<u64> {
 const MAX_PREFIXES: usize = 256;
 
 /// Whether `path`'s first segment (`/health` of `/health/live`) is seen for the first time.
+/// The prefixes seen are read without a lock: a request of a prefix seen before (nearly every
+/// one) looks it up in a set that is copied only to add a prefix.
 pub(crate) fn first_of_prefix(path: &str) -> bool {
-    static SEEN: OnceLock<Mutex<std::collections::HashSet<String>>> = OnceLock::new();
+    type Seen = HashSet<Box<str>, foldhash::fast::RandomState>;
+    static SEEN: OnceLock<ArcSwap<Seen>> = OnceLock::new();
     let prefix = match path.get(1..).and_then(|p| p.find('/')) {
         Some(end) => &path[..end + 1],
         None => path,
     };
-    let mut seen = SEEN
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if seen.len() >= MAX_PREFIXES || seen.contains(prefix) {
+    let seen = SEEN.get_or_init(Default::default);
+    let full = |s: &Seen| s.len() >= MAX_PREFIXES || s.contains(prefix);
+    if full(&seen.load()) {
         return false;
     }
-    seen.insert(prefix.to_owned())
+    let mut first = false;
+    seen.rcu(|s| {
+        first = !full(s);
+        let mut next = Seen::clone(s);
+        if first {
+            next.insert(prefix.into());
+        }
+        next
+    });
+    first
 }
 
 #[cfg(test)]

@@ -289,10 +289,11 @@ pub(crate) fn store_error(tool: &std::sync::Arc<str>, store: &'static str, mode:
 pub(crate) fn store_error(_: &std::sync::Arc<str>, _: &'static str, _: &'static str) {}
 
 /// A request a layer let through because it names no tool: counted, a `warn` line the first
-/// time its path's first segment is seen (a misrouted tool is found the day it ships), a
-/// `debug` event every time.
+/// time its path's first segment is seen while warnings of the target are on (a misrouted
+/// tool is found the day it ships), a `debug` event every time.
 pub(crate) fn unmapped(path: &str) {
-    if gate::first_of_prefix(path) {
+    let warned = tracing::enabled!(target: "tower_fairshare::unmapped", tracing::Level::WARN);
+    if warned && gate::first_of_prefix(path) {
         tracing::warn!(target: "tower_fairshare::unmapped", path, "a request names no tool: passed through unmetered (said once per path prefix; every one at debug)");
     } else {
         tracing::debug!(target: "tower_fairshare::unmapped", path, "the request names no tool: passed through unmetered");
@@ -348,3 +349,46 @@ pub(crate) fn policy_mismatch(tool: &str, mismatch: bool) {
 #[cfg(not(feature = "metrics"))]
 #[allow(dead_code)]
 pub(crate) fn policy_mismatch(_: &str, _: bool) {}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    /// What a subscriber listening at `warn` hears while `run` runs on this thread.
+    fn warnings(run: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Heard(Arc<Mutex<Vec<u8>>>);
+        impl Write for Heard {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let heard = Heard::default();
+        let writer = heard.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, run);
+        let text = heard.0.lock().unwrap().clone();
+        String::from_utf8(text).unwrap()
+    }
+
+    /// A path prefix met while nobody listens to warnings is not spent: the first request of
+    /// it once someone does is warned about, the next one is not.
+    #[test]
+    fn an_unmapped_prefix_is_warned_about_once_someone_listens() {
+        super::unmapped("/unmapped-test/before");
+        let heard = warnings(|| {
+            super::unmapped("/unmapped-test/first");
+            super::unmapped("/unmapped-test/second");
+        });
+        assert_eq!(heard.matches("names no tool").count(), 1, "{heard}");
+        assert!(heard.contains("/unmapped-test/first"), "{heard}");
+    }
+}
