@@ -33,38 +33,31 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let places: Vec<Place> = plans.iter().map(|p| place(store, p)).collect();
     let mut shards = lock_shards(store, &places);
     let mut tools = lock_tools(&places);
-    // On the stack: a call's states are a few kilobytes, too large for the allocator's fast
-    // path.
-    let mut decided: [Option<(Snapshot, engine::Admitted)>; MAX] = Default::default();
+    // Each plan decided on its states where they lie (they are some 600 bytes a plan: moved
+    // about, they would cost more than the decision), written only once every plan is admitted.
+    let mut snaps: Vec<Snapshot> = Vec::with_capacity(plans.len());
+    let mut admitted = Vec::with_capacity(plans.len());
     for (i, (plan, place)) in plans.iter().zip(&places).enumerate() {
-        let mut snap = states(shard_of(&mut shards, place.shard), plan, place);
+        snaps.push(states(shard_of(&mut shards, place.shard), plan, place));
+        let snap = snaps.last_mut().expect("just pushed");
         let tool = tools[i].as_ref().expect("locked");
         (snap.tool, snap.plans) = (tool.state, tool.plans);
-        match engine::decide(plan, &mut snap) {
-            Ok(admitted) => decided[i] = Some((snap, admitted)),
+        match engine::decide(plan, snap) {
+            Ok(a) => admitted.push(a),
             Err(r) => return Decision::Refused(r),
         }
     }
     let parts = plans.iter().zip(&places).zip(tools.iter_mut());
-    let admitted = parts
-        .zip(&mut decided)
-        .map(|(((plan, place), tool), decided)| {
-            let (snap, a) = decided.take().expect("decided");
-            let expires = a.expires.map(micros_ceil);
-            let tool = tool.as_mut().expect("locked");
-            (tool.state, tool.plans) = (snap.tool, snap.plans);
-            tool.expires = expires[0];
-            write(
-                store,
-                shard_of(&mut shards, place.shard),
-                plan,
-                place,
-                &snap,
-                expires,
-            );
-            a.admission
-        });
-    Decision::Admitted(Admissions::of(admitted).expect("a call of several tools"))
+    for (((plan, place), tool), (snap, a)) in parts.zip(snaps.iter().zip(&admitted)) {
+        let expires = a.expires.map(micros_ceil);
+        let tool = tool.as_mut().expect("locked");
+        (tool.state, tool.plans) = (snap.tool, snap.plans);
+        tool.expires = expires[0];
+        let shard = shard_of(&mut shards, place.shard);
+        write(store, shard, plan, place, snap, expires);
+    }
+    let admissions = admitted.into_iter().map(|a| a.admission);
+    Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
 /// Where `plan`'s states live.
