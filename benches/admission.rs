@@ -13,7 +13,8 @@
 //! (`benches/sketch/mod.rs`) instead of the crate. `FS_LAYER=bare|admitted|headers` makes N
 //! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
 //! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
-//! `bare-unmatched`) the same for a path no tool matches.
+//! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=model` makes N model calls
+//! through `model_calls()` (one tool).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,13 +130,55 @@ fn layered(mode: &str, n: u64) {
     assert_eq!(ok, n);
 }
 
+/// `FS_LAYER=model`: `n` model calls through `FairShareLayer::model_calls()` charged to the
+/// tokens tool `chat.tokens`, as the compare bench's `model call/one tool`: the request's JSON
+/// read for its estimate, the call decided, the answer's JSON read to its end and its `usage`
+/// settled.
+fn model_calls(n: u64) {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use tonic::body::Body;
+    use tower::{Layer, Service, ServiceExt};
+    use tower_fairshare::{BufferedBody, Caller, FairShareLayer};
+
+    const ASK: &[u8] =
+        br#"{"model":"m","max_tokens":100,"messages":[{"role":"user","content":"hello"}]}"#;
+    const ANSWER: &[u8] =
+        br#"{"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":30,"total_tokens":50}}"#;
+    let model = tower::service_fn(|_req: http::Request<BufferedBody>| async {
+        let mut res = http::Response::new(Body::new(Full::new(Bytes::from_static(ANSWER))));
+        let json = http::HeaderValue::from_static("application/json");
+        res.headers_mut().insert(http::header::CONTENT_TYPE, json);
+        Ok::<_, std::convert::Infallible>(res)
+    });
+    let layer = FairShareLayer::new(limiter())
+        .model_calls()
+        .tokens("chat.tokens");
+    let mut svc = layer.layer(model);
+    let mut ok = 0u64;
+    for _ in 0..n {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(Body::new(Full::new(Bytes::from_static(ASK))))
+            .expect("a valid request");
+        req.extensions_mut()
+            .insert(Caller::new("t").with_instance("a"));
+        let svc = now(ServiceExt::<http::Request<Body>>::ready(&mut svc)).expect("ready");
+        let res = now(svc.call(req)).expect("a response");
+        ok += u64::from(res.status().is_success() && now(res.into_body().collect()).is_ok());
+    }
+    assert_eq!(ok, n);
+}
+
 fn main() {
     if let Some(n) = std::env::var("FS_DECISIONS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
     {
         if let Ok(layer) = std::env::var("FS_LAYER") {
-            layered(&layer, n);
+            match layer.as_str() {
+                "model" => model_calls(n),
+                _ => layered(&layer, n),
+            }
             return;
         }
         let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());

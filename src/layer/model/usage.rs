@@ -4,6 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+mod tokens;
+use tokens::tokens_in;
+
 /// The tokens a model call used, as far as is known: a handle in the request's extensions
 /// (put there by [`ModelCallLayer`](crate::ModelCallLayer)) that the handler — or the
 /// service behind the layer — sets while it streams. When the response body ends (or is
@@ -122,9 +125,7 @@ impl UsageReader {
         }
         let found = match self.stream {
             true => event_usage(&self.held),
-            false => serde_json::from_slice(&self.held)
-                .ok()
-                .and_then(|v| tokens_of(&v)),
+            false => tokens_in(&self.held),
         };
         if let Some(n) = found {
             usage.report(n);
@@ -138,24 +139,7 @@ fn event_usage(line: &[u8]) -> Option<f64> {
     if !contains(data, b"\"usage\"") {
         return None;
     }
-    let v: serde_json::Value = serde_json::from_slice(data.trim_ascii()).ok()?;
-    tokens_of(&v)
-}
-
-/// The tokens of a response (or event) object's `usage`, or its `response.usage`.
-fn tokens_of(v: &serde_json::Value) -> Option<f64> {
-    let u = v
-        .get("usage")
-        .filter(|u| u.is_object())
-        .or_else(|| v.get("response")?.get("usage"))?;
-    let n = |k: &str| u.get(k).and_then(serde_json::Value::as_f64);
-    n("total_tokens").or_else(|| {
-        let input = n("prompt_tokens").or_else(|| n("input_tokens"))?;
-        let output = n("completion_tokens")
-            .or_else(|| n("output_tokens"))
-            .unwrap_or(0.0);
-        Some(input + output)
-    })
+    tokens_in(data.trim_ascii())
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
