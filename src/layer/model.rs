@@ -3,6 +3,7 @@
 //! (see [`ModelCallLayer`]).
 
 mod body;
+mod json;
 #[cfg(test)]
 mod tests;
 mod usage;
@@ -274,8 +275,8 @@ fn estimate(options: &Options, parts: &http::request::Parts, body: &[u8]) -> f64
     if let Some(c) = parts.extensions.get::<Cost>() {
         return c.0;
     }
-    let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     if let Some(f) = &options.estimate {
+        let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
         let head = RequestHead {
             method: &parts.method,
             uri: &parts.uri,
@@ -284,11 +285,7 @@ fn estimate(options: &Options, parts: &http::request::Parts, body: &[u8]) -> f64
         };
         return f(&head, json.as_ref());
     }
-    let bound = |k: &str| json.as_ref()?.get(k)?.as_f64();
-    let output = bound("max_tokens")
-        .or_else(|| bound("max_completion_tokens"))
-        .or_else(|| bound("max_output_tokens"))
-        .unwrap_or(DEFAULT_OUTPUT);
+    let output = json::output_bound(body).unwrap_or(DEFAULT_OUTPUT);
     (body.len() as f64 / 4.0).ceil() + output.max(0.0)
 }
 

@@ -4,8 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-mod tokens;
-use tokens::tokens_in;
+use super::json::reply_tokens;
 
 /// The tokens a model call used, as far as is known: a handle in the request's extensions
 /// (put there by [`ModelCallLayer`](crate::ModelCallLayer)) that the handler — or the
@@ -125,7 +124,7 @@ impl UsageReader {
         }
         let found = match self.stream {
             true => event_usage(&self.held),
-            false => tokens_in(&self.held),
+            false => reply_tokens(&self.held),
         };
         if let Some(n) = found {
             usage.report(n);
@@ -139,7 +138,7 @@ fn event_usage(line: &[u8]) -> Option<f64> {
     if !contains(data, b"\"usage\"") {
         return None;
     }
-    tokens_in(data.trim_ascii())
+    reply_tokens(data.trim_ascii())
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {

@@ -1,16 +1,56 @@
-//! The tokens a model's JSON reply (or one event of its stream) reports in its `usage`, read as
-//! the JSON passes: nothing of the reply is kept but the counts.
+//! The few numbers the layer reads of a model call's JSON — the output bound a request sets,
+//! the tokens a reply (or one event of its stream) reports in its `usage` — read as the JSON
+//! passes: nothing of the request or the reply is kept but those numbers.
 
 use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 /// The tokens of a response (or event) object's `usage`, or, when it has no `usage` object,
 /// of its `response.usage`. Read as the JSON passes: nothing of the object is kept but its
 /// counts.
-pub(super) fn tokens_in(json: &[u8]) -> Option<f64> {
+pub(super) fn reply_tokens(json: &[u8]) -> Option<f64> {
     let reply = serde_json::from_slice::<Object<Reply>>(json).ok()?.0?;
     match reply.usage {
         Some(counts) => counts.tokens(),
         None => reply.response?.tokens(),
+    }
+}
+
+/// The bound a chat request sets on its output: its `max_tokens`, else its
+/// `max_completion_tokens`, else its `max_output_tokens` (each only when it is a number).
+pub(super) fn output_bound(json: &[u8]) -> Option<f64> {
+    let Bounds([max, completion, output]) =
+        serde_json::from_slice::<Object<Bounds>>(json).ok()?.0?;
+    max.or(completion).or(output)
+}
+
+/// A request's output bounds, in the order they are read.
+#[derive(Default)]
+struct Bounds([Option<f64>; 3]);
+
+/// The keys of a request that bound its output.
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum Bound {
+    MaxTokens,
+    MaxCompletionTokens,
+    MaxOutputTokens,
+    #[serde(other)]
+    Other,
+}
+
+impl FromMap for Bounds {
+    fn read<'de, A: MapAccess<'de>>(&mut self, map: &mut A) -> Result<bool, A::Error> {
+        let Some(key) = map.next_key::<Bound>()? else {
+            return Ok(false);
+        };
+        let at = match key {
+            Bound::MaxTokens => 0,
+            Bound::MaxCompletionTokens => 1,
+            Bound::MaxOutputTokens => 2,
+            Bound::Other => return map.next_value::<IgnoredAny>().map(|_| true),
+        };
+        self.0[at] = map.next_value::<serde_json::Value>()?.as_f64();
+        Ok(true)
     }
 }
 
@@ -254,10 +294,43 @@ mod tests {
         prop::collection::vec(entry, 0..4).prop_map(object)
     }
 
+    /// A request's output bound as a reader that builds the whole request finds it.
+    fn output_bound_of_value(json: &str) -> Option<f64> {
+        let v: serde_json::Value = serde_json::from_str(json).ok()?;
+        let bound = |k: &str| v.get(k)?.as_f64();
+        bound("max_tokens")
+            .or_else(|| bound("max_completion_tokens"))
+            .or_else(|| bound("max_output_tokens"))
+    }
+
+    /// A chat request: its bounds (perhaps twice, perhaps not numbers) among other keys.
+    fn request() -> impl Strategy<Value = String> {
+        let key = prop::sample::select(vec![
+            "max_tokens",
+            "max_completion_tokens",
+            "max_output_tokens",
+            "max_t\\u006fkens",
+            "messages",
+        ]);
+        let value = prop_oneof![
+            3 => (0u32..5000).prop_map(|n| n.to_string()),
+            1 => any(),
+        ];
+        prop_oneof![
+            8 => prop::collection::vec((key, value), 0..5).prop_map(object),
+            1 => any(),
+        ]
+    }
+
     proptest! {
         #[test]
+        fn the_output_bound_read_as_the_json_passes_is_the_whole_requests(json in request()) {
+            prop_assert_eq!(output_bound(json.as_bytes()), output_bound_of_value(&json), "{}", json);
+        }
+
+        #[test]
         fn the_counts_read_as_the_json_passes_are_the_whole_objects(json in json()) {
-            prop_assert_eq!(tokens_in(json.as_bytes()), tokens_of_value(&json), "{}", json);
+            prop_assert_eq!(reply_tokens(json.as_bytes()), tokens_of_value(&json), "{}", json);
         }
     }
 }
