@@ -103,12 +103,15 @@ impl UsageReader {
         }
         self.held.extend_from_slice(data);
         if self.stream {
-            while let Some(end) = self.held.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = self.held.drain(..=end).collect();
-                if let Some(n) = event_usage(&line) {
+            // Every whole line read where it lies, then dropped at once.
+            let mut start = 0;
+            while let Some(len) = self.held[start..].iter().position(|b| *b == b'\n') {
+                if let Some(n) = event_usage(&self.held[start..=start + len]) {
                     usage.report(n);
                 }
+                start += len + 1;
             }
+            self.held.drain(..start);
         }
         if self.held.len() > MAX_HELD {
             self.gave_up = true;
