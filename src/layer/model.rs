@@ -167,7 +167,8 @@ impl ModelCallLayer {
     }
 
     /// The tokens a request is estimated at, from its head and its body (parsed, when it is
-    /// JSON), for a request without a [`Cost`] extension.
+    /// JSON), for a request without a [`Cost`] extension. With one set, every such request's
+    /// body is parsed whole; without, the layer reads only the request's output bound.
     ///
     /// ```
     /// use tower_fairshare::{FairShareLayer, Limiter, Policy};
