@@ -253,25 +253,30 @@ mod tests {
         })
     }
 
-    /// A `usage`: an object of counts (a key perhaps twice, perhaps not a number), or not an
-    /// object at all.
+    /// An object of numbers under `keys` (a key perhaps twice, a value perhaps not a number),
+    /// or, now and then, not an object at all.
+    fn numbers(keys: Vec<&'static str>) -> impl Strategy<Value = String> {
+        let value = prop_oneof![
+            4 => (0u32..5000).prop_map(|n| n.to_string()),
+            1 => any(),
+        ];
+        let entries = prop::collection::vec((prop::sample::select(keys), value), 0..5);
+        prop_oneof![
+            4 => entries.prop_map(object),
+            1 => any(),
+        ]
+    }
+
+    /// A `usage`: its counts, or not an object at all.
     fn usage() -> impl Strategy<Value = String> {
-        let key = prop::sample::select(vec![
+        numbers(vec![
             "total_tokens",
             "prompt_tokens",
             "input_tokens",
             "completion_tokens",
             "output_tokens",
             "cached_tokens",
-        ]);
-        let count = prop_oneof![
-            4 => (0u32..1000).prop_map(|n| n.to_string()),
-            1 => any(),
-        ];
-        prop_oneof![
-            4 => prop::collection::vec((key, count), 0..5).prop_map(object),
-            1 => any(),
-        ]
+        ])
     }
 
     /// A response or event object: its `usage` (the key perhaps written with an escape), its
@@ -305,21 +310,13 @@ mod tests {
 
     /// A chat request: its bounds (perhaps twice, perhaps not numbers) among other keys.
     fn request() -> impl Strategy<Value = String> {
-        let key = prop::sample::select(vec![
+        numbers(vec![
             "max_tokens",
             "max_completion_tokens",
             "max_output_tokens",
             "max_t\\u006fkens",
             "messages",
-        ]);
-        let value = prop_oneof![
-            3 => (0u32..5000).prop_map(|n| n.to_string()),
-            1 => any(),
-        ];
-        prop_oneof![
-            8 => prop::collection::vec((key, value), 0..5).prop_map(object),
-            1 => any(),
-        ]
+        ])
     }
 
     proptest! {
