@@ -27,7 +27,7 @@ pub(super) fn output_bound(json: &[u8]) -> Option<f64> {
 #[derive(Default)]
 struct Bounds([Option<f64>; 3]);
 
-/// The keys of a request that bound its output.
+/// The keys of a request that bound its output, in the order of their places in [`Bounds`].
 #[derive(serde::Deserialize)]
 #[serde(field_identifier, rename_all = "snake_case")]
 enum Bound {
@@ -38,19 +38,15 @@ enum Bound {
     Other,
 }
 
+impl Place for Bound {
+    fn place(self) -> Option<usize> {
+        (!matches!(self, Bound::Other)).then_some(self as usize)
+    }
+}
+
 impl FromMap for Bounds {
     fn read<'de, A: MapAccess<'de>>(&mut self, map: &mut A) -> Result<bool, A::Error> {
-        let Some(key) = map.next_key::<Bound>()? else {
-            return Ok(false);
-        };
-        let at = match key {
-            Bound::MaxTokens => 0,
-            Bound::MaxCompletionTokens => 1,
-            Bound::MaxOutputTokens => 2,
-            Bound::Other => return map.next_value::<IgnoredAny>().map(|_| true),
-        };
-        self.0[at] = map.next_value::<serde_json::Value>()?.as_f64();
-        Ok(true)
+        read_number::<Bound, A>(&mut self.0, map)
     }
 }
 
@@ -67,7 +63,7 @@ struct Reply {
 #[derive(Default)]
 struct Counts([Option<f64>; 5]);
 
-/// The keys of a `usage` object that count.
+/// The keys of a `usage` object that count, in the order of their places in [`Counts`].
 #[derive(serde::Deserialize)]
 #[serde(field_identifier, rename_all = "snake_case")]
 enum Count {
@@ -139,22 +135,40 @@ impl FromMap for Response {
     }
 }
 
+impl Place for Count {
+    fn place(self) -> Option<usize> {
+        (!matches!(self, Count::Other)).then_some(self as usize)
+    }
+}
+
 impl FromMap for Counts {
     fn read<'de, A: MapAccess<'de>>(&mut self, map: &mut A) -> Result<bool, A::Error> {
-        let Some(key) = map.next_key::<Count>()? else {
-            return Ok(false);
-        };
-        let at = match key {
-            Count::TotalTokens => 0,
-            Count::PromptTokens => 1,
-            Count::InputTokens => 2,
-            Count::CompletionTokens => 3,
-            Count::OutputTokens => 4,
-            Count::Other => return map.next_value::<IgnoredAny>().map(|_| true),
-        };
-        self.0[at] = map.next_value::<serde_json::Value>()?.as_f64();
-        Ok(true)
+        read_number::<Count, A>(&mut self.0, map)
     }
+}
+
+/// A key naming its number's place among the ones read, or none.
+trait Place {
+    fn place(self) -> Option<usize>;
+}
+
+/// Reads the next entry of `map` into `numbers`, at the place its key names (a value that is
+/// not a number reads as none; a key that names no place is skipped); whether there was one.
+fn read_number<'de, K, A>(numbers: &mut [Option<f64>], map: &mut A) -> Result<bool, A::Error>
+where
+    K: serde::Deserialize<'de> + Place,
+    A: MapAccess<'de>,
+{
+    let Some(key) = map.next_key::<K>()? else {
+        return Ok(false);
+    };
+    match key.place() {
+        Some(at) => numbers[at] = map.next_value::<serde_json::Value>()?.as_f64(),
+        None => {
+            map.next_value::<IgnoredAny>()?;
+        }
+    }
+    Ok(true)
 }
 
 /// A JSON value read as a `T` when it is an object, and as nothing when it is anything else.
