@@ -104,30 +104,12 @@ impl FromMap for Reply {
         match map.next_key::<Key>()? {
             None => return Ok(false),
             Some(Key::Usage) => self.usage = map.next_value::<Object<Counts>>()?.0,
+            // A Responses API event: the `usage` of its `response`.
             Some(Key::Response) => {
-                let inner = map.next_value::<Object<Response>>()?.0;
+                let inner = map.next_value::<Object<Reply>>()?.0;
                 self.response = inner.and_then(|r| r.usage);
             }
             Some(Key::Other) => {
-                map.next_value::<IgnoredAny>()?;
-            }
-        }
-        Ok(true)
-    }
-}
-
-/// The `response` of a Responses API event: its `usage`.
-#[derive(Default)]
-struct Response {
-    usage: Option<Counts>,
-}
-
-impl FromMap for Response {
-    fn read<'de, A: MapAccess<'de>>(&mut self, map: &mut A) -> Result<bool, A::Error> {
-        match map.next_key::<Key>()? {
-            None => return Ok(false),
-            Some(Key::Usage) => self.usage = map.next_value::<Object<Counts>>()?.0,
-            Some(_) => {
                 map.next_value::<IgnoredAny>()?;
             }
         }
