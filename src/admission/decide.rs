@@ -9,26 +9,14 @@ use super::bucket::{aligned_window, bucket, calendar_window, expiry, refill, rol
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
-    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts,
+    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+    PlanCounts, Snapshot,
 };
 use super::template::{self, Standing};
-use super::walk::{Fail, Label, Level};
+use super::walk::{Decision, Fail, Label, Level};
 use crate::clock::Timestamp;
-use crate::policy::numbers::{level_numbers, LevelNumbers};
+use crate::policy::numbers::{instance_numbers, level_numbers, LevelNumbers};
 use crate::policy::{Budget, LevelPolicy};
-
-/// The stored states a decision reads; on an admission, the states to write back.
-#[derive(Clone, Debug, Default)]
-pub struct Snapshot {
-    /// The tool's state.
-    pub tool: NodeState,
-    /// The tenant's state.
-    pub tenant: NodeState,
-    /// The instance's state (ignored without an instance).
-    pub instance: NodeState,
-    /// The tool's counts of unlisted tenants per plan, kept beside its state.
-    pub plans: PlanCounts,
-}
 
 /// An admitted call: its answer, and how long its levels' states must be kept.
 #[derive(Clone, Debug, Default)]
@@ -86,25 +74,6 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     let levels = d.figures(&snap);
     let verdict = d.check(&snap).map(|_| ()).map_err(|f| d.refuse(f));
     Explained { verdict, levels }
-}
-
-/// A call's levels at the decision's instant: their numbers, their states brought up to
-/// date, how the caller stands among its parents' template children.
-pub(super) struct Decision<'p, 'a> {
-    pub(super) plan: &'p Plan<'a>,
-    /// The instant the call is decided at: its own, or its states' latest.
-    at: Timestamp,
-    pub(super) levels: [Level; 3],
-    pub(super) n: usize,
-    /// What each level holds back for its children's share banks.
-    pub(super) banks: [f64; 3],
-    pub(super) now: f64,
-    pub(super) period: f64,
-    window: f64,
-    pub(super) next_window: f64,
-    /// How the tenant and the instance stood among their parents' template children before
-    /// this call (template callers only).
-    standing: [Standing; 2],
 }
 
 impl<'p, 'a> Decision<'p, 'a> {
@@ -520,22 +489,6 @@ impl<'p, 'a> Decision<'p, 'a> {
     }
 }
 
-impl Snapshot {
-    /// The states: tool, tenant, instance.
-    pub(super) fn levels(&self) -> [&NodeState; 3] {
-        [&self.tool, &self.tenant, &self.instance]
-    }
-
-    /// Level `idx`'s state (0 tool, 1 tenant, 2 instance), mutably.
-    fn level_mut(&mut self, idx: usize) -> &mut NodeState {
-        match idx {
-            0 => &mut self.tool,
-            1 => &mut self.tenant,
-            _ => &mut self.instance,
-        }
-    }
-}
-
 /// The tool's level: its pool of `S = C − Σ floors`, as deep as the tool's burst.
 fn tool_level(plan: &Plan<'_>) -> Level {
     let tool = plan.tool;
@@ -606,20 +559,6 @@ fn banks(
         sum + least(burst) * n as f64
     });
     (held, least(own))
-}
-
-/// An instance's numbers under tenant `t` (numbers `tn`) with `n` of `t`'s template
-/// instances counted.
-pub(super) fn instance_numbers(
-    t: &LevelPolicy,
-    tn: LevelNumbers,
-    i: &LevelPolicy,
-    n: f64,
-) -> LevelNumbers {
-    let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
-    let template_weight = t.default_child.as_ref().map_or(0.0, |d| d.weight);
-    let inner_weight = t.configured_child_weight + template_weight * n;
-    level_numbers(i, inner_spare, inner_weight)
 }
 
 /// One level of a call as the decision sees it now: for [`Explanation`](crate::console::Explanation).

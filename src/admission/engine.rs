@@ -10,11 +10,11 @@
 //! refund) and [`release`] gives a concurrency permit back, level by level.
 
 pub use super::adjust::{adjust, count_in_window, release};
-pub use super::decide::{decide, decided_at, Admitted, BudgetUse, LevelFigures, Snapshot};
+pub use super::decide::{decide, decided_at, Admitted, BudgetUse, LevelFigures};
 pub use super::plan::{LevelRef, OwnedPlan, Plan};
 pub use super::state::{
     Admission, BudgetCounter, Budgets, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
-    PlanCounts, Stored,
+    PlanCounts, Snapshot, Stored,
 };
 
 pub(crate) use super::bucket::aligned_window;

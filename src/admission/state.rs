@@ -1,5 +1,5 @@
-//! What a store keeps per level and what an admitted call charged: the records the engine
-//! reads and writes.
+//! What a store keeps per level (a call's levels together: [`Snapshot`]) and what an admitted
+//! call charged: the records the engine reads and writes.
 
 use super::plan::CallKeys;
 use crate::clock::Timestamp;
@@ -352,5 +352,34 @@ mod tests {
         reused.set(day);
         let fresh: Budgets = [day].into_iter().collect();
         assert_eq!(reused, fresh);
+    }
+}
+
+/// The stored states a decision reads; on an admission, the states to write back.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// The tool's state.
+    pub tool: NodeState,
+    /// The tenant's state.
+    pub tenant: NodeState,
+    /// The instance's state (ignored without an instance).
+    pub instance: NodeState,
+    /// The tool's counts of unlisted tenants per plan, kept beside its state.
+    pub plans: PlanCounts,
+}
+
+impl Snapshot {
+    /// The states: tool, tenant, instance.
+    pub(super) fn levels(&self) -> [&NodeState; 3] {
+        [&self.tool, &self.tenant, &self.instance]
+    }
+
+    /// Level `idx`'s state (0 tool, 1 tenant, 2 instance), mutably.
+    pub(super) fn level_mut(&mut self, idx: usize) -> &mut NodeState {
+        match idx {
+            0 => &mut self.tool,
+            1 => &mut self.tenant,
+            _ => &mut self.instance,
+        }
     }
 }

@@ -1,11 +1,15 @@
-//! The walk from the caller up to the tool: which bucket of which level each unit of a call
+//! A call's levels at the decision's instant ([`Decision`]: their numbers and buckets), and
+//! the walk from the caller up to the tool: which bucket of which level each unit of a call
 //! is drawn from, share first or floor first, with the borrowing bar, or why it cannot pass.
+//! `decide` builds the levels and commits the walk's takes.
 
 use super::bucket::{wait_for, Bucket, Buckets, EPS};
-use super::decide::{instance_numbers, Decision, Snapshot};
+use super::plan::Plan;
 use super::refusal::{Reason, Scope};
-use super::state::LevelView;
-use crate::policy::numbers::{level_numbers, LevelNumbers};
+use super::state::{LevelView, Snapshot};
+use super::template::Standing;
+use crate::clock::Timestamp;
+use crate::policy::numbers::{instance_numbers, level_numbers, LevelNumbers};
 
 /// A level of the call as the decision sees it: what it is owed now and its buckets.
 #[derive(Copy, Clone)]
@@ -93,6 +97,25 @@ impl Fail {
             _ => *worst = Some(f),
         }
     }
+}
+
+/// A call's levels at the decision's instant: their numbers, their states brought up to
+/// date, how the caller stands among its parents' template children.
+pub(super) struct Decision<'p, 'a> {
+    pub(super) plan: &'p Plan<'a>,
+    /// The instant the call is decided at: its own, or its states' latest.
+    pub(super) at: Timestamp,
+    pub(super) levels: [Level; 3],
+    pub(super) n: usize,
+    /// What each level holds back for its children's share banks.
+    pub(super) banks: [f64; 3],
+    pub(super) now: f64,
+    pub(super) period: f64,
+    pub(super) window: f64,
+    pub(super) next_window: f64,
+    /// How the tenant and the instance stood among their parents' template children before
+    /// this call (template callers only).
+    pub(super) standing: [Standing; 2],
 }
 
 impl Decision<'_, '_> {

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::numbers::level_numbers;
+use super::numbers::{instance_numbers, level_numbers};
 use super::{Budget, LevelPolicy, Policy, ToolPolicy};
 
 /// Every tool's allocation.
@@ -130,17 +130,15 @@ fn tool(t: &ToolPolicy) -> ToolAllocation {
 }
 
 fn tenant(l: &LevelPolicy, spare: f64, weight: f64) -> TenantAllocation {
-    let n = level_numbers(l, spare, weight);
-    let (share, ceiling) = (n.share, n.ceiling);
-    let inner_spare = (ceiling - l.children_floor).max(0.0);
-    let inner_weight =
-        l.configured_child_weight + l.default_child.as_ref().map_or(0.0, |d| d.weight);
+    let tn = level_numbers(l, spare, weight);
+    let (share, ceiling) = (tn.share, tn.ceiling);
     let instances = l
         .children
         .iter()
         .chain(l.default_child.as_deref())
         .map(|i| {
-            let n = level_numbers(i, inner_spare, inner_weight);
+            // With one template instance counted.
+            let n = instance_numbers(l, tn, i, 1.0);
             InstanceAllocation {
                 name: i.name.to_string(),
                 floor: i.floor,

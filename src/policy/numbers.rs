@@ -39,3 +39,17 @@ pub(crate) fn level_numbers(p: &LevelPolicy, spare: f64, total_weight: f64) -> L
         ceiling_rate: (ceiling - reserved).max(0.0),
     }
 }
+
+/// An instance's numbers under tenant `t` (numbers `tn`) with `n` of `t`'s template
+/// instances counted.
+pub(crate) fn instance_numbers(
+    t: &LevelPolicy,
+    tn: LevelNumbers,
+    i: &LevelPolicy,
+    n: f64,
+) -> LevelNumbers {
+    let inner_spare = (tn.ceiling - t.children_floor).max(0.0);
+    let template_weight = t.default_child.as_ref().map_or(0.0, |d| d.weight);
+    let inner_weight = t.configured_child_weight + template_weight * n;
+    level_numbers(i, inner_spare, inner_weight)
+}
