@@ -11,6 +11,7 @@ pub mod redis;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
@@ -150,15 +151,48 @@ impl<T> std::fmt::Debug for Answer<T> {
     }
 }
 
-impl<T: Send + 'static> IntoFuture for Answer<T> {
+impl<T> IntoFuture for Answer<T> {
     type Output = Result<T, StoreError>;
-    type IntoFuture = Pending<T>;
+    type IntoFuture = Answering<T>;
 
-    fn into_future(self) -> Pending<T> {
-        match self {
-            Answer::Now(r) => Box::pin(std::future::ready(r)),
-            Answer::Later(f) => f,
+    fn into_future(self) -> Answering<T> {
+        Answering(match self {
+            Answer::Now(r) => Awaited::Now(Some(r)),
+            Answer::Later(work) => Awaited::Later(work),
+        })
+    }
+}
+
+/// The future of an [`Answer`] (what `.await` on one polls): an answer given at once is ready
+/// at the first poll, with nothing allocated; else the store's work, polled.
+#[must_use = "an answer is read only when awaited"]
+pub struct Answering<T>(Awaited<T>);
+
+enum Awaited<T> {
+    Now(Option<Result<T, StoreError>>),
+    Later(Pending<T>),
+}
+
+/// The answer is moved out, never pinned: the future may move whatever `T` is.
+impl<T> Unpin for Answering<T> {}
+
+impl<T> Future for Answering<T> {
+    type Output = Result<T, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            Awaited::Now(r) => Poll::Ready(r.take().expect("an answer polled after it was read")),
+            Awaited::Later(work) => work.as_mut().poll(cx),
         }
+    }
+}
+
+impl<T> std::fmt::Debug for Answering<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Awaited::Now(_) => "Answering::Now",
+            Awaited::Later(_) => "Answering::Later",
+        })
     }
 }
 
@@ -280,4 +314,35 @@ pub struct PolicyDisagreement {
     pub for_how_long: std::time::Duration,
     /// Whether that is longer than the grace time a rolling reload is given.
     pub past_grace: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::{Future, IntoFuture};
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    use super::{Answer, StoreError};
+
+    #[test]
+    fn an_answer_given_at_once_is_ready_at_the_first_poll_and_a_later_one_polls_its_work() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let now = pin!(Answer::Now(Ok::<u8, StoreError>(7)).into_future());
+        assert!(matches!(now.poll(&mut cx), Poll::Ready(Ok(7))));
+        let later = Answer::later(async { Err::<u8, _>(StoreError::Protocol("x".into())) });
+        let later = pin!(later.into_future());
+        assert!(matches!(
+            later.poll(&mut cx),
+            Poll::Ready(Err(StoreError::Protocol(_)))
+        ));
+    }
+
+    #[test]
+    #[should_panic(expected = "an answer polled after it was read")]
+    fn an_answer_read_twice_is_a_bug() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut now = pin!(Answer::Now(Ok::<u8, StoreError>(7)).into_future());
+        let _ = now.as_mut().poll(&mut cx);
+        let _ = now.as_mut().poll(&mut cx);
+    }
 }

@@ -5,18 +5,21 @@
 
 use std::sync::{Arc, MutexGuard};
 
+use arc_swap::Guard;
+
 use super::{
-    hash_tenant, lock, micros_ceil, note_period, stored, write_back, MemoryStore, Shard, ToolCell,
-    ToolEntry,
+    find_tool, hash_tenant, lock, micros_ceil, note_period, stored, write_back, MemoryStore, Shard,
+    ToolCell, ToolEntry,
 };
 use crate::admission::engine::{self, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
 
-/// Where one plan's states live: its tenant's hash and shard, its tool's cell and period.
-struct Place {
+/// Where one plan's states live: its tenant's hash and shard, its tool's cell (borrowed from
+/// the store's list of tools, read once for the call) and period.
+struct Place<'c> {
     hash: u64,
     shard: usize,
-    cell: Arc<ToolCell>,
+    cell: &'c Arc<ToolCell>,
     period: f64,
 }
 
@@ -30,7 +33,8 @@ type Shards<'g> = [Option<(usize, MutexGuard<'g, Shard>)>; MAX];
 /// refusal and nothing written.
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let plans = &plans[..plans.len().min(MAX)];
-    let places: Vec<Place> = plans.iter().map(|p| place(store, p)).collect();
+    let cells = tool_cells(store, plans);
+    let places: Vec<Place<'_>> = plans.iter().map(|p| place(store, &cells, p)).collect();
     let mut shards = lock_shards(store, &places);
     let mut tools = lock_tools(&places);
     // Each plan decided on its states where they lie (they are some 600 bytes a plan: moved
@@ -60,21 +64,38 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
-/// Where `plan`'s states live.
-fn place(store: &MemoryStore, plan: &Plan<'_>) -> Place {
+/// The store's list of tools, with a cell for every plan's tool (made for those never called).
+fn tool_cells(store: &MemoryStore, plans: &[Plan<'_>]) -> Guard<Arc<Vec<Arc<ToolCell>>>> {
+    let cells = store.tools.load();
+    if plans
+        .iter()
+        .all(|p| find_tool(&cells, p.tool.name()).is_some())
+    {
+        return cells;
+    }
+    drop(cells);
+    for p in plans {
+        store.tool_cell(p.tool.name());
+    }
+    // The list only grows: every plan's tool is in it now.
+    store.tools.load()
+}
+
+/// Where `plan`'s states live; its tool's cell is in `cells`.
+fn place<'c>(store: &MemoryStore, cells: &'c [Arc<ToolCell>], plan: &Plan<'_>) -> Place<'c> {
     let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
     let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
-    let cell = store.tool_cell(tool);
+    let cell = find_tool(cells, tool).expect("every plan's tool has a cell");
     Place {
         hash,
         shard: store.shard_index(hash),
-        period: note_period(&cell, plan),
+        period: note_period(cell, plan),
         cell,
     }
 }
 
 /// The places' shards locked in shard order (the order a call of one tool takes one in).
-fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place]) -> Shards<'g> {
+fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place<'_>]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..places.len()];
     order.sort_unstable_by_key(|&i| places[i].shard);
@@ -93,11 +114,11 @@ fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place]) -> Shards<'g> {
 
 /// The places' tools locked in name order (after the shards, as a call of one tool locks
 /// its tool), held in the places' order.
-fn lock_tools(places: &[Place]) -> [Option<MutexGuard<'_, ToolEntry>>; MAX] {
+fn lock_tools<'c>(places: &[Place<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..places.len()];
     order.sort_unstable_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
-    let mut tools: [Option<MutexGuard<'_, ToolEntry>>; MAX] = Default::default();
+    let mut tools: [Option<MutexGuard<'c, ToolEntry>>; MAX] = Default::default();
     for &i in order.iter() {
         tools[i] = Some(lock(&places[i].cell.inner));
     }
@@ -114,7 +135,7 @@ fn shard_of<'a>(shards: &'a mut Shards<'_>, index: usize) -> &'a mut Shard {
 }
 
 /// The plan's tenant and instance states as stored (fresh where none is).
-fn states(shard: &Shard, plan: &Plan<'_>, place: &Place) -> Snapshot {
+fn states(shard: &Shard, plan: &Plan<'_>, place: &Place<'_>) -> Snapshot {
     let entry = shard.tenants.find(place.hash, |e| {
         e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
     });
@@ -128,7 +149,7 @@ fn write(
     store: &MemoryStore,
     shard: &mut Shard,
     plan: &Plan<'_>,
-    place: &Place,
+    place: &Place<'_>,
     snap: &Snapshot,
     expires: [u64; 3],
 ) {
