@@ -1,9 +1,11 @@
 //! The axum app `scripts/bench-app` loads with wrk: what a user's service feels of the layer.
 //!
-//! `app --store bare|memory|redis [--redis URL] [--hammer] [--lease-off] [--listen ADDR]` serves, on a
-//! current-thread runtime (one core), `POST /tools/{name}` (a tool: the layer decides it) and
-//! `GET /health` (no tool: the layer passes it unmetered), behind an auth layer that makes the
-//! caller from the `x-api-key` header. `bare` is the same app without the fair-share layer.
+//! `app --store bare|nothing|memory|redis [--redis URL] [--hammer] [--lease-off] [--listen ADDR]`
+//! serves, on a current-thread runtime (one core), `POST /tools/{name}` (a tool: the layer
+//! decides it) and `GET /health` (no tool: the layer passes it unmetered), behind an auth layer
+//! that makes the caller from the `x-api-key` header. `bare` is the same app without the
+//! fair-share layer; `nothing` has, in its place, a layer that does nothing but what every layer
+//! does in axum (wrap each route, be cloned for each request, with an `Arc` of its settings).
 //! The policy is generous (nothing is refused) and sets nothing about leases. With
 //! `--hammer`, a task on the same runtime calls `Limiter::admit` in a tight loop for a caller
 //! of its own, as a runaway agent in the same process would; with `--lease-off` the policy
@@ -11,6 +13,8 @@
 //! serves until it is killed.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use axum::extract::Request;
 use axum::middleware::{self, Next};
@@ -43,6 +47,36 @@ fn routes() -> Router {
     Router::new()
         .route("/tools/{name}", post(|| async { "ok" }))
         .route("/health", get(|| async { "ok" }))
+}
+
+/// A layer that does nothing: what any layer costs an axum app, for comparison.
+#[derive(Clone)]
+struct Nothing<S = ()> {
+    inner: S,
+    settings: Arc<()>,
+}
+
+impl<S> tower::Layer<S> for Nothing {
+    type Service = Nothing<S>;
+
+    fn layer(&self, inner: S) -> Nothing<S> {
+        let settings = self.settings.clone();
+        Nothing { inner, settings }
+    }
+}
+
+impl<S: tower::Service<Request>> tower::Service<Request> for Nothing<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request) -> S::Future {
+        self.inner.call(req)
+    }
 }
 
 fn with_layer<S: Store, C: tower_fairshare::Clock>(limiter: Limiter<S, C>, hammer: bool) -> Router {
@@ -87,13 +121,20 @@ fn main() {
         let policy = Policy::from_toml_str(&text).expect("the bench policy");
         let app = match store.as_str() {
             "bare" => routes().layer(middleware::from_fn(auth)),
+            "nothing" => {
+                let nothing = Nothing {
+                    inner: (),
+                    settings: Arc::new(()),
+                };
+                routes().layer(nothing).layer(middleware::from_fn(auth))
+            }
             "memory" => with_layer(Limiter::new(policy), hammer),
             "redis" => {
                 let url = arg("--redis").expect("--redis URL");
                 let store = RedisStore::builder(url).connect().await.expect("Redis");
                 with_layer(Limiter::with_store(policy, store, SystemClock), hammer)
             }
-            other => panic!("--store bare|memory|redis, not {other}"),
+            other => panic!("--store bare|nothing|memory|redis, not {other}"),
         };
         let listener = tokio::net::TcpListener::bind(listen).await.expect("bind");
         println!("listening on {}", listener.local_addr().unwrap());
