@@ -6,9 +6,9 @@
 //! The decision is pure — policy, stored numbers and `now` in; new numbers and what was
 //! charged out, or a refusal — and lives in rooms along its seams: `plan` (the call and its
 //! keys), `state` (what a store keeps per level, what a call charged), `bucket` (token-bucket
-//! arithmetic), `template` (template callers counted), `walk` (a call's levels at its
-//! instant, and which bucket of which level each unit is drawn from), `decide` (the decision) and `adjust` (corrections and permits after
-//! it).
+//! arithmetic), `template` (template callers counted), `walk` (a call's levels at its instant,
+//! and which bucket of which level each unit is drawn from), `decide` (the decision) and
+//! `adjust` (corrections and permits after it).
 //!
 //! The algorithm — three buckets per caller, the pool, borrowing, the window counts, template
 //! callers and their banks — is stated for users in `docs/semantics.md` (*How it works*);

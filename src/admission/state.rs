@@ -329,32 +329,6 @@ impl std::ops::Deref for Stored {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Equal counters are equal values, whatever a cleared list held before: a cleared and
-    /// refilled list compares by what it holds now.
-    #[test]
-    fn cleared_lists_compare_by_what_they_hold() {
-        let day = BudgetCounter {
-            period: BudgetPeriod::Day,
-            start: 86_400e6,
-            used: 2.0,
-        };
-        let hour = BudgetCounter {
-            period: BudgetPeriod::Hour,
-            start: 3_600e6,
-            used: 1.0,
-        };
-        let mut reused: Budgets = [day, hour].into_iter().collect();
-        reused.clear();
-        reused.set(day);
-        let fresh: Budgets = [day].into_iter().collect();
-        assert_eq!(reused, fresh);
-    }
-}
-
 /// The stored states a decision reads; on an admission, the states to write back.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
@@ -381,5 +355,31 @@ impl Snapshot {
             1 => &mut self.tenant,
             _ => &mut self.instance,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal counters are equal values, whatever a cleared list held before: a cleared and
+    /// refilled list compares by what it holds now.
+    #[test]
+    fn cleared_lists_compare_by_what_they_hold() {
+        let day = BudgetCounter {
+            period: BudgetPeriod::Day,
+            start: 86_400e6,
+            used: 2.0,
+        };
+        let hour = BudgetCounter {
+            period: BudgetPeriod::Hour,
+            start: 3_600e6,
+            used: 1.0,
+        };
+        let mut reused: Budgets = [day, hour].into_iter().collect();
+        reused.clear();
+        reused.set(day);
+        let fresh: Budgets = [day].into_iter().collect();
+        assert_eq!(reused, fresh);
     }
 }
