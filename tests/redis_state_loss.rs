@@ -191,3 +191,32 @@ fn the_first_call_after_redis_is_back_does_not_see_the_broken_connection() {
         }
     });
 }
+
+/// Two replicas check the tool's epoch marker at the same moment after Redis lost it: one of
+/// them sets the new marker and both read that one, so each reports the loss once and neither
+/// reports it again at its next checks (a replica that kept a marker of its own would count a
+/// loss that never happened).
+#[test]
+fn replicas_checking_at_once_after_a_loss_agree_on_the_new_marker() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(MID_HOUR);
+    current_thread().block_on(async {
+        let (a, b) = (
+            replica(&server, &clock).await,
+            replica(&server, &clock).await,
+        );
+        assert_eq!(spend(&a, &clock, 3, 5).await, 5);
+        assert_eq!(spend(&b, &clock, 3, 5).await, 5);
+        restart_empty(&server);
+        let (ha, hb) = tokio::join!(a.store().check_health(), b.store().check_health());
+        assert_eq!(ha.unwrap().lost_tools, ["report"]);
+        assert_eq!(hb.unwrap().lost_tools, ["report"]);
+        for _ in 0..3 {
+            let (ha, hb) = tokio::join!(a.store().check_health(), b.store().check_health());
+            let (ha, hb) = (ha.unwrap(), hb.unwrap());
+            assert!(ha.lost_tools.is_empty(), "a found a loss again");
+            assert!(hb.lost_tools.is_empty(), "b found a loss again");
+            assert_eq!((ha.states_lost, hb.states_lost), (1, 1), "losses counted");
+        }
+    });
+}

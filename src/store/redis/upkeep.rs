@@ -138,37 +138,20 @@ impl Shared {
         key.push_str(&wire::epoch_key(&crate::key::tool_key(tool)));
         let mine = self.ids.next().to_le_bytes().to_vec();
         let ttl = wire::MARKER_TTL.as_secs();
-        // Plain commands, not a script: a check never shows up as a decision in Redis's
-        // command statistics.
-        let mut set = redis::cmd("SET");
-        set.arg(&key)
-            .arg(&mine)
-            .arg("NX")
-            .arg("GET")
-            .arg("EX")
-            .arg(ttl);
-        let found: Option<Vec<u8>> = match self.query(&set).await {
-            Ok(v) => v,
-            // Before Redis 7, SET cannot take NX and GET together.
-            Err(StoreError::Protocol(_)) => {
-                let get: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
-                if get.is_none() {
-                    let _: Option<String> = self
-                        .query(
-                            redis::cmd("SET")
-                                .arg(&key)
-                                .arg(&mine)
-                                .arg("NX")
-                                .arg("EX")
-                                .arg(ttl),
-                        )
-                        .await?;
-                }
-                get
-            }
-            Err(e) => return Err(e),
-        };
-        if found.is_some() {
+        // Set if missing, then read: whichever replica's `SET NX` won, every replica reads the
+        // same marker, on every Redis version. Plain commands, not a script: a check never
+        // shows up as a decision in Redis's command statistics.
+        let set: Option<String> = (self.query(
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(&mine)
+                .arg("NX")
+                .arg("EX")
+                .arg(ttl),
+        ))
+        .await?;
+        let found: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
+        if set.is_none() {
             // Seen: it lives its TTL (32 days) past this check.
             let _: i64 = self.query(redis::cmd("EXPIRE").arg(&key).arg(ttl)).await?;
         }
