@@ -141,15 +141,9 @@ impl Shared {
         // Set if missing, then read: whichever replica's `SET NX` won, every replica reads the
         // same marker, on every Redis version. Plain commands, not a script: a check never
         // shows up as a decision in Redis's command statistics.
-        let set: Option<String> = (self.query(
-            redis::cmd("SET")
-                .arg(&key)
-                .arg(&mine)
-                .arg("NX")
-                .arg("EX")
-                .arg(ttl),
-        ))
-        .await?;
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg(&mine).arg("NX").arg("EX").arg(ttl);
+        let set: Option<String> = self.query(&set).await?;
         let found: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
         if set.is_none() {
             // Seen: it lives its TTL (32 days) past this check.
