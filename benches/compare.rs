@@ -762,16 +762,19 @@ return {1, 0}
         (commands, script_us)
     }
 
-    /// Commands Redis processed but the stores' own upkeep (each store checks its tools'
-    /// epoch markers every second with plain `SET` / `GET` / `EXPIRE`, which no decision
-    /// sends) and this bench's `INFO` and `CONFIG`.
+    /// Commands Redis processed but the stores' own upkeep, which no decision sends (each
+    /// store checks its tools' epoch markers every second with plain `SET` / `GET` / `EXPIRE`,
+    /// and announces itself to the other replicas every second with `TIME`, `HGETALL`, `HSET`,
+    /// `HDEL` and `PEXPIRE`) and this bench's `INFO` and `CONFIG`. Decisions are scripts.
     async fn commands_but_upkeep(con: &mut redis::aio::MultiplexedConnection) -> u64 {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(con)
             .await
             .expect("INFO commandstats");
-        let upkeep = ["set", "get", "expire", "info", "config"];
+        let upkeep = [
+            "set", "get", "expire", "time", "hgetall", "hset", "hdel", "pexpire", "info", "config",
+        ];
         info.lines()
             .filter_map(|l| l.strip_prefix("cmdstat_"))
             .filter_map(|l| l.split_once(':'))
