@@ -1,12 +1,13 @@
-//! The in-process store: each tool's state, with its tenants', behind one short lock.
+//! The in-process store: state in a sharded map, one short lock per shard a decision touches.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{
     AtomicU64,
-    Ordering::{Relaxed, Release},
+    Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
@@ -23,15 +24,14 @@ use packed::Packed;
 
 /// Keeps admission state in this process.
 ///
-/// Tools are spread over independently locked shards by name, and each tool keeps its
-/// tenants (with their instances inside them) in its own tables: a decision locks its tool's
-/// shard, finds its tenant with one hash lookup and decides — one short lock, which every
-/// decision of that tool needs anyway. Refusals the store remembers sit apart, under locks of
-/// their own, so a caller looping on a refused call does not take its tool's lock. Idle state
-/// is swept out once it is equivalent to fresh state (buckets full, windows closed, no permits
-/// held, no longer counted as a template caller: the counts live in the parents' states), a
-/// part of a tool's tenants every few thousand decisions, and template callers are bounded by
-/// `max_tenants` / `max_instances`, so an identity flood cannot grow memory without limit.
+/// Tenants (with their instances inside them) are spread over independently locked shards;
+/// each tool's state sits behind a lock of its own that every tenant entry points to. A
+/// decision finds its tenant with one hash lookup, locks its shard, then its tool: two short
+/// locks, no global lock and no lock-order cycle. Idle state is swept out once it is
+/// equivalent to fresh state (buckets full, windows closed, no permits held, no longer counted
+/// as a template caller: the counts live in the parents' states), and template callers are
+/// bounded by `max_tenants` / `max_instances`, so an identity flood cannot grow memory without
+/// limit.
 ///
 /// ```
 /// use tower_fairshare::MemoryStore;
@@ -39,11 +39,12 @@ use packed::Packed;
 /// assert_eq!(store.len(), 0);
 /// ```
 pub struct MemoryStore {
-    shards: Box<[Padded<Mutex<Shard>>]>,
-    /// Refusals remembered (see [`MemoryStore::refusal_cache`]).
-    memo: memo::Memo,
+    shards: Box<[Padded]>,
+    tools: ArcSwap<Vec<Arc<ToolCell>>>,
+    /// Serialises adding a tool (rare: once per tool name).
+    adding_tool: Mutex<()>,
     hasher: RandomState,
-    /// Whether refusals with a sure wait are remembered.
+    /// Whether refusals with a sure wait are remembered (see [`MemoryStore::refusal_cache`]).
     remember: bool,
 }
 
@@ -56,114 +57,52 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
-/// A value on cache lines of its own, so threads locking neighbours do not share one.
+/// A shard on a cache line of its own, so threads locking neighbouring shards do not share one.
 #[repr(align(128))]
-struct Padded<T>(T);
+struct Padded(Mutex<Shard>);
 
-/// The tools whose names fall in one shard (most shards hold one or none).
 #[derive(Default)]
 struct Shard {
-    tools: Vec<ToolEntry>,
+    tenants: HashTable<Box<TenantEntry>>,
+    ops: u64,
+    /// Refusals remembered for the calls of this shard's tenants.
+    memo: memo::Memo,
 }
 
-impl Shard {
-    /// The entry of the tool `name`, added on first use.
-    fn tool(&mut self, name: &str) -> &mut ToolEntry {
-        match self.tools.iter().position(|t| *t.name == *name) {
-            Some(at) => &mut self.tools[at],
-            None => {
-                self.tools.push(ToolEntry::new(name));
-                self.tools.last_mut().expect("just pushed")
-            }
-        }
-    }
-
-    /// The entry of the tool `name`, if it was ever called.
-    fn find(&mut self, name: &str) -> Option<&mut ToolEntry> {
-        self.tools.iter_mut().find(|t| *t.name == *name)
-    }
+/// One tool's state.
+struct ToolCell {
+    name: Arc<str>,
+    /// The tool's period (µs, as `f64` bits) as of the last decision: a packed state's window
+    /// is worked out with it when it is read outside a decision.
+    period: AtomicU64,
+    /// How many times units or permits were given back to the tool or below it (refunds,
+    /// corrections, releases): a refusal remembered before one may no longer stand.
+    given_back: AtomicU64,
+    inner: Mutex<ToolEntry>,
 }
 
-/// One tool's state and its tenants'.
+#[derive(Default)]
 struct ToolEntry {
-    name: Box<str>,
     state: NodeState,
     /// Its unlisted tenants counted per plan (they expire with its state).
     plans: PlanCounts,
     expires: u64,
-    /// The tool's period (µs) as of the last decision: a packed state's window is worked out
-    /// with it when it is read outside a decision.
-    period: f64,
-    /// How many times units or permits were given back to the tool or below it (refunds,
-    /// corrections, releases): a refusal remembered before one may no longer stand. Read by
-    /// the memo without this entry's lock.
-    given_back: Arc<AtomicU64>,
-    /// Its tenants, spread over a few tables by hash (each swept, and grown, on its own).
-    tenants: [HashTable<Box<TenantEntry>>; TABLES],
-    /// Decisions made, for sweeping.
-    ops: u64,
-}
-
-/// Tables of tenants per tool.
-const TABLES: usize = 16;
-const SWEEP_EVERY: u64 = 4096;
-
-impl ToolEntry {
-    fn new(name: &str) -> Self {
-        ToolEntry {
-            name: name.into(),
-            state: NodeState::default(),
-            plans: PlanCounts::default(),
-            expires: 0,
-            period: 1.0,
-            given_back: Arc::new(AtomicU64::new(0)),
-            tenants: Default::default(),
-            ops: 0,
-        }
-    }
-
-    /// The table a tenant of hash `hash` is kept in.
-    fn table(&mut self, hash: u64) -> &mut HashTable<Box<TenantEntry>> {
-        &mut self.tenants[table_index(hash)]
-    }
-
-    /// Counts a decision; every [`SWEEP_EVERY`] decisions, sweeps one table in turn.
-    fn count(&mut self, now: u64) {
-        self.ops += 1;
-        if self.ops.is_multiple_of(SWEEP_EVERY) {
-            let at = (self.ops / SWEEP_EVERY) as usize % TABLES;
-            self.tenants[at].retain(|t| !t.sweep(now));
-        }
-    }
-
-    /// Levels whose state is held: the tool's, its tenants' and their instances'.
-    fn len(&self) -> usize {
-        let tenants = self.tenants.iter().flat_map(|t| t.iter());
-        usize::from(self.state.live) + tenants.map(|t| 1 + t.instances.len()).sum::<usize>()
-    }
-
-    /// Drops every state equivalent to fresh state at `now`.
-    fn sweep(&mut self, now: u64) {
-        for t in &mut self.tenants {
-            t.retain(|t| !t.sweep(now));
-        }
-        if self.state.live && self.expires <= now && self.state.in_flight <= 0.0 {
-            (self.state, self.plans, self.expires) = Default::default();
-        }
-    }
 }
 
 /// A tenant (or an untenanted caller) of one tool, with its instances: packed states, each
 /// holding its name.
 struct TenantEntry {
+    tool: Arc<ToolCell>,
     state: Packed,
     /// Sorted by name; one is held inline.
     instances: Instances,
 }
 
 impl TenantEntry {
-    fn is(&self, tenant: &str, untenanted: bool) -> bool {
-        self.state.untenanted() == untenanted && self.state.name() == tenant.as_bytes()
+    fn is(&self, tool: &str, tenant: &str, untenanted: bool) -> bool {
+        self.state.untenanted() == untenanted
+            && self.state.name() == tenant.as_bytes()
+            && *self.tool.name == *tool
     }
 
     /// Drops idle instances; whether the tenant itself can go.
@@ -180,36 +119,16 @@ fn alive(p: &Packed, now: u64) -> bool {
     p.expires() > now || p.in_flight() > 0.0
 }
 
+const SWEEP_EVERY: u64 = 4096;
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
     }
 }
 
-/// Where a call's states are: its tool's hash (which picks the shard) and its tenant's (in
-/// that tool's tables).
-#[derive(Clone, Copy)]
-struct Place {
-    tool: u64,
-    tenant: u64,
-}
-
-impl Place {
-    fn of(h: &RandomState, tool: &str, tenant: &str, untenanted: bool) -> Place {
-        Place {
-            tool: h.hash_one(tool),
-            tenant: hash_tenant(h, tenant, untenanted),
-        }
-    }
-
-    /// The tag a refusal of this place's call from `instance` is remembered under.
-    fn tag(&self, h: &RandomState, instance: Option<&str>) -> u64 {
-        memo::tag(h.hash_one((self.tool, self.tenant, instance)))
-    }
-}
-
-fn hash_tenant(h: &RandomState, tenant: &str, untenanted: bool) -> u64 {
-    h.hash_one((tenant, untenanted))
+fn hash_tenant(h: &RandomState, tool: &str, tenant: &str, untenanted: bool) -> u64 {
+    h.hash_one((tool, tenant, untenanted))
 }
 
 impl MemoryStore {
@@ -228,8 +147,11 @@ impl MemoryStore {
     pub fn with_shards(n: usize) -> Self {
         let n = n.max(1).next_power_of_two();
         MemoryStore {
-            shards: (0..n).map(|_| Padded(Mutex::default())).collect(),
-            memo: memo::Memo::new(n),
+            shards: (0..n)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect(),
+            tools: ArcSwap::from_pointee(Vec::new()),
+            adding_tool: Mutex::new(()),
             hasher: RandomState::default(),
             remember: true,
         }
@@ -258,9 +180,20 @@ impl MemoryStore {
 
     /// Number of levels (tools, tenants, instances) whose state is held now.
     pub fn len(&self) -> usize {
-        let tools =
-            |s: &Padded<Mutex<Shard>>| lock(&s.0).tools.iter().map(ToolEntry::len).sum::<usize>();
-        self.shards.iter().map(tools).sum::<usize>()
+        let tenants: usize = self
+            .shards
+            .iter()
+            .map(|s| {
+                let s = lock(&s.0);
+                s.tenants
+                    .iter()
+                    .map(|t| 1 + t.instances.len())
+                    .sum::<usize>()
+            })
+            .sum();
+        let tools = self.tools.load();
+        let live = tools.iter().filter(|t| lock(&t.inner).state.live).count();
+        tenants + live
     }
 
     /// Whether no state is held.
@@ -268,48 +201,140 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// Drops every state that is equivalent to fresh state at `now`. Runs by itself, a part of
-    /// a tool's tenants every few thousand decisions; call it to bound memory at a moment of
-    /// your choosing.
+    /// Drops every state that is equivalent to fresh state at `now`. Runs by itself every few
+    /// thousand decisions per shard; call it to bound memory at a moment of your choosing.
     pub fn sweep(&self, now: Timestamp) {
         let now = now.as_micros();
         for s in self.shards.iter() {
-            lock(&s.0).tools.iter_mut().for_each(|t| t.sweep(now));
+            sweep_shard(&mut lock(&s.0), now);
         }
-        self.memo.sweep(now);
+        for t in self.tools.load().iter() {
+            let mut t = lock(&t.inner);
+            if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 {
+                *t = ToolEntry::default();
+            }
+        }
     }
 
-    /// The shard of the tool whose name hashes to `hash`.
     fn shard(&self, hash: u64) -> &Mutex<Shard> {
         &self.shards[self.shard_index(hash)].0
     }
 
+    /// The shard a tenant's hash falls in: its high bits (the table inside the shard indexes
+    /// by the low ones).
     fn shard_index(&self, hash: u64) -> usize {
         (hash >> 40) as usize & (self.shards.len() - 1)
     }
 
-    /// Decides one call: a remembered refusal given again, or the engine run on its tool's,
-    /// tenant's and instance's states under the tool's shard lock, written back if it admits.
+    /// Adds the entry of a tenant new to `shard` (of `hash`, on the tool `cell`), with the
+    /// states an admitted call left it and its instance.
+    #[allow(clippy::too_many_arguments)]
+    fn add_tenant(
+        &self,
+        shard: &mut Shard,
+        hash: u64,
+        cell: Arc<ToolCell>,
+        plan: &Plan<'_>,
+        snap: &Snapshot,
+        expires: [u64; 3],
+        period: f64,
+    ) {
+        let state = Packed::new(
+            plan.tenant.name,
+            plan.untenanted,
+            &snap.tenant,
+            expires[1],
+            period,
+        );
+        let mut entry = Box::new(TenantEntry {
+            tool: cell,
+            state,
+            instances: Instances::None,
+        });
+        write_back(&mut entry, plan, snap, None, expires, period);
+        let hasher = &self.hasher;
+        shard.tenants.insert_unique(hash, entry, |e| {
+            hash_tenant(hasher, &e.tool.name, tenant_name(e), e.state.untenanted())
+        });
+    }
+
+    /// The cell of `tool`, created on first use.
+    fn tool_cell(&self, tool: &str) -> Arc<ToolCell> {
+        if let Some(c) = find_tool(&self.tools.load(), tool) {
+            return c.clone();
+        }
+        let _adding = lock(&self.adding_tool);
+        let tools = self.tools.load_full();
+        if let Some(c) = find_tool(&tools, tool) {
+            return c.clone();
+        }
+        let cell = Arc::new(ToolCell {
+            name: Arc::from(tool),
+            period: AtomicU64::new(1f64.to_bits()),
+            given_back: AtomicU64::new(0),
+            inner: Mutex::new(ToolEntry::default()),
+        });
+        let mut next = Vec::with_capacity(tools.len() + 1);
+        next.extend(tools.iter().cloned());
+        next.push(cell.clone());
+        self.tools.store(Arc::new(next));
+        cell
+    }
+
+    /// Decides one call: its tenant found with one lookup (with its instances in it), a
+    /// remembered refusal given again, or the engine run on the states under the tool's lock
+    /// and written back if it admits.
     fn decide_now(&self, plan: &Plan<'_>) -> Decision {
         let (tool, tenant, untenanted) = (plan.tool.name(), &**plan.tenant.name, plan.untenanted);
-        let at = Place::of(&self.hasher, tool, tenant, untenanted);
-        let instance = plan.instance.map(|i| &**i.name);
-        let looks = self.remember && self.memo.holds_any();
-        let tag = || at.tag(&self.hasher, instance);
-        if let Some(r) = looks.then(tag).and_then(|tag| self.memo.recall(tag, plan)) {
-            return Decision::Refused(r);
+        let hash = hash_tenant(&self.hasher, tool, tenant, untenanted);
+        // The memo's set of the call, worked out only when a refusal is looked for or kept.
+        let set = || {
+            let instance_hash = plan.instance.map_or(0, |i| self.hasher.hash_one(&**i.name));
+            memo::set_of(hash, instance_hash)
+        };
+        let mut shard = lock(self.shard(hash));
+        let shard = &mut *shard;
+        if self.remember && shard.memo.holds_any() {
+            if let Some(r) = shard.memo.recall(set(), plan) {
+                return Decision::Refused(r);
+            }
         }
-        let mut shard = lock(self.shard(at.tool));
-        let entry = shard.tool(tool);
-        entry.count(plan.now.as_micros());
-        entry.period = plan.tool.period.as_micros() as f64;
-        let count = entry.given_back.load(Relaxed);
-        match decide_in(entry, &self.hasher, at.tenant, plan) {
-            Ok(admission) => Decision::Admitted(Admissions::one(admission)),
+        shard.ops += 1;
+        if shard.ops.is_multiple_of(SWEEP_EVERY) {
+            sweep_shard(shard, plan.now.as_micros());
+        }
+        let found = shard
+            .tenants
+            .find_mut(hash, |e| e.is(tool, tenant, untenanted));
+        // The tool's cell: its tenant's (borrowed), or a new tenant's (made on first use).
+        let new_cell;
+        let cell = match &found {
+            Some(entry) => &entry.tool,
+            None => {
+                new_cell = self.tool_cell(tool);
+                &new_cell
+            }
+        };
+        let period = note_period(cell, plan);
+        let entry = found.as_deref().map(|e| &**e);
+        let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
+        let mut snap = stored(entry, slot, period);
+        let given_back = cell.given_back.load(Acquire);
+        match decide_under(cell, plan, &mut snap) {
+            Ok(admitted) => {
+                let expires = admitted.expires.map(micros_ceil);
+                match found {
+                    Some(entry) => write_back(entry, plan, &snap, slot, expires, period),
+                    None => {
+                        let cell = cell.clone();
+                        self.add_tenant(shard, hash, cell, plan, &snap, expires, period)
+                    }
+                }
+                Decision::Admitted(Admissions::one(admitted.admission))
+            }
             Err(r) => {
                 if self.remember {
-                    self.memo
-                        .remember(tag(), plan, &entry.given_back, count, &r);
+                    shard.memo.remember(set(), plan, cell, given_back, &r);
                 }
                 Decision::Refused(r)
             }
@@ -319,19 +344,29 @@ impl MemoryStore {
     /// Runs `f` on each stored level of `keys` (0 tool, 1 tenant, 2 instance), writing back
     /// what it changed.
     fn update(&self, keys: &CallKeys, mut f: impl FnMut(usize, &mut NodeState)) {
-        let at = Place::of(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
-        let mut shard = lock(self.shard(at.tool));
-        let Some(tool) = shard.find(&keys.tool) else {
+        let hash = hash_tenant(&self.hasher, &keys.tool, &keys.tenant, keys.untenanted);
+        let mut shard = lock(self.shard(hash));
+        let entry = shard
+            .tenants
+            .find_mut(hash, |e| e.is(&keys.tool, &keys.tenant, keys.untenanted));
+        let cell = match &entry {
+            Some(e) => Some(e.tool.clone()),
+            None => find_tool(&self.tools.load(), &keys.tool).cloned(),
+        };
+        let Some(cell) = cell else {
             return;
         };
-        let before = tool.state;
-        if tool.state.live {
-            f(0, &mut tool.state);
+        let mut changed = false;
+        {
+            let mut tool = lock(&cell.inner);
+            if tool.state.live {
+                let before = tool.state;
+                f(0, &mut tool.state);
+                changed = tool.state != before;
+            }
         }
-        let mut changed = tool.state != before;
-        let period = tool.period;
-        let table = tool.table(at.tenant);
-        if let Some(entry) = table.find_mut(at.tenant, |e| e.is(&keys.tenant, keys.untenanted)) {
+        if let Some(entry) = entry {
+            let period = f64::from_bits(cell.period.load(Relaxed));
             let mut each = |level: usize, p: &mut Packed| {
                 let before = p.state(period);
                 let mut s = before;
@@ -348,49 +383,16 @@ impl MemoryStore {
                 }
             }
         }
-        // Counted once the change is in place: a remembered refusal read against the count
-        // after this is forgotten.
+        // Counted once the change is in place: a decision that reads the count after this
+        // sees the change, and one that read it before remembers nothing past it.
         if changed {
-            tool.given_back.fetch_add(1, Release);
+            cell.given_back.fetch_add(1, Release);
         }
     }
 }
 
-/// Decides `plan` on its states in its tool's `entry` (its tenant's hash: `hash`); admitted,
-/// every state is written back (its tenant added if new) and the answer returned.
-fn decide_in(
-    entry: &mut ToolEntry,
-    hasher: &RandomState,
-    hash: u64,
-    plan: &Plan<'_>,
-) -> Result<Arc<Admission>, crate::Refusal> {
-    let period = entry.period;
-    let ToolEntry {
-        state,
-        plans,
-        expires,
-        tenants,
-        ..
-    } = entry;
-    let table = &mut tenants[table_index(hash)];
-    let found = table.find_mut(hash, |e| e.is(plan.tenant.name, plan.untenanted));
-    let slot = found
-        .as_deref()
-        .and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
-    let mut snap = stored(found.as_deref().map(|e| &**e), slot, period);
-    (snap.tool, snap.plans) = (*state, *plans);
-    let admitted = engine::decide(plan, &mut snap)?;
-    let ends = admitted.expires.map(micros_ceil);
-    (*state, *plans, *expires) = (snap.tool, snap.plans, ends[0]);
-    match found {
-        Some(e) => write_back(e, plan, &snap, slot, ends, period),
-        None => add_tenant(table, hasher, hash, plan, &snap, ends, period),
-    }
-    Ok(admitted.admission)
-}
-
 /// A call's tenant and instance states as stored in its tenant's `entry`, its instance at
-/// `slot` (fresh where none is); the tool's are the caller's to fill in.
+/// `slot` (fresh where none is); the tool's is read under its lock.
 fn stored(
     entry: Option<&TenantEntry>,
     slot: Option<Result<usize, usize>>,
@@ -408,27 +410,18 @@ fn stored(
     }
 }
 
-/// Adds to `table` the entry of a tenant new there (of `hash`), with the states an admitted
-/// call left it and its instance.
-fn add_tenant(
-    table: &mut HashTable<Box<TenantEntry>>,
-    hasher: &RandomState,
-    hash: u64,
+/// Decides `plan` on `snap` under the tool's lock; admitted, the tool's state is written.
+fn decide_under(
+    cell: &ToolCell,
     plan: &Plan<'_>,
-    snap: &Snapshot,
-    expires: [u64; 3],
-    period: f64,
-) {
-    let (name, untenanted) = (plan.tenant.name, plan.untenanted);
-    let state = Packed::new(name, untenanted, &snap.tenant, expires[1], period);
-    let mut entry = Box::new(TenantEntry {
-        state,
-        instances: Instances::None,
-    });
-    write_back(&mut entry, plan, snap, None, expires, period);
-    table.insert_unique(hash, entry, |e| {
-        hash_tenant(hasher, tenant_name(e), e.state.untenanted())
-    });
+    snap: &mut Snapshot,
+) -> Result<engine::Admitted, crate::Refusal> {
+    let mut tool = lock(&cell.inner);
+    (snap.tool, snap.plans) = (tool.state, tool.plans);
+    let admitted = engine::decide(plan, snap)?;
+    (tool.state, tool.plans) = (snap.tool, snap.plans);
+    tool.expires = micros_ceil(admitted.expires[0]);
+    Ok(admitted)
 }
 
 /// Writes an admitted call's tenant and instance states into its tenant's `entry`; `slot`
@@ -455,16 +448,29 @@ fn write_back(
     }
 }
 
-/// The table of a tool's tenants that a tenant of hash `hash` is kept in: its high bits (a
-/// table indexes by others).
-fn table_index(hash: u64) -> usize {
-    (hash >> 40) as usize % TABLES
+/// Notes the tool's period for reading packed states outside a decision; the period.
+fn note_period(cell: &ToolCell, plan: &Plan<'_>) -> f64 {
+    let period = plan.tool.period.as_micros() as f64;
+    if cell.period.load(Relaxed) != period.to_bits() {
+        cell.period.store(period.to_bits(), Relaxed);
+    }
+    period
+}
+
+/// The cell of the tool `name`, if it has one.
+fn find_tool<'t>(tools: &'t [Arc<ToolCell>], name: &str) -> Option<&'t Arc<ToolCell>> {
+    tools.iter().find(|c| *c.name == *name)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding a lock cannot leave a half-written decision: states are written
     // only after the pure decision returns. So a poisoned lock is still consistent.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sweep_shard(s: &mut Shard, now: u64) {
+    s.tenants.retain(|t| !t.sweep(now));
+    s.memo.sweep(now);
 }
 
 /// `x` µs rounded up; `u64::MAX` (never) past some 285,000 years, or when not a number.
@@ -522,9 +528,8 @@ impl Store for MemoryStore {
     fn inspect(&self, keys: &CallKeys) -> Answer<Stored> {
         let mut out = Stored::default();
         self.update(keys, |level, s| out.levels[level] = Some(*s));
-        let hash = self.hasher.hash_one(&*keys.tool);
-        if let Some(tool) = lock(self.shard(hash)).find(&keys.tool) {
-            out.plans = tool.plans;
+        if let Some(cell) = find_tool(&self.tools.load(), &keys.tool) {
+            out.plans = lock(&cell.inner).plans;
         }
         Answer::Now(Ok(out))
     }

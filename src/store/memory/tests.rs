@@ -25,42 +25,36 @@ fn plan<'a>(tool: &'a Arc<crate::policy::ToolPolicy>, name: &'a Arc<str>, us: u6
     }
 }
 
-/// Two calls whose tags pick the same set are both remembered (one in each of its slots); a
+/// Two calls whose hashes pick the same set are both remembered (one in each of its slots); a
 /// third takes the slot of the refusal whose wait ends first.
 #[test]
 fn calls_that_meet_in_a_set_are_remembered_side_by_side() {
     let policy = tool_t("limit = 60, per = \"1m\"", "");
     let tool = policy.tool("t").expect("listed");
-    let given_back = Arc::new(AtomicU64::new(0));
+    let cell = MemoryStore::new().tool_cell("t");
     let names: Vec<Arc<str>> = ["a", "b", "c"].into_iter().map(Arc::from).collect();
     let plans: Vec<Plan<'_>> = names.iter().map(|n| plan(tool, n, 0)).collect();
-    let memo = memo::Memo::new(16);
-    // Tags that differ only in their low bits: one set. Waits of 3 s, 2 s and 5 s.
-    let tags = [0x7003, 0x7005, 0x7007];
-    for ((p, tag), secs) in plans.iter().zip(tags).zip([3, 2, 5]) {
+    let mut memo = memo::Memo::default();
+    // Waits of 3 s, 2 s and 5 s.
+    for (p, secs) in plans.iter().zip([3, 2, 5]) {
         let mut r = crate::Refusal::new(crate::Reason::RateLimited, "t");
         r.retryable = true;
         r.not_before = Some(std::time::Duration::from_secs(secs));
-        memo.remember(tag, p, &given_back, 0, &r);
+        memo.remember(7, p, &cell, 0, &r);
         if secs == 2 {
-            assert!(memo.recall(tags[0], &plans[0]).is_some(), "a stays");
-            assert!(memo.recall(tag, p).is_some(), "b beside it");
+            assert!(memo.recall(7, &plans[0]).is_some(), "a stays");
+            assert!(memo.recall(7, p).is_some(), "b beside it");
         }
     }
     assert!(
-        memo.recall(tags[0], &plans[0]).is_some(),
+        memo.recall(7, &plans[0]).is_some(),
         "a's wait ends last of the two: kept"
     );
     assert!(
-        memo.recall(tags[1], &plans[1]).is_none(),
+        memo.recall(7, &plans[1]).is_none(),
         "b's wait ended first: its slot went to c"
     );
-    assert!(memo.recall(tags[2], &plans[2]).is_some());
-    // Something given back to the tool: every refusal remembered before is forgotten.
-    given_back.fetch_add(1, Release);
-    assert!(memo.recall(tags[0], &plans[0]).is_none());
-    assert!(memo.recall(tags[2], &plans[2]).is_none());
-    assert!(!memo.holds_any(), "forgotten refusals leave no tag behind");
+    assert!(memo.recall(7, &plans[2]).is_some());
 }
 
 /// A refused call with a sure wait is remembered and the same call answered from memory until
@@ -71,7 +65,7 @@ fn a_refusal_with_a_sure_wait_is_remembered_for_that_wait() {
     let policy = tool_t("limit = 60, per = \"1m\"", "ceiling = 1\nburst = 1\n");
     let tool = policy.tool("t").expect("listed");
     let name = Arc::from("a");
-    let remembered = |s: &MemoryStore| s.memo.holds_any();
+    let remembered = |s: &MemoryStore| s.shards.iter().any(|p| lock(&p.0).memo.holds_any());
     for on in [true, false] {
         let store = MemoryStore::new().refusal_cache(on);
         assert!(matches!(
@@ -110,40 +104,4 @@ fn a_refused_newcomer_is_not_stored() {
     assert!(admitted > 0 && admitted < names.len(), "{admitted}");
     // The tool and one state per admitted tenant: those refused left nothing behind.
     assert_eq!(store.len(), 1 + admitted);
-}
-
-/// A call refused from memory takes none of its tool's locks: it is answered while another
-/// thread holds the shard of its tool (as a long decision of that tool would).
-#[test]
-fn a_remembered_refusal_is_given_without_the_tools_lock() {
-    let policy = tool_t("limit = 60, per = \"1m\"", "ceiling = 1\nburst = 1\n");
-    let tool = policy.tool("t").expect("listed");
-    let name: Arc<str> = Arc::from("a");
-    let store = MemoryStore::new();
-    assert!(matches!(
-        store.decide_now(&plan(tool, &name, 0)),
-        Decision::Admitted(_)
-    ));
-    assert!(matches!(
-        store.decide_now(&plan(tool, &name, 0)),
-        Decision::Refused(_)
-    ));
-    let held = lock(store.shard(store.hasher.hash_one("t")));
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let again = store.decide_now(&plan(tool, &name, 1_000));
-            tx.send(matches!(again, Decision::Refused(_)))
-                .expect("sent");
-        });
-        // A deadline, not a wait for time to pass: the answer comes at once, or never while
-        // the lock is held.
-        let answer = rx.recv_timeout(std::time::Duration::from_secs(10));
-        drop(held);
-        assert_eq!(
-            answer,
-            Ok(true),
-            "refused from memory, the tool's lock held elsewhere"
-        );
-    });
 }

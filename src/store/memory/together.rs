@@ -1,70 +1,108 @@
-//! A call charged to several tools at once: the tools' shards locked (in shard order, each
-//! once), so the plans are decided on states nobody else changes, and written only if every
+//! A call charged to several tools at once: every tenant's shard locked (in shard order), then
+//! every tool's cell (in name order) — the order a call of one tool takes them in, shard then
+//! tool — so the plans are decided on states nobody else changes, and written only if every
 //! plan is admitted.
 
-use std::sync::MutexGuard;
+use std::sync::{Arc, MutexGuard};
+
+use arc_swap::Guard;
 
 use super::{
-    add_tenant, lock, micros_ceil, stored, table_index, write_back, MemoryStore, Place, Shard,
-    ToolEntry,
+    find_tool, hash_tenant, lock, micros_ceil, note_period, stored, write_back, MemoryStore, Shard,
+    ToolCell, ToolEntry,
 };
 use crate::admission::engine::{self, Plan, Snapshot};
 use crate::store::{Admissions, Decision};
 
+/// Where one plan's states live: its tenant's hash and shard, its tool's cell (borrowed from
+/// the store's list of tools, read once for the call) and period.
+struct Place<'c> {
+    hash: u64,
+    shard: usize,
+    cell: &'c Arc<ToolCell>,
+    period: f64,
+}
+
 /// The most tools a call is charged to (the limiter refuses more).
 const MAX: usize = crate::limiter::MAX_TOOLS_PER_CALL;
 
-/// The shards a call's tools live in, each locked once, with its index.
+/// The shards a call's tenants live in, each locked once, with its index.
 type Shards<'g> = [Option<(usize, MutexGuard<'g, Shard>)>; MAX];
 
 /// Decides `plans` (of distinct tools) together: all admitted and written, or the first
 /// refusal and nothing written.
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let plans = &plans[..plans.len().min(MAX)];
-    let places: Vec<Place> = plans
-        .iter()
-        .map(|p| Place::of(&store.hasher, p.tool.name(), p.tenant.name, p.untenanted))
-        .collect();
+    let cells = tool_cells(store, plans);
+    let places: Vec<Place<'_>> = plans.iter().map(|p| place(store, &cells, p)).collect();
     let mut shards = lock_shards(store, &places);
+    let mut tools = lock_tools(&places);
     // Each plan decided on its states where they lie (they are some 600 bytes a plan: moved
     // about, they would cost more than the decision), written only once every plan is admitted.
     let mut snaps: Vec<Snapshot> = Vec::with_capacity(plans.len());
     let mut admitted = Vec::with_capacity(plans.len());
-    for (plan, place) in plans.iter().zip(&places) {
-        let tool = tool_of(store, &mut shards, place, plan);
-        tool.period = plan.tool.period.as_micros() as f64;
-        snaps.push(states(tool, plan, place.tenant));
+    for (i, (plan, place)) in plans.iter().zip(&places).enumerate() {
+        snaps.push(states(shard_of(&mut shards, place.shard), plan, place));
         let snap = snaps.last_mut().expect("just pushed");
+        let tool = tools[i].as_ref().expect("locked");
+        (snap.tool, snap.plans) = (tool.state, tool.plans);
         match engine::decide(plan, snap) {
             Ok(a) => admitted.push(a),
             Err(r) => return Decision::Refused(r),
         }
     }
-    for ((plan, place), (snap, a)) in plans.iter().zip(&places).zip(snaps.iter().zip(&admitted)) {
-        let tool = tool_of(store, &mut shards, place, plan);
-        write(
-            tool,
-            store,
-            plan,
-            place.tenant,
-            snap,
-            a.expires.map(micros_ceil),
-        );
+    let parts = plans.iter().zip(&places).zip(tools.iter_mut());
+    for (((plan, place), tool), (snap, a)) in parts.zip(snaps.iter().zip(&admitted)) {
+        let expires = a.expires.map(micros_ceil);
+        let tool = tool.as_mut().expect("locked");
+        (tool.state, tool.plans) = (snap.tool, snap.plans);
+        tool.expires = expires[0];
+        let shard = shard_of(&mut shards, place.shard);
+        write(store, shard, plan, place, snap, expires);
     }
     let admissions = admitted.into_iter().map(|a| a.admission);
     Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
+/// The store's list of tools, with a cell for every plan's tool (made for those never called).
+fn tool_cells(store: &MemoryStore, plans: &[Plan<'_>]) -> Guard<Arc<Vec<Arc<ToolCell>>>> {
+    let cells = store.tools.load();
+    if plans
+        .iter()
+        .all(|p| find_tool(&cells, p.tool.name()).is_some())
+    {
+        return cells;
+    }
+    drop(cells);
+    for p in plans {
+        store.tool_cell(p.tool.name());
+    }
+    // The list only grows: every plan's tool is in it now.
+    store.tools.load()
+}
+
+/// Where `plan`'s states live; its tool's cell is in `cells`.
+fn place<'c>(store: &MemoryStore, cells: &'c [Arc<ToolCell>], plan: &Plan<'_>) -> Place<'c> {
+    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
+    let hash = hash_tenant(&store.hasher, tool, tenant, plan.untenanted);
+    let cell = find_tool(cells, tool).expect("every plan's tool has a cell");
+    Place {
+        hash,
+        shard: store.shard_index(hash),
+        period: note_period(cell, plan),
+        cell,
+    }
+}
+
 /// The places' shards locked in shard order (the order a call of one tool takes one in).
-fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place]) -> Shards<'g> {
+fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place<'_>]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..places.len()];
-    let index = |i: usize| store.shard_index(places[i].tool);
-    order.sort_unstable_by_key(|&i| index(i));
+    order.sort_unstable_by_key(|&i| places[i].shard);
     let mut shards: Shards<'g> = Default::default();
     let mut locked = 0;
     for &i in order.iter() {
-        let shard = index(i);
+        let shard = places[i].shard;
         let held = locked > 0 && matches!(&shards[locked - 1], Some((s, _)) if *s == shard);
         if !held {
             shards[locked] = Some((shard, lock(&store.shards[shard].0)));
@@ -74,53 +112,58 @@ fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place]) -> Shards<'g> {
     shards
 }
 
-/// The entry of `plan`'s tool, in its locked shard (added if new).
-fn tool_of<'a>(
-    store: &MemoryStore,
-    shards: &'a mut Shards<'_>,
-    place: &Place,
-    plan: &Plan<'_>,
-) -> &'a mut ToolEntry {
-    let index = store.shard_index(place.tool);
+/// The places' tools locked in name order (after the shards, as a call of one tool locks
+/// its tool), held in the places' order.
+fn lock_tools<'c>(places: &[Place<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
+    let mut order: [usize; MAX] = std::array::from_fn(|i| i);
+    let order = &mut order[..places.len()];
+    order.sort_unstable_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
+    let mut tools: [Option<MutexGuard<'c, ToolEntry>>; MAX] = Default::default();
+    for &i in order.iter() {
+        tools[i] = Some(lock(&places[i].cell.inner));
+    }
+    tools
+}
+
+fn shard_of<'a>(shards: &'a mut Shards<'_>, index: usize) -> &'a mut Shard {
     let (_, guard) = shards
         .iter_mut()
         .flatten()
         .find(|(i, _)| *i == index)
         .expect("every plan's shard is locked");
-    guard.tool(plan.tool.name())
+    guard
 }
 
-/// The plan's states as stored (fresh where none is).
-fn states(tool: &mut ToolEntry, plan: &Plan<'_>, hash: u64) -> Snapshot {
-    let entry =
-        tool.tenants[table_index(hash)].find(hash, |e| e.is(plan.tenant.name, plan.untenanted));
+/// The plan's tenant and instance states as stored (fresh where none is).
+fn states(shard: &Shard, plan: &Plan<'_>, place: &Place<'_>) -> Snapshot {
+    let entry = shard.tenants.find(place.hash, |e| {
+        e.is(plan.tool.name(), plan.tenant.name, plan.untenanted)
+    });
     let entry = entry.map(|e| &**e);
     let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
-    let mut snap = stored(entry, slot, tool.period);
-    (snap.tool, snap.plans) = (tool.state, tool.plans);
-    snap
+    stored(entry, slot, place.period)
 }
 
-/// Writes an admitted plan's states: its tool's, and its tenant's and instance's (its tenant's
-/// entry added if new).
+/// Writes an admitted plan's tenant and instance states, adding its tenant's entry if new.
 fn write(
-    tool: &mut ToolEntry,
     store: &MemoryStore,
+    shard: &mut Shard,
     plan: &Plan<'_>,
-    hash: u64,
+    place: &Place<'_>,
     snap: &Snapshot,
     expires: [u64; 3],
 ) {
-    (tool.state, tool.plans, tool.expires) = (snap.tool, snap.plans, expires[0]);
-    let period = tool.period;
-    let table = tool.table(hash);
-    match table.find_mut(hash, |e| e.is(plan.tenant.name, plan.untenanted)) {
-        Some(entry) => {
-            let slot = plan.instance.map(|i| entry.instances.find(i.name));
-            write_back(entry, plan, snap, slot, expires, period);
-        }
-        None => add_tenant(table, &store.hasher, hash, plan, snap, expires, period),
+    let (tool, tenant) = (plan.tool.name(), &**plan.tenant.name);
+    if let Some(entry) = shard
+        .tenants
+        .find_mut(place.hash, |e| e.is(tool, tenant, plan.untenanted))
+    {
+        let slot = plan.instance.map(|i| entry.instances.find(i.name));
+        write_back(entry, plan, snap, slot, expires, place.period);
+        return;
     }
+    let cell = place.cell.clone();
+    store.add_tenant(shard, place.hash, cell, plan, snap, expires, place.period);
 }
 
 #[cfg(test)]
