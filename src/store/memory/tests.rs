@@ -105,3 +105,40 @@ fn a_refused_newcomer_is_not_stored() {
     // The tool and one state per admitted tenant: those refused left nothing behind.
     assert_eq!(store.len(), 1 + admitted);
 }
+
+/// A call refused from memory does not take its tool's lock: it is answered while another
+/// thread holds it (as a long decision of that tool would).
+#[test]
+fn a_remembered_refusal_is_given_without_the_tools_lock() {
+    let policy = tool_t("limit = 60, per = \"1m\"", "ceiling = 1\nburst = 1\n");
+    let tool = policy.tool("t").expect("listed");
+    let name: Arc<str> = Arc::from("a");
+    let store = MemoryStore::new();
+    assert!(matches!(
+        store.decide_now(&plan(tool, &name, 0)),
+        Decision::Admitted(_)
+    ));
+    assert!(matches!(
+        store.decide_now(&plan(tool, &name, 0)),
+        Decision::Refused(_)
+    ));
+    let cell = store.tool_cell("t");
+    let held = lock(&cell.inner);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let again = store.decide_now(&plan(tool, &name, 1_000));
+            tx.send(matches!(again, Decision::Refused(_)))
+                .expect("sent");
+        });
+        // A deadline, not a wait for time to pass: the answer comes at once, or never while
+        // the lock is held.
+        let answer = rx.recv_timeout(std::time::Duration::from_secs(10));
+        drop(held);
+        assert_eq!(
+            answer,
+            Ok(true),
+            "refused from memory, the tool's lock held elsewhere"
+        );
+    });
+}
