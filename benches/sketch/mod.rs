@@ -7,8 +7,8 @@
 //! levels and a daily budget, as `decision/fairshare 1 caller` does: one hash of the call's
 //! names finds its state in a sharded table; each level has a floor, a share and a ceiling
 //! bucket refilled by multiplications; the walk from the instance up to the tool draws the
-//! call (share first); the tool's part is done under the tool's lock; the answer is a record
-//! the last dropped ticket left on this thread, written over. That is [`Sketch::bare`].
+//! call (share first); the tool's part is done under the tool's lock; the answer is a new
+//! record shared with the ticket. That is [`Sketch::bare`].
 //!
 //! [`Sketch::with_work`] adds what the crate does for every admitted call besides: the
 //! tool found by name and the tenant's policy among listed tenants; template tenants and
@@ -26,7 +26,6 @@
 // Each bench that includes it uses a part of it.
 #![allow(dead_code)]
 
-use std::cell::Cell;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
@@ -305,26 +304,12 @@ impl Answer {
     }
 }
 
-thread_local! {
-    static SPARE: Cell<Option<Arc<Answer>>> = const { Cell::new(None) };
-}
-
-/// An admitted call: its answer, kept on its thread when dropped.
+/// An admitted call: its answer.
 pub struct Ticket(Option<Arc<Answer>>);
 
 impl Ticket {
     pub fn answer(&self) -> &Answer {
         self.0.as_deref().expect("held until dropped")
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if let Some(a) = self.0.take() {
-            if Arc::strong_count(&a) == 1 {
-                let _ = SPARE.try_with(|s| s.set(Some(a)));
-            }
-        }
     }
 }
 
@@ -402,23 +387,20 @@ impl Default for Sketch {
 impl Sketch {
     /// The bare decision (see the module's notes).
     pub fn bare(&self, who: &Who, tool: &str, cost: f64) -> Option<Ticket> {
-        self.decide::<false>(&who.tenant, &who.instance, tool, cost)
+        self.decide::<false>(who, tool, cost)
     }
 
     /// The decision with the crate's other work on an admitted call (see the module's notes).
     pub fn with_work(&self, who: &Who, tool: &str, cost: f64) -> Option<Ticket> {
-        self.decide::<true>(&who.tenant, &who.instance, tool, cost)
+        self.decide::<true>(who, tool, cost)
     }
 
     #[inline(always)]
-    fn decide<const WORK: bool>(
-        &self,
-        tenant: &str,
-        instance: &str,
-        tool: &str,
-        cost: f64,
-    ) -> Option<Ticket> {
-        let who = Names { tenant, instance };
+    fn decide<const WORK: bool>(&self, caller: &Who, tool: &str, cost: f64) -> Option<Ticket> {
+        let who = Names {
+            tenant: &caller.tenant,
+            instance: &caller.instance,
+        };
         let ti = if WORK {
             *self.tools.get(tool)?
         } else {
@@ -540,21 +522,12 @@ impl Sketch {
         entry.levels = [t, i];
         drop(shard);
 
-        let mut a = SPARE
-            .try_with(Cell::take)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let w = Arc::make_mut(&mut a);
-        if WORK && w.tool.as_deref() != Some(&*p.name) {
-            w.tool = Some(p.name.clone());
-        }
-        if w.tenant.as_deref() != Some(who.tenant) {
-            w.tenant = Some(who.tenant.into());
-        }
-        if w.instance.as_deref() != Some(who.instance) {
-            w.instance = Some(who.instance.into());
-        }
+        let mut w = Answer {
+            tool: WORK.then(|| p.name.clone()),
+            tenant: Some(caller.tenant.clone()),
+            instance: Some(caller.instance.clone()),
+            ..Answer::default()
+        };
         w.at = now;
         w.remaining = (tn.ceiling - t.total).min(inn.ceiling - i.total).max(0.0);
         w.reset_in = next_window - now;
@@ -580,7 +553,7 @@ impl Sketch {
         } else {
             w.charge[2].take = i_take;
         }
-        Some(Ticket(Some(a)))
+        Some(Ticket(Some(Arc::new(w))))
     }
 }
 
@@ -649,8 +622,16 @@ where
         let path = req.uri().path();
         let tool = path.rsplit('/').next().unwrap_or(path);
         let caller = req.extensions().get::<tower_fairshare::Caller>();
+        // The crate's caller keeps its names behind references this sketch cannot take: a
+        // copy of each (two small allocations the crate does not make).
         let ticket = caller.and_then(|c| match (c.tenant(), c.instance()) {
-            (Some(t), Some(i)) => self.sketch.decide::<true>(t, i, tool, 1.0),
+            (Some(t), Some(i)) => {
+                let who = Who {
+                    tenant: t.into(),
+                    instance: i.into(),
+                };
+                self.sketch.decide::<true>(&who, tool, 1.0)
+            }
             _ => None,
         });
         match ticket {
