@@ -25,6 +25,7 @@ mod plan;
 mod refusal;
 mod state;
 mod template;
+mod tool_step;
 mod walk;
 
 pub use plan::CallKeys;

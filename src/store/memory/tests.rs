@@ -142,3 +142,40 @@ fn a_remembered_refusal_is_given_without_the_tools_lock() {
         );
     });
 }
+
+/// Two threads deciding for distinct tenants of one tool at once (each call decided on a copy
+/// of the tool's state and written only if that state is still current, or done again at the
+/// tool): no write is lost, and the tool admits no more than its window allows.
+#[test]
+fn two_threads_on_one_tool_lose_no_write_and_admit_no_more_than_it_allows() {
+    let policy = tool_t("limit = 100, per = \"1m\"", "ceiling = 100\nburst = 100\n");
+    let tool = policy.tool("t").expect("listed");
+    let store = MemoryStore::new();
+    let names: Vec<Arc<str>> = (0..8).map(|i| Arc::from(format!("tenant-{i}"))).collect();
+    let admitted: usize = std::thread::scope(|s| {
+        let threads: Vec<_> = names
+            .chunks(4)
+            .map(|mine| {
+                let store = &store;
+                s.spawn(move || {
+                    let mut n = 0;
+                    for k in 0..400 {
+                        let p = plan(tool, &mine[k % mine.len()], 0);
+                        n += usize::from(matches!(store.decide_now(&p), Decision::Admitted(_)));
+                    }
+                    n
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("no panic"))
+            .sum()
+    });
+    let counted = lock(&store.tool_cell("t").inner).state.total;
+    assert_eq!(
+        counted, admitted as f64,
+        "every admitted call counted at the tool"
+    );
+    assert!(admitted > 0 && admitted <= 100, "{admitted} of at most 100");
+}
