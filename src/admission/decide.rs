@@ -5,15 +5,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::bucket::{bucket, calendar_window, refill, roll_window, EPS};
+use super::bucket::{aligned_window, bucket, calendar_window, expiry, refill, roll_window, EPS};
 use super::plan::Plan;
 use super::refusal::{Reason, Refusal, Scope};
 use super::state::{
-    Admission, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState, PlanCounts, Snapshot,
+    Admission, BudgetCounter, Charge, ChargedBudgets, LevelCharge, LevelView, NodeState,
+    PlanCounts, Snapshot,
 };
 use super::template::{self, Standing};
-use super::tool_step::{charge_level, tool_level, Charging, Instant, ToolStep};
-use super::walk::{Decision, Fail, Label, Level, Walked};
+use super::walk::{Decision, Fail, Label, Level};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{instance_numbers, level_numbers, LevelNumbers};
 use crate::policy::{Budget, LevelPolicy};
@@ -27,9 +27,6 @@ pub struct Admitted {
     /// The answer: what was charged where, under the plan's keys, and the figures the caller
     /// is told. Its `call` is 0; a store that holds per-call entries names the call.
     pub admission: Arc<Admission>,
-    /// The call's step at its tool, to be done again on the tool's state as it stands when
-    /// the call is written, if another call of the tool was written first.
-    pub(crate) at_tool: ToolStep,
 }
 
 /// The time a call is decided at: its own, or the latest time any of its levels' states was
@@ -52,7 +49,7 @@ pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
 pub fn decide(plan: &Plan<'_>, snap: &mut Snapshot) -> Result<Admitted, Refusal> {
     let mut d = Decision::new(plan, snap);
     match d.prepare(snap).and_then(|()| d.check(snap)) {
-        Ok(walked) => Ok(d.commit(snap, walked)),
+        Ok(takes) => Ok(d.commit(snap, takes)),
         Err(f) => Err(d.refuse(f)),
     }
 }
@@ -84,7 +81,9 @@ impl<'p, 'a> Decision<'p, 'a> {
     fn new(plan: &'p Plan<'a>, snap: &Snapshot) -> Self {
         let n = if plan.instance.is_some() { 3 } else { 2 };
         let at = decided_at(plan.now, &snap.levels()[..n]);
-        let clock = Instant::of(at, plan);
+        let now = at.as_micros() as f64;
+        let period = plan.tool.period.as_micros() as f64;
+        let window = aligned_window(now, period);
         let tool = tool_level(plan);
         Decision {
             plan,
@@ -92,10 +91,10 @@ impl<'p, 'a> Decision<'p, 'a> {
             levels: [tool; 3],
             n,
             banks: [0.0; 3],
-            now: clock.now,
-            period: clock.period,
-            window: clock.window,
-            next_window: clock.next_window,
+            now,
+            period,
+            window,
+            next_window: (window + 1.0) * period,
             standing: [Standing::NotCounted; 2],
         }
     }
@@ -224,10 +223,10 @@ impl<'p, 'a> Decision<'p, 'a> {
         }
     }
 
-    /// Every check: concurrency, budgets, the walk (share first, else floor first). What the
-    /// walk that passed draws (and whether it was share first), or the worst failure with the
-    /// time the same call surely cannot pass before.
-    fn check(&self, snap: &Snapshot) -> Result<(Walked, bool), Fail> {
+    /// Every check: concurrency, budgets, the walk (share first, else floor first). The
+    /// units each level takes, or the worst failure with the time the same call surely
+    /// cannot pass before.
+    fn check(&self, snap: &Snapshot) -> Result<[[f64; 3]; 3], Fail> {
         let states = snap.levels();
         for (idx, s) in states.iter().enumerate().take(self.n) {
             let Some(cap) = self.plan.cap(idx) else {
@@ -249,20 +248,21 @@ impl<'p, 'a> Decision<'p, 'a> {
         }
         // A budget's wait is exact: the longest one is a sure wait.
         let mut sure_wait = worst.map_or(0.0, |f: Fail| f.wait);
-        let walked = match self.walk(snap, true) {
-            Ok(w) => Ok((w, true)),
-            Err(_) => self.walk(snap, false).map(|w| (w, false)),
-        };
-        let fail = match (walked, worst) {
-            (Ok(w), None) => return Ok(w),
-            (Ok(_), Some(f)) => f,
-            (Err(f), mut worst) => {
+        let takes = match self.walk(snap, true).or_else(|_| self.walk(snap, false)) {
+            Ok(t) => t,
+            Err(f) => {
                 sure_wait = sure_wait.max(self.sure_wait(snap, &f));
                 Fail::keep_worse(&mut worst, f);
-                worst.unwrap_or(f)
+                [[0.0; 3]; 3]
             }
         };
-        Err(Fail { sure_wait, ..fail })
+        match worst {
+            Some(mut f) => {
+                f.sure_wait = sure_wait;
+                Err(f)
+            }
+            None => Ok(takes),
+        }
     }
 
     /// Level `idx`'s calendar budgets.
@@ -298,8 +298,7 @@ impl<'p, 'a> Decision<'p, 'a> {
 
     /// The call admitted: `takes` drawn from every level, counted in its windows, budgets
     /// and template counts; the answer.
-    fn commit(&self, snap: &mut Snapshot, (walked, share_first): (Walked, bool)) -> Admitted {
-        let takes = walked.takes;
+    fn commit(&self, snap: &mut Snapshot, takes: [[f64; 3]; 3]) -> Admitted {
         let mut expires = [0.0; 3];
         for (idx, take) in takes.into_iter().enumerate().take(self.n) {
             expires[idx] = self.commit_level(idx, take, snap.level_mut(idx));
@@ -342,21 +341,6 @@ impl<'p, 'a> Decision<'p, 'a> {
                 at: self.at,
                 call: 0,
             }),
-            at_tool: self.tool_step(walked, share_first),
-        }
-    }
-
-    /// What the call did at its tool (see [`ToolStep`]).
-    fn tool_step(&self, walked: Walked, share_first: bool) -> ToolStep {
-        let takes = &walked.takes[..self.n];
-        let tenant = self.plan.tenant.policy;
-        ToolStep {
-            at: self.at,
-            take: takes[0],
-            pool: walked.pool,
-            floor_below: takes[1..].iter().map(|t| t[0]).sum(),
-            counted: tenant.template.then_some((tenant.slot, self.standing[0])),
-            share_first,
         }
     }
 
@@ -385,21 +369,34 @@ impl<'p, 'a> Decision<'p, 'a> {
 
     /// Takes `take` (floor, share, ceiling) from level `idx`'s state `s`, counts the call in
     /// its windows and budgets; when the state may be forgotten (µs).
-    fn commit_level(&self, idx: usize, take: [f64; 3], s: &mut NodeState) -> f64 {
-        let charging = Charging {
-            cost: self.plan.cost,
-            permit: self.plan.takes_permit(idx),
-            budgets: self.budgets(idx),
-            at: self.at,
-            level: &self.levels[idx],
-            clock: Instant {
-                now: self.now,
-                period: self.period,
-                window: self.window,
-                next_window: self.next_window,
-            },
-        };
-        charge_level(s, take, &charging)
+    fn commit_level(&self, idx: usize, [f, h, k]: [f64; 3], s: &mut NodeState) -> f64 {
+        let c = self.plan.cost;
+        s.floor -= f;
+        s.share -= h;
+        s.ceiling -= k;
+        s.total += c;
+        s.non_floor += k;
+        s.floor_used += f;
+        if self.plan.takes_permit(idx) {
+            s.in_flight += 1.0;
+        }
+        for b in self.budgets(idx) {
+            let start = calendar_window(b.period, self.at).0;
+            match s.budgets.iter_mut().find(|x| x.period == b.period) {
+                Some(x) if x.start == start => x.used += c,
+                Some(x) => {
+                    x.start = start;
+                    x.used = c;
+                }
+                None => s.budgets.set(BudgetCounter {
+                    period: b.period,
+                    start,
+                    used: c,
+                }),
+            }
+        }
+        let l = &self.levels[idx];
+        expiry(s, &l.buckets, [self.now, self.period, self.next_window])
     }
 
     /// What the call took at level `idx`, for corrections later.
@@ -489,6 +486,27 @@ impl<'p, 'a> Decision<'p, 'a> {
         };
         let levels = self.levels[..self.n].iter().zip(states);
         levels.map(|(l, s)| of(l, s)).collect()
+    }
+}
+
+/// The tool's level: its pool of `S = C − Σ floors`, as deep as the tool's burst.
+fn tool_level(plan: &Plan<'_>) -> Level {
+    let tool = plan.tool;
+    let spare = tool.spare();
+    Level {
+        scope: Scope::Tool,
+        numbers: LevelNumbers {
+            share: spare,
+            ceiling: tool.capacity,
+            ceiling_rate: spare,
+            ..LevelNumbers::default()
+        },
+        buckets: [
+            bucket(0.0, 0.0),
+            bucket(0.0, 0.0),
+            bucket(spare, tool.burst),
+        ],
+        fresh: false,
     }
 }
 

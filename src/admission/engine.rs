@@ -22,4 +22,3 @@ pub(crate) use super::bucket::aligned_window;
 pub(crate) use super::bucket::roll_window;
 pub(crate) use super::decide::explain;
 pub(crate) use super::template::counts as template_counts;
-pub(crate) use super::tool_step::TemplateCounts;

@@ -25,7 +25,6 @@ mod plan;
 mod refusal;
 mod state;
 mod template;
-mod tool_step;
 mod walk;
 
 pub use plan::CallKeys;

@@ -99,36 +99,6 @@ impl Fail {
     }
 }
 
-/// What a walk that passed draws: each level's takes (floor, share, ceiling), and what it
-/// asked of the tool's pool.
-#[derive(Copy, Clone)]
-pub(super) struct Walked {
-    pub(super) takes: [[f64; 3]; 3],
-    pub(super) pool: PoolDraw,
-}
-
-/// What a call asked of its tool's pool: the pool tokens it needed (its draw and the
-/// borrowing bar above it) and the most non-floor units the tool's window could count with
-/// its draw in. Nothing when the levels below covered the call.
-#[derive(Copy, Clone, Debug, PartialEq)]
-pub(crate) struct PoolDraw {
-    pub(crate) need: f64,
-    pub(crate) window_cap: f64,
-}
-
-impl PoolDraw {
-    pub(super) const NONE: PoolDraw = PoolDraw {
-        need: 0.0,
-        window_cap: f64::INFINITY,
-    };
-}
-
-impl Default for PoolDraw {
-    fn default() -> Self {
-        PoolDraw::NONE
-    }
-}
-
 /// A call's levels at the decision's instant: their numbers, their states brought up to
 /// date, how the caller stands among its parents' template children.
 pub(super) struct Decision<'p, 'a> {
@@ -150,12 +120,10 @@ pub(super) struct Decision<'p, 'a> {
 
 impl Decision<'_, '_> {
     /// The whole walk, caller first, on the states in `snap`: what each level takes (floor,
-    /// share, ceiling), share first (or floor first), and what it asked of the tool's pool; or
-    /// why the call cannot pass.
-    pub(super) fn walk(&self, snap: &Snapshot, share_first: bool) -> Result<Walked, Fail> {
+    /// share, ceiling), share first (or floor first), or why the call cannot pass.
+    pub(super) fn walk(&self, snap: &Snapshot, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {
         let (states, leaf) = (snap.levels(), self.n - 1);
         let mut takes = [[0.0; 3]; 3];
-        let mut pool = PoolDraw::NONE;
         // What is left to place higher up; whether everything so far was within its share;
         // the borrowing bar the level below sets.
         let (mut rem, mut own_chain, mut child_threshold) = (self.plan.cost, true, 0.5);
@@ -215,9 +183,6 @@ impl Decision<'_, '_> {
             if !(bucket_ok && window_ok) {
                 return Err(self.fail(snap, idx, need, rem, window_ok));
             }
-            if idx == 0 {
-                pool = PoolDraw { need, window_cap };
-            }
             takes[idx][2] = rem;
             if idx > 0 {
                 if s.share + EPS >= rem || (l.fresh && rem <= l.share_b().depth + EPS) {
@@ -228,7 +193,7 @@ impl Decision<'_, '_> {
                 child_threshold = self.plan.policy(idx).map_or(0.5, |p| p.borrow_threshold);
             }
         }
-        Ok(Walked { takes, pool })
+        Ok(takes)
     }
 
     /// Why level `idx` refuses a draw of `rem` units that needs `need` in its bucket.

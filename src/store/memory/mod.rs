@@ -87,23 +87,6 @@ struct ToolEntry {
     /// Its unlisted tenants counted per plan (they expire with its state).
     plans: PlanCounts,
     expires: u64,
-    /// Counts the writes of `state` and `plans`: a decision made on a copy of them writes
-    /// its own only if none came in between.
-    writes: u64,
-}
-
-impl ToolEntry {
-    /// Puts a decision's state and counts in place, and when the state expires.
-    fn write(&mut self, state: NodeState, plans: PlanCounts, expires: u64) {
-        (self.state, self.plans) = (state, plans);
-        self.written(expires);
-    }
-
-    /// Counts a write of the state and counts made in place; when the state expires.
-    fn written(&mut self, expires: u64) {
-        self.expires = expires;
-        self.writes += 1;
-    }
 }
 
 /// A tenant (or an untenanted caller) of one tool, with its instances: packed states, each
@@ -228,7 +211,7 @@ impl MemoryStore {
         for t in self.tools.load().iter() {
             let mut t = lock(&t.inner);
             if t.state.live && t.expires <= now && t.state.in_flight <= 0.0 {
-                t.write(NodeState::default(), PlanCounts::default(), 0);
+                *t = ToolEntry::default();
             }
         }
     }
@@ -337,16 +320,7 @@ impl MemoryStore {
         let slot = entry.and_then(|e| plan.instance.map(|i| e.instances.find(i.name)));
         let mut snap = stored(entry, slot, period);
         let given_back = cell.given_back.load(Acquire);
-        let decided = match decide_on_copy(cell, plan, &mut snap) {
-            Some(decided) => decided,
-            // Another call of the tool changed it in a way this one depends on: decided
-            // again on the states as they are, the tool's lock held throughout.
-            None => {
-                snap = stored(entry, slot, period);
-                decide_under(cell, plan, &mut snap)
-            }
-        };
-        match decided {
+        match decide_under(cell, plan, &mut snap) {
             Ok(admitted) => {
                 let expires = admitted.expires.map(micros_ceil);
                 match found {
@@ -386,13 +360,9 @@ impl MemoryStore {
         {
             let mut tool = lock(&cell.inner);
             if tool.state.live {
-                let mut state = tool.state;
-                f(0, &mut state);
-                if state != tool.state {
-                    let (plans, expires) = (tool.plans, tool.expires);
-                    tool.write(state, plans, expires);
-                    changed = true;
-                }
+                let before = tool.state;
+                f(0, &mut tool.state);
+                changed = tool.state != before;
             }
         }
         if let Some(entry) = entry {
@@ -441,42 +411,6 @@ fn stored(
 }
 
 /// Decides `plan` on `snap` under the tool's lock; admitted, the tool's state is written.
-/// Decides `plan` on `snap` (its caller's states, held under their shard's lock) and a copy
-/// of its tool's state, the tool's lock held only to read the tool and to write it: if the
-/// tool's state is still the copy, the decision's is written; if another call of the tool was
-/// written meanwhile, the call's step at the tool is done again on the tool as it is now
-/// (see `ToolStep::redo`), or `None` when the call must be decided again from the start. A
-/// refusal is given on the copy as read: the call was refused then.
-fn decide_on_copy(
-    cell: &ToolCell,
-    plan: &Plan<'_>,
-    snap: &mut Snapshot,
-) -> Option<Result<engine::Admitted, crate::Refusal>> {
-    let (read, writes) = {
-        let tool = lock(&cell.inner);
-        (snap.tool, snap.plans) = (tool.state, tool.plans);
-        (
-            engine::TemplateCounts::of(&tool.state, &tool.plans),
-            tool.writes,
-        )
-    };
-    let mut admitted = match engine::decide(plan, snap) {
-        Ok(a) => a,
-        Err(r) => return Some(Err(r)),
-    };
-    let mut tool = lock(&cell.inner);
-    if tool.writes == writes {
-        tool.write(snap.tool, snap.plans, micros_ceil(admitted.expires[0]));
-        return Some(Ok(admitted));
-    }
-    let tool = &mut *tool;
-    let step = admitted.at_tool;
-    admitted.expires[0] = step.redo(plan, &read, &mut tool.state, &mut tool.plans)?;
-    tool.written(micros_ceil(admitted.expires[0]));
-    Some(Ok(admitted))
-}
-
-/// Decides `plan` on `snap` with its tool's state, under the tool's lock throughout.
 fn decide_under(
     cell: &ToolCell,
     plan: &Plan<'_>,
@@ -485,7 +419,8 @@ fn decide_under(
     let mut tool = lock(&cell.inner);
     (snap.tool, snap.plans) = (tool.state, tool.plans);
     let admitted = engine::decide(plan, snap)?;
-    tool.write(snap.tool, snap.plans, micros_ceil(admitted.expires[0]));
+    (tool.state, tool.plans) = (snap.tool, snap.plans);
+    tool.expires = micros_ceil(admitted.expires[0]);
     Ok(admitted)
 }
 

@@ -143,9 +143,8 @@ fn a_remembered_refusal_is_given_without_the_tools_lock() {
     });
 }
 
-/// Two threads deciding for distinct tenants of one tool at once (each call decided on a copy
-/// of the tool's state and written only if that state is still current, or done again at the
-/// tool): no write is lost, and the tool admits no more than its window allows.
+/// Two threads deciding for distinct tenants of one tool at once: no write to the tool's
+/// state is lost, and the tool admits no more than its window allows.
 #[test]
 fn two_threads_on_one_tool_lose_no_write_and_admit_no_more_than_it_allows() {
     let policy = tool_t("limit = 100, per = \"1m\"", "ceiling = 100\nburst = 100\n");

@@ -55,7 +55,8 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     for (((plan, place), tool), (snap, a)) in parts.zip(snaps.iter().zip(&admitted)) {
         let expires = a.expires.map(micros_ceil);
         let tool = tool.as_mut().expect("locked");
-        tool.write(snap.tool, snap.plans, expires[0]);
+        (tool.state, tool.plans) = (snap.tool, snap.plans);
+        tool.expires = expires[0];
         let shard = shard_of(&mut shards, place.shard);
         write(store, shard, plan, place, snap, expires);
     }
