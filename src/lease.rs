@@ -47,7 +47,7 @@ const EPS: f64 = 1e-9;
 
 /// A call's part of the admission it was admitted under: what it spent of a lease's grant.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Part {
+pub(crate) struct GrantShare {
     /// The call's share of the grant's charge at every level (its cost over the grant's).
     pub(crate) of: f64,
     /// The call's own cost, as asked (the grant's cost times `of` may round).
@@ -63,7 +63,7 @@ pub(crate) struct Part {
 /// ahead now, when it is time to.
 pub(crate) struct Spent {
     pub(crate) grant: Arc<Admission>,
-    pub(crate) part: Part,
+    pub(crate) part: GrantShare,
     /// Out of line: a fetch is due once in a grant, and the record of every call spent is
     /// copied on its way to the ticket.
     pub(crate) fetch: Option<Box<Fetch>>,
@@ -99,7 +99,7 @@ impl Return {
 }
 
 /// What the table answers for a resolved call.
-pub(crate) enum Take {
+pub(crate) enum FromLease {
     /// Spent from the caller's lease.
     Hit(Spent),
     /// Not covered: ask the store for `grant` units (at least the call's cost; exactly its
@@ -110,7 +110,7 @@ pub(crate) enum Take {
 /// What a lease knows of the policy it was granted under, so that a call can be spent from it
 /// without resolving the call against the policy (see [`Leases::spend`]).
 #[derive(Clone, Debug)]
-pub(crate) struct Known {
+pub(crate) struct GrantTerms {
     /// The limiter's policy version the lease is valid under.
     version: u64,
     /// The tier and plan of the caller that was granted the lease.
@@ -123,13 +123,13 @@ pub(crate) struct Known {
     burst: f64,
 }
 
-impl Known {
+impl GrantTerms {
     pub(crate) fn new(version: u64, caller: &Caller, plan: &Plan<'_>) -> Self {
         let mut burst = plan.tool.burst.min(plan.tenant.policy.burst);
         if let Some(i) = plan.instance {
             burst = burst.min(i.policy.burst);
         }
-        Known {
+        GrantTerms {
             version,
             tier: caller.tier_arc().cloned(),
             plan: caller.plan_arc().cloned(),
@@ -195,7 +195,7 @@ struct Lease {
     keys: CallKeys,
     /// The tool policy the grant was decided under: a reload ends the lease.
     tool: Arc<ToolPolicy>,
-    known: Known,
+    terms: GrantTerms,
     /// The grant as the store admitted it; `None` once nothing is left to return.
     grant: Option<Arc<Admission>>,
     granted: f64,
@@ -300,7 +300,7 @@ fn size(c: f64, l: &Lease, now: u64) -> f64 {
     let spent = (l.granted - l.left).max(c);
     let want = (spent * TARGET_US / life)
         .min(2.0 * l.granted)
-        .min(l.known.burst * ROOM_PART)
+        .min(l.terms.burst * ROOM_PART)
         .min(l.room * ROOM_PART)
         .min(l.tool.lease_max);
     // A grant that would leave less than one more call is one call's cost (a fraction left
@@ -375,7 +375,7 @@ impl Leases {
             let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
                 continue;
             };
-            if !(l.known.covers(version, caller, tenant_wide) && cost <= l.tool.lease_max) {
+            if !(l.terms.covers(version, caller, tenant_wide) && cost <= l.tool.lease_max) {
                 return None;
             }
             return l.spend(cost, now, &can_fetch);
@@ -390,14 +390,14 @@ impl Leases {
         plan: &Plan<'_>,
         can_fetch: impl FnOnce() -> bool,
         returns: &mut Vec<Return>,
-    ) -> Take {
+    ) -> FromLease {
         let (now, c) = (plan.now.as_micros(), plan.cost);
         let path = Path::of_plan(plan);
         let hash = hash_path(&self.seed, path);
         let mut shard = self.shard(hash);
         self.maybe_sweep(&mut shard, now, returns);
         let Some(l) = shard.leases.find_mut(hash, |l| path.is(&l.keys)) else {
-            return Take::Miss { grant: c };
+            return FromLease::Miss { grant: c };
         };
         let same = Arc::ptr_eq(&l.tool, plan.tool) && now >= l.started;
         // From the current grant, or, when it is spent, the next one if it was fetched in time.
@@ -406,16 +406,16 @@ impl Leases {
                 .or_else(|| l.spend_next(c, now, returns))
         });
         if let Some(spent) = spent.flatten() {
-            return Take::Hit(spent);
+            return FromLease::Hit(spent);
         }
         // Sized on what the caller spent of it, before what is left goes back.
         let grant = size(c, l, now);
         l.give_back(returns);
         if !same || l.cool || now >= l.last.saturating_add(IDLE_US) {
             l.cool = false;
-            return Take::Miss { grant: c };
+            return FromLease::Miss { grant: c };
         }
-        Take::Miss { grant }
+        FromLease::Miss { grant }
     }
 
     /// Keeps what a grant of `granted` units left after its first call (`plan`'s cost) as the
@@ -425,11 +425,11 @@ impl Leases {
     pub(crate) fn granted(
         &self,
         plan: &Plan<'_>,
-        known: Known,
+        terms: GrantTerms,
         grant: Arc<Admission>,
         granted: f64,
         returns: &mut Vec<Return>,
-    ) -> Result<(Arc<Admission>, Part), Arc<Admission>> {
+    ) -> Result<(Arc<Admission>, GrantShare), Arc<Admission>> {
         let now = plan.now.as_micros();
         let left = (granted - plan.cost).max(0.0);
         // One call's cost: an ordinary decision, of which only the history is kept (the next
@@ -439,7 +439,7 @@ impl Leases {
         let lease = Lease {
             keys: plan.keys(),
             tool: plan.tool.clone(),
-            known,
+            terms,
             room: grant.remaining.min(grant.slack).max(0.0),
             until: kept.as_deref().map_or(now, |g| ends(g, now)),
             grant: kept,
@@ -718,9 +718,9 @@ fn ends(grant: &Admission, now: u64) -> u64 {
 /// A call's part of a grant it is spent from: its share of what the grant charged at each
 /// level (so settling or refunding the call corrects the store by that share exactly), and
 /// the grant's figures as of the call, the units still held counted as the caller's.
-fn part_of(grant: &Admission, granted: f64, left: f64, cost: f64, now: u64) -> Part {
+fn part_of(grant: &Admission, granted: f64, left: f64, cost: f64, now: u64) -> GrantShare {
     let since = now.saturating_sub(grant.at.as_micros()) as f64;
-    Part {
+    GrantShare {
         of: if granted > 0.0 { cost / granted } else { 0.0 },
         cost,
         remaining: grant.remaining + left,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::admission::{Refusal, Scope};
-use crate::lease::Part;
+use crate::lease::GrantShare;
 use crate::policy::Unit;
 use crate::store::Admission;
 
@@ -46,7 +46,7 @@ pub(crate) enum Charged {
     /// The call's own admission.
     Own(Arc<Admission>),
     /// Spent from a lease: the lease's grant and the call's part of it.
-    Leased(Arc<Admission>, Part),
+    Leased(Arc<Admission>, GrantShare),
 }
 
 impl Ticket {
@@ -87,7 +87,7 @@ impl Ticket {
     }
 
     /// The call's part of a lease's grant, if it was spent from one.
-    pub(crate) fn leased_part(&self) -> Option<Part> {
+    pub(crate) fn leased_part(&self) -> Option<GrantShare> {
         match &self.admission {
             Some(Charged::Leased(_, p)) => Some(*p),
             _ => None,

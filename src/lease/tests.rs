@@ -98,11 +98,11 @@ fn granted_to_a(policy: &str, tier: Option<&str>, now: u64) -> Leases {
         Some(t) => Caller::new("a").with_tier(t),
         None => Caller::new("a"),
     };
-    let known = Known::new(3, &caller, &plan);
+    let terms = GrantTerms::new(3, &caller, &plan);
     let mut back = Vec::new();
     let call = leases.granted(
         &plan,
-        known,
+        terms,
         Arc::new(grant(now, 500_000.0)),
         10.0,
         &mut back,

@@ -22,11 +22,11 @@ use crate::telemetry::decisions::Outcome;
 /// abandoned call apply.
 #[must_use = "a call is decided only when its future is awaited"]
 pub struct Admit<'a, S, C> {
-    step: Step<'a, S, C>,
+    stage: Stage<'a, S, C>,
 }
 
 /// Where a call's future stands.
-enum Step<'a, S, C> {
+enum Stage<'a, S, C> {
     /// Not polled yet.
     Start {
         limiter: &'a Limiter<S, C>,
@@ -49,7 +49,7 @@ impl<'a, S, C> Admit<'a, S, C> {
         cost: Cost,
     ) -> Self {
         Admit {
-            step: Step::Start {
+            stage: Stage::Start {
                 limiter,
                 caller,
                 tool,
@@ -63,28 +63,28 @@ impl<S: Store, C: Clock> Future for Admit<'_, S, C> {
     type Output = Outcome;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
-        if let Step::Start {
+        if let Stage::Start {
             limiter,
             caller,
             tool,
             cost,
-        } = self.step
+        } = self.stage
         {
             #[cfg(feature = "tokio")]
             ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
             match limiter.begin(caller, tool, cost) {
                 Begun::Done(outcome) => {
-                    self.step = Step::Done;
+                    self.stage = Stage::Done;
                     return Poll::Ready(outcome);
                 }
-                Begun::Waiting(rest) => self.step = Step::Waiting(rest),
+                Begun::Waiting(rest) => self.stage = Stage::Waiting(rest),
             }
         }
-        let Step::Waiting(rest) = &mut self.step else {
+        let Stage::Waiting(rest) = &mut self.stage else {
             panic!("a call's future was polled after it was answered");
         };
         let outcome = ready!(rest.as_mut().poll(cx));
-        self.step = Step::Done;
+        self.stage = Stage::Done;
         Poll::Ready(outcome)
     }
 }

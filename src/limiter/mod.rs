@@ -24,7 +24,7 @@ use crate::admission::engine::{OwnedPlan, Plan};
 use crate::admission::Refusal;
 use crate::clock::{Clock, SystemClock, Timestamp};
 use crate::identity::{Caller, Cost};
-use crate::lease::{self, Leases, Take};
+use crate::lease::{self, FromLease, Leases};
 use crate::policy::{OnStoreError, Policy};
 use crate::store::{Admission, Answer, CallKeys, Decision, MemoryStore, Store, StoreError};
 use crate::telemetry::decisions::{Decisions, Outcome};
@@ -324,11 +324,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let taken = inner.leases.take(&plan, can_fetch, &mut returns);
             self.give_back(returns, plan.now);
             match taken {
-                Take::Hit(spent) => {
+                FromLease::Hit(spent) => {
                     let ticket = self.spent(caller, tool, cost, spent, Some(&policy));
                     return Begun::Done(ticket);
                 }
-                Take::Miss { grant } => ask = grant,
+                FromLease::Miss { grant } => ask = grant,
             }
         }
         self.ask(&policy, caller, &plan, ask)
@@ -429,8 +429,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if ask > plan.cost {
             telemetry::lease_granted(plan.tool.name_arc(), ask, ask - plan.cost);
         }
-        let known = lease::Known::new(self.inner.version.load(Acquire), caller, plan);
-        match self.inner.leases.granted(plan, known, a, ask, returns) {
+        let terms = lease::GrantTerms::new(self.inner.version.load(Acquire), caller, plan);
+        match self.inner.leases.granted(plan, terms, a, ask, returns) {
             Ok((grant, part)) => Charged::Leased(grant, part),
             Err(own) => Charged::Own(own),
         }

@@ -14,7 +14,7 @@ use crate::admission::engine::Plan;
 use crate::admission::Refusal;
 use crate::clock::{Clock, Timestamp};
 use crate::identity::{Caller, Cost};
-use crate::lease::{self, Spent, Take};
+use crate::lease::{self, FromLease, Spent};
 use crate::policy::Policy;
 use crate::store::{Admissions, Decision, Store, StoreError};
 use crate::ticket::{Charged, Ticket};
@@ -24,7 +24,7 @@ use crate::Reason;
 pub const MAX_TOOLS_PER_CALL: usize = 8;
 
 /// One tool's part of a call, as it is being decided.
-struct Part<'p> {
+struct ToolCharge<'p> {
     plan: Plan<'p>,
     /// What to ask the store for: the part's cost, or a grant for the caller's lease.
     ask: f64,
@@ -178,8 +178,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         caller: &'p Caller,
         charges: &[(&str, Cost)],
         now: Timestamp,
-    ) -> Result<Vec<Part<'p>>, Refusal> {
-        let mut parts: Vec<Part<'p>> = Vec::with_capacity(charges.len());
+    ) -> Result<Vec<ToolCharge<'p>>, Refusal> {
+        let mut parts: Vec<ToolCharge<'p>> = Vec::with_capacity(charges.len());
         let mut returns = Vec::new();
         for (i, &(tool, cost)) in charges.iter().enumerate() {
             let refused = |r| {
@@ -197,7 +197,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 r.retryable = false;
                 return refused(r);
             }
-            parts.push(Part {
+            parts.push(ToolCharge {
                 plan,
                 ask: plan.cost,
                 now: Standing::Open,
@@ -208,8 +208,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 continue;
             }
             match self.inner.leases.take(&part.plan, can_fetch, &mut returns) {
-                Take::Hit(spent) => part.now = Standing::Spent(spent),
-                Take::Miss { grant } => part.ask = grant,
+                FromLease::Hit(spent) => part.now = Standing::Spent(spent),
+                FromLease::Miss { grant } => part.ask = grant,
             }
         }
         self.give_back(returns, now);
@@ -221,7 +221,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         policy: &Arc<Policy>,
         caller: &Caller,
-        parts: &mut [Part<'_>],
+        parts: &mut [ToolCharge<'_>],
         now: Timestamp,
     ) -> Round {
         let mut at = [0; MAX_TOOLS_PER_CALL];
@@ -276,7 +276,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn admitted(
         &self,
         caller: &Caller,
-        parts: &mut [Part<'_>],
+        parts: &mut [ToolCharge<'_>],
         open: &[usize],
         admissions: Admissions,
         now: Timestamp,
@@ -303,7 +303,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// A grant above a part's cost was refused or borrowed: the callers' next grants are one
     /// call's cost, and every part is asked again for its own.
-    fn asked_too_much(&self, parts: &mut [Part<'_>], open: &[usize]) -> Round {
+    fn asked_too_much(&self, parts: &mut [ToolCharge<'_>], open: &[usize]) -> Round {
         for &i in open {
             let part = &mut parts[i];
             if part.ask > part.plan.cost {
@@ -320,7 +320,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         policy: &Arc<Policy>,
         caller: &Caller,
-        parts: &mut [Part<'_>],
+        parts: &mut [ToolCharge<'_>],
         open: &[usize],
         e: StoreError,
     ) -> Round {
@@ -336,7 +336,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The call was refused: what its parts spent from leases goes back to them, and what
     /// the store admitted of it (none: it decides all parts at once) stays untouched.
-    fn put_back(&self, parts: &mut [Part<'_>], now: Timestamp) {
+    fn put_back(&self, parts: &mut [ToolCharge<'_>], now: Timestamp) {
         let mut returns = Vec::new();
         for part in parts.iter_mut() {
             if let Standing::Spent(spent) = std::mem::replace(&mut part.now, Standing::Open) {
@@ -347,7 +347,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// The admitted call's tickets, in the order of its charges, each recorded.
-    fn tickets(&self, policy: &Arc<Policy>, caller: &Caller, parts: Vec<Part<'_>>) -> Vec<Ticket> {
+    fn tickets(
+        &self,
+        policy: &Arc<Policy>,
+        caller: &Caller,
+        parts: Vec<ToolCharge<'_>>,
+    ) -> Vec<Ticket> {
         parts
             .into_iter()
             .map(|part| {
@@ -381,7 +386,11 @@ fn unmetered(plan: &Plan<'_>) -> Refusal {
 
 /// Why tool `i` of a call cannot be charged with the ones before it: the refusal's detail, and
 /// what to change, logged.
-fn apart(before: &[Part<'_>], plan: &Plan<'_>, i: usize) -> Option<(&'static str, &'static str)> {
+fn apart(
+    before: &[ToolCharge<'_>],
+    plan: &Plan<'_>,
+    i: usize,
+) -> Option<(&'static str, &'static str)> {
     if i >= MAX_TOOLS_PER_CALL {
         return Some(("too_many_tools", "a call may be charged to at most 8 tools"));
     }

@@ -42,7 +42,7 @@ pub(super) enum Job {
     /// Decide a call (and commit it if admitted): one part per tool it is charged to, all
     /// admitted or none.
     Decide {
-        parts: Vec<Part>,
+        parts: Vec<QueuedPart>,
         reply: oneshot::Sender<Result<Decision, StoreError>>,
     },
     /// Add `factor` × an admitted call's charge at every level it charged.
@@ -60,7 +60,7 @@ pub(super) enum Job {
 
 /// One tool's part of a call: its plan, its keys and the store's name for it (what its
 /// permits are held under).
-pub(super) struct Part {
+pub(super) struct QueuedPart {
     pub(super) plan: OwnedPlan,
     pub(super) keys: CallKeys,
     pub(super) call: u128,
@@ -1220,7 +1220,13 @@ impl Decided {
 
     /// Decides a call's parts on the records as they stand: every part admitted and written,
     /// or the first refusal and nothing written.
-    fn decide(&mut self, sh: &Shared, parts: &[Part], jks: &[JobKeys], now: Timestamp) -> Decision {
+    fn decide(
+        &mut self,
+        sh: &Shared,
+        parts: &[QueuedPart],
+        jks: &[JobKeys],
+        now: Timestamp,
+    ) -> Decision {
         let mut admitted = Vec::with_capacity(parts.len());
         for (part, jk) in parts.iter().zip(jks) {
             let p = Plan {
@@ -1270,7 +1276,7 @@ impl Decided {
     fn write(
         &mut self,
         sh: &Shared,
-        part: &Part,
+        part: &QueuedPart,
         jk: &JobKeys,
         a: &engine::Admitted,
         snapshot: Snapshot,

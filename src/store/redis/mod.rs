@@ -375,7 +375,7 @@ impl RedisStore {
         let job = batch::Job::Decide {
             parts: parts
                 .iter()
-                .map(|(plan, keys)| batch::Part {
+                .map(|(plan, keys)| batch::QueuedPart {
                     plan: plan.clone(),
                     keys: keys.clone(),
                     call: sh.ids.next(),
