@@ -288,7 +288,7 @@ impl Worker {
         sh: &Arc<Shared>,
         queue: &mut Queue,
         cache: &mut Cache,
-        (batch, decided): (Batch, Decided),
+        (batch, decided): (Batch, BatchWrite),
         next: Option<Batch>,
     ) -> Option<(Batch, Read)> {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
@@ -330,7 +330,7 @@ impl Worker {
         sh: &Arc<Shared>,
         cache: &mut Cache,
         mut batch: Batch,
-        decided: Decided,
+        decided: BatchWrite,
         reply: Result<Cycle, StoreError>,
         counted: bool,
     ) -> Result<Option<Read>, Option<Batch>> {
@@ -380,7 +380,7 @@ impl Worker {
         let before = self.epoch.replace(read.epoch.clone());
         sh.health.saw_epoch(&self.tool, &read.epoch);
         if before.is_none_or(|b| b == read.epoch) {
-            cache.remember(&batch, &Decided::on(&read));
+            cache.remember(&batch, &BatchWrite::on(&read));
             return Some((batch, read));
         }
         queue.put_front(batch);
@@ -407,10 +407,10 @@ impl Worker {
 
 /// Gives back the permits of the calls `d` admitted, whose write may or may not have landed;
 /// whether every one was (those not are tried again in the background).
-async fn release_decided(sh: &Arc<Shared>, d: &Decided) -> bool {
+async fn release_decided(sh: &Arc<Shared>, d: &BatchWrite) -> bool {
     let mut all = true;
     for o in &d.outcomes {
-        if let Outcome::Decided(Decision::Admitted(a)) = o {
+        if let Outcome::BatchWrite(Decision::Admitted(a)) = o {
             for a in a.iter().filter(|a| a.charge.holds_permits()) {
                 all &= sh.release_call(a).await.is_ok();
             }
@@ -460,8 +460,14 @@ async fn restore(
 }
 
 /// The records of `batch` (read as `read`) with what `ledger` counted at them added.
-fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Timestamp) -> Decided {
-    let mut d = Decided::on(read);
+fn restored(
+    sh: &Shared,
+    ledger: &Ledger,
+    batch: &Batch,
+    read: &Read,
+    now: Timestamp,
+) -> BatchWrite {
+    let mut d = BatchWrite::on(read);
     for (i, key) in batch.keys.records.iter().enumerate() {
         let held = d.records[i].as_ref().map(|r| (r.state, r.expires, r.plans));
         let Some((state, until)) = ledger.restored(key, held.map(|h| h.0), now) else {
@@ -482,11 +488,11 @@ fn restored(sh: &Shared, ledger: &Ledger, batch: &Batch, read: &Read, now: Times
 /// A batch whose write is on its way.
 struct Ahead {
     batch: Batch,
-    decided: Decided,
+    decided: BatchWrite,
     reply: InFlight,
     /// Batches decided on this write (and those ahead of it) with nothing to write: answered
     /// once it landed.
-    then: Vec<(Batch, Decided)>,
+    then: Vec<(Batch, BatchWrite)>,
 }
 
 /// How many writes of one worker may be on their way at once.
@@ -720,7 +726,7 @@ impl Cache {
 
     /// Remembers the records of `b` as `d` leaves them: what it writes, and what it read and
     /// left as it was (nothing decided yet: as Redis held them).
-    fn remember(&mut self, b: &Batch, d: &Decided) {
+    fn remember(&mut self, b: &Batch, d: &BatchWrite) {
         self.make_room(b.keys.records.len());
         for (i, k) in b.keys.records.iter().enumerate() {
             let version = match (&d.records[i], d.written[i]) {
@@ -743,7 +749,7 @@ impl Cache {
                 (0..3).filter_map(move |l| Some((l, records[l]?)))
             };
             match (job, outcome) {
-                (Job::Decide { parts, .. }, Outcome::Decided(Decision::Admitted(a))) => {
+                (Job::Decide { parts, .. }, Outcome::BatchWrite(Decision::Admitted(a))) => {
                     for ((part, jk), a) in parts.iter().zip(jks).zip(a.iter()) {
                         let period = part.plan.tool.period().as_micros() as f64;
                         for (l, i) in levels(jk) {
@@ -1028,7 +1034,7 @@ impl Batch {
     fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
         for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
             match (job, outcome) {
-                (Job::Decide { reply, .. }, Outcome::Decided(d)) => {
+                (Job::Decide { reply, .. }, Outcome::BatchWrite(d)) => {
                     if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
                         a.into_iter().for_each(|a| give_back(sh, a));
                     }
@@ -1047,7 +1053,7 @@ impl Batch {
 
 /// What a job came to.
 enum Outcome {
-    Decided(Decision),
+    BatchWrite(Decision),
     Adjusted,
     /// A `Job::Heal`'s read is done.
     Read,
@@ -1151,7 +1157,7 @@ struct ZChange {
 
 /// What a batch decided, and what to write for it: its records and permit counts as its jobs
 /// are decided, one after the other, and what they change.
-struct Decided {
+struct BatchWrite {
     outcomes: Vec<Outcome>,
     /// The records' versions when read: what the write checks.
     versions: Vec<Vec<u8>>,
@@ -1166,8 +1172,8 @@ struct Decided {
 }
 
 /// Decides every job of `batch`, one after the other, each on what the ones before it left.
-fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
-    let mut d = Decided::on(read);
+fn decide(sh: &Shared, batch: &Batch, read: &Read) -> BatchWrite {
+    let mut d = BatchWrite::on(read);
     for (job, jks) in batch.jobs.iter().zip(&batch.job_keys) {
         let now = match sh.config.time {
             TimeSource::Redis => Timestamp(read.now),
@@ -1175,7 +1181,7 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
         };
         d.now = now.as_micros() as f64;
         let outcome = match job {
-            Job::Decide { parts, .. } => Outcome::Decided(d.decide(sh, parts, jks, now)),
+            Job::Decide { parts, .. } => Outcome::BatchWrite(d.decide(sh, parts, jks, now)),
             Job::Adjust {
                 admission, factor, ..
             } => {
@@ -1197,11 +1203,11 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> Decided {
     d
 }
 
-impl Decided {
+impl BatchWrite {
     /// Nothing decided yet, on the records and permit counts of `read`.
-    fn on(read: &Read) -> Decided {
+    fn on(read: &Read) -> BatchWrite {
         let n = read.records.len();
-        Decided {
+        BatchWrite {
             outcomes: Vec::new(),
             versions: read.versions.clone(),
             records: read.records.clone(),
@@ -1353,7 +1359,7 @@ struct Cycle {
 /// claims the tool's turn when `claim` (see the batch script).
 async fn cycle(
     sh: &Shared,
-    write: Option<(&Batch, &Decided)>,
+    write: Option<(&Batch, &BatchWrite)>,
     next: Option<&Batch>,
     worker: &Worker,
     claim: bool,
@@ -1382,7 +1388,7 @@ async fn run_cycle(
 /// A round trip that writes `write` and reads nothing, sent on its way: the future holds what
 /// it needs (the worker decides the next batch meanwhile), and has been polled once, so the
 /// script is queued on the connection before any later one.
-async fn send_write(sh: &Arc<Shared>, write: (&Batch, &Decided), worker: &Worker) -> InFlight {
+async fn send_write(sh: &Arc<Shared>, write: (&Batch, &BatchWrite), worker: &Worker) -> InFlight {
     let (keys, args) = cycle_args(sh, Some(write), None, worker, false);
     let sh = sh.clone();
     let mut reply: InFlight = Box::pin(async move { run_cycle(&sh, &keys, &args, false).await });
@@ -1404,7 +1410,7 @@ type InFlight =
 /// The keys and arguments of the batch script for [`cycle`].
 fn cycle_args(
     sh: &Shared,
-    write: Option<(&Batch, &Decided)>,
+    write: Option<(&Batch, &BatchWrite)>,
     next: Option<&Batch>,
     worker: &Worker,
     claim: bool,
@@ -1438,7 +1444,7 @@ fn cycle_args(
 
 /// The write part of the batch script's arguments: the versions read, then each record
 /// written (its key's place, its bytes, its TTL) and each permits zset changed.
-fn write_of(sh: &Shared, batch: &Batch, d: &Decided) -> Vec<Vec<u8>> {
+fn write_of(sh: &Shared, batch: &Batch, d: &BatchWrite) -> Vec<Vec<u8>> {
     let n = batch.keys.records.len();
     let mut args: Vec<Vec<u8>> = d.versions.clone();
     let writes: Vec<usize> = (0..n).filter(|i| d.written[*i]).collect();
