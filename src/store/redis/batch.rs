@@ -410,7 +410,7 @@ impl Worker {
 async fn release_decided(sh: &Arc<Shared>, d: &BatchWrite) -> bool {
     let mut all = true;
     for o in &d.outcomes {
-        if let Outcome::BatchWrite(Decision::Admitted(a)) = o {
+        if let JobDone::Decided(Decision::Admitted(a)) = o {
             for a in a.iter().filter(|a| a.charge.holds_permits()) {
                 all &= sh.release_call(a).await.is_ok();
             }
@@ -740,7 +740,7 @@ impl Cache {
     }
 
     /// Counts in the ledger what the landed write of `b` admitted and corrected.
-    fn landed(&mut self, b: &Batch, outcomes: &[Outcome]) {
+    fn landed(&mut self, b: &Batch, outcomes: &[JobDone]) {
         let mut now = Timestamp(0);
         for ((job, jks), outcome) in b.jobs.iter().zip(&b.job_keys).zip(outcomes) {
             now = now.max(job.now());
@@ -749,7 +749,7 @@ impl Cache {
                 (0..3).filter_map(move |l| Some((l, records[l]?)))
             };
             match (job, outcome) {
-                (Job::Decide { parts, .. }, Outcome::BatchWrite(Decision::Admitted(a))) => {
+                (Job::Decide { parts, .. }, JobDone::Decided(Decision::Admitted(a))) => {
                     for ((part, jk), a) in parts.iter().zip(jks).zip(a.iter()) {
                         let period = part.plan.tool.period().as_micros() as f64;
                         for (l, i) in levels(jk) {
@@ -1031,18 +1031,18 @@ impl Batch {
     }
 
     /// Answers every job; an admission whose caller left is given back.
-    fn answer(self, sh: &Arc<Shared>, outcomes: Vec<Outcome>) {
+    fn answer(self, sh: &Arc<Shared>, outcomes: Vec<JobDone>) {
         for (job, outcome) in self.jobs.into_iter().zip(outcomes) {
             match (job, outcome) {
-                (Job::Decide { reply, .. }, Outcome::BatchWrite(d)) => {
+                (Job::Decide { reply, .. }, JobDone::Decided(d)) => {
                     if let Err(Ok(Decision::Admitted(a))) = reply.send(Ok(d)) {
                         a.into_iter().for_each(|a| give_back(sh, a));
                     }
                 }
-                (Job::Adjust { reply, .. }, Outcome::Adjusted) => {
+                (Job::Adjust { reply, .. }, JobDone::Adjusted) => {
                     let _ = reply.send(Ok(()));
                 }
-                (Job::Heal { reply }, Outcome::Read) => {
+                (Job::Heal { reply }, JobDone::Read) => {
                     let _ = reply.send(());
                 }
                 _ => unreachable!("an outcome per job, of its kind"),
@@ -1052,8 +1052,8 @@ impl Batch {
 }
 
 /// What a job came to.
-enum Outcome {
-    BatchWrite(Decision),
+enum JobDone {
+    Decided(Decision),
     Adjusted,
     /// A `Job::Heal`'s read is done.
     Read,
@@ -1158,7 +1158,7 @@ struct ZChange {
 /// What a batch decided, and what to write for it: its records and permit counts as its jobs
 /// are decided, one after the other, and what they change.
 struct BatchWrite {
-    outcomes: Vec<Outcome>,
+    outcomes: Vec<JobDone>,
     /// The records' versions when read: what the write checks.
     versions: Vec<Vec<u8>>,
     records: Vec<Option<Record>>,
@@ -1181,14 +1181,14 @@ fn decide(sh: &Shared, batch: &Batch, read: &Read) -> BatchWrite {
         };
         d.now = now.as_micros() as f64;
         let outcome = match job {
-            Job::Decide { parts, .. } => Outcome::BatchWrite(d.decide(sh, parts, jks, now)),
+            Job::Decide { parts, .. } => JobDone::Decided(d.decide(sh, parts, jks, now)),
             Job::Adjust {
                 admission, factor, ..
             } => {
                 d.adjust(sh, admission, *factor, &jks[0], now);
-                Outcome::Adjusted
+                JobDone::Adjusted
             }
-            Job::Heal { .. } => Outcome::Read,
+            Job::Heal { .. } => JobDone::Read,
         };
         d.outcomes.push(outcome);
     }
