@@ -14,7 +14,7 @@
 //! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
 //! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
 //! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=model` makes N model calls
-//! through `model_calls()` (one tool).
+//! through `model_calls()` (one tool; `model-two`: charged to two, a request and its tokens).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -131,10 +131,10 @@ fn layered(mode: &str, n: u64) {
 }
 
 /// `FS_LAYER=model`: `n` model calls through `FairShareLayer::model_calls()` charged to the
-/// tokens tool `chat.tokens`, as the compare bench's `model call/one tool`: the request's JSON
+/// tokens tool `chat.tokens` (`two`: and one request of `chat.requests`), as the compare bench's `model call/one tool`: the request's JSON
 /// read for its estimate, the call decided, the answer's JSON read to its end and its `usage`
 /// settled.
-fn model_calls(n: u64) {
+fn model_calls(n: u64, two: bool) {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     use tonic::body::Body;
@@ -151,9 +151,11 @@ fn model_calls(n: u64) {
         res.headers_mut().insert(http::header::CONTENT_TYPE, json);
         Ok::<_, std::convert::Infallible>(res)
     });
-    let layer = FairShareLayer::new(limiter())
-        .model_calls()
-        .tokens("chat.tokens");
+    let mut layer = FairShareLayer::new(limiter()).model_calls();
+    if two {
+        layer = layer.requests("chat.requests");
+    }
+    let layer = layer.tokens("chat.tokens");
     let mut svc = layer.layer(model);
     let mut ok = 0u64;
     for _ in 0..n {
@@ -176,7 +178,8 @@ fn main() {
     {
         if let Ok(layer) = std::env::var("FS_LAYER") {
             match layer.as_str() {
-                "model" => model_calls(n),
+                "model" => model_calls(n, false),
+                "model-two" => model_calls(n, true),
                 _ => layered(&layer, n),
             }
             return;

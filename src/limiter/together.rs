@@ -149,6 +149,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 None => break,
             }
         }
+        if spent.is_empty() {
+            return None;
+        }
         let covered = spent.len() == charges.len()
             && spent.iter().enumerate().all(|(i, s)| {
                 let k = &s.grant.keys;
@@ -236,15 +239,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if open.is_empty() {
             return Round::Done;
         }
-        let asked: Vec<Plan<'_>> = open
-            .iter()
-            .map(|&i| Plan {
+        // The open parts' plans, each asking for its part's `ask`.
+        let mut asked = [parts[open[0]].plan; MAX_TOOLS_PER_CALL];
+        for (plan, &i) in asked.iter_mut().zip(open) {
+            *plan = Plan {
                 cost: parts[i].ask,
                 ..parts[i].plan
-            })
-            .collect();
+            };
+        }
         let started = crate::telemetry::Started::now();
-        let decided = self.inner.store.decide(&asked).await;
+        let decided = self.inner.store.decide(&asked[..open.len()]).await;
         started.record(self.inner.store.kind());
         let granting = open.iter().any(|&i| parts[i].ask > parts[i].plan.cost);
         match decided {

@@ -23,6 +23,14 @@ struct Place<'c> {
     period: f64,
 }
 
+/// One plan as it is decided: where its states live, the states (some 600 bytes: decided
+/// where they lie, not moved about), and what the engine admitted.
+struct Part<'c> {
+    place: Place<'c>,
+    snap: Snapshot,
+    admitted: Option<engine::Admitted>,
+}
+
 /// The most tools a call is charged to (the limiter refuses more).
 const MAX: usize = crate::limiter::MAX_TOOLS_PER_CALL;
 
@@ -34,33 +42,44 @@ type Shards<'g> = [Option<(usize, MutexGuard<'g, Shard>)>; MAX];
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let plans = &plans[..plans.len().min(MAX)];
     let cells = tool_cells(store, plans);
-    let places: Vec<Place<'_>> = plans.iter().map(|p| place(store, &cells, p)).collect();
-    let mut shards = lock_shards(store, &places);
-    let mut tools = lock_tools(&places);
-    // Each plan decided on its states where they lie (they are some 600 bytes a plan: moved
-    // about, they would cost more than the decision), written only once every plan is admitted.
-    let mut snaps: Vec<Snapshot> = Vec::with_capacity(plans.len());
-    let mut admitted = Vec::with_capacity(plans.len());
-    for (i, (plan, place)) in plans.iter().zip(&places).enumerate() {
-        snaps.push(states(shard_of(&mut shards, place.shard), plan, place));
-        let snap = snaps.last_mut().expect("just pushed");
-        let tool = tools[i].as_ref().expect("locked");
-        (snap.tool, snap.plans) = (tool.state, tool.plans);
-        match engine::decide(plan, snap) {
-            Ok(a) => admitted.push(a),
+    let mut parts: Vec<Part<'_>> = Vec::with_capacity(plans.len());
+    for plan in plans {
+        let place = place(store, &cells, plan);
+        let (snap, admitted) = (Snapshot::default(), None);
+        parts.push(Part {
+            place,
+            snap,
+            admitted,
+        });
+    }
+    let mut shards = lock_shards(store, &parts);
+    let mut tools = lock_tools(&parts);
+    for ((plan, part), tool) in plans.iter().zip(&mut parts).zip(&tools) {
+        let tool = tool.as_ref().expect("locked");
+        part.snap = states(shard_of(&mut shards, part.place.shard), plan, &part.place);
+        (part.snap.tool, part.snap.plans) = (tool.state, tool.plans);
+        match engine::decide(plan, &mut part.snap) {
+            Ok(a) => part.admitted = Some(a),
             Err(r) => return Decision::Refused(r),
         }
     }
-    let parts = plans.iter().zip(&places).zip(tools.iter_mut());
-    for (((plan, place), tool), (snap, a)) in parts.zip(snaps.iter().zip(&admitted)) {
-        let expires = a.expires.map(micros_ceil);
+    for ((plan, part), tool) in plans.iter().zip(&parts).zip(tools.iter_mut()) {
+        let expires = part
+            .admitted
+            .as_ref()
+            .expect("admitted")
+            .expires
+            .map(micros_ceil);
         let tool = tool.as_mut().expect("locked");
-        (tool.state, tool.plans) = (snap.tool, snap.plans);
+        (tool.state, tool.plans) = (part.snap.tool, part.snap.plans);
         tool.expires = expires[0];
-        let shard = shard_of(&mut shards, place.shard);
-        write(store, shard, plan, place, snap, expires);
+        let shard = shard_of(&mut shards, part.place.shard);
+        write(store, shard, plan, &part.place, &part.snap, expires);
     }
-    let admissions = admitted.into_iter().map(|a| a.admission);
+    let admissions = parts
+        .into_iter()
+        .flat_map(|p| p.admitted)
+        .map(|a| a.admission);
     Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
@@ -95,14 +114,14 @@ fn place<'c>(store: &MemoryStore, cells: &'c [Arc<ToolCell>], plan: &Plan<'_>) -
 }
 
 /// The places' shards locked in shard order (the order a call of one tool takes one in).
-fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place<'_>]) -> Shards<'g> {
+fn lock_shards<'g>(store: &'g MemoryStore, places: &[Part<'_>]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..places.len()];
-    order.sort_unstable_by_key(|&i| places[i].shard);
+    order.sort_unstable_by_key(|&i| places[i].place.shard);
     let mut shards: Shards<'g> = Default::default();
     let mut locked = 0;
     for &i in order.iter() {
-        let shard = places[i].shard;
+        let shard = places[i].place.shard;
         let held = locked > 0 && matches!(&shards[locked - 1], Some((s, _)) if *s == shard);
         if !held {
             shards[locked] = Some((shard, lock(&store.shards[shard].0)));
@@ -114,13 +133,13 @@ fn lock_shards<'g>(store: &'g MemoryStore, places: &[Place<'_>]) -> Shards<'g> {
 
 /// The places' tools locked in name order (after the shards, as a call of one tool locks
 /// its tool), held in the places' order.
-fn lock_tools<'c>(places: &[Place<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
+fn lock_tools<'c>(places: &[Part<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..places.len()];
-    order.sort_unstable_by(|&a, &b| places[a].cell.name.cmp(&places[b].cell.name));
+    order.sort_unstable_by(|&a, &b| places[a].place.cell.name.cmp(&places[b].place.cell.name));
     let mut tools: [Option<MutexGuard<'c, ToolEntry>>; MAX] = Default::default();
     for &i in order.iter() {
-        tools[i] = Some(lock(&places[i].cell.inner));
+        tools[i] = Some(lock(&places[i].place.cell.inner));
     }
     tools
 }
