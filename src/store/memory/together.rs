@@ -63,13 +63,10 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
             Err(r) => return Decision::Refused(r),
         }
     }
+    // Written only once every plan is admitted.
     for ((plan, part), tool) in plans.iter().zip(&parts).zip(tools.iter_mut()) {
-        let expires = part
-            .admitted
-            .as_ref()
-            .expect("admitted")
-            .expires
-            .map(micros_ceil);
+        let admitted = part.admitted.as_ref().expect("every plan admitted");
+        let expires = admitted.expires.map(micros_ceil);
         let tool = tool.as_mut().expect("locked");
         (tool.state, tool.plans) = (part.snap.tool, part.snap.plans);
         tool.expires = expires[0];
@@ -113,15 +110,15 @@ fn place<'c>(store: &MemoryStore, cells: &'c [Arc<ToolCell>], plan: &Plan<'_>) -
     }
 }
 
-/// The places' shards locked in shard order (the order a call of one tool takes one in).
-fn lock_shards<'g>(store: &'g MemoryStore, places: &[Part<'_>]) -> Shards<'g> {
+/// The parts' shards locked in shard order (the order a call of one tool takes one in).
+fn lock_shards<'g>(store: &'g MemoryStore, parts: &[Part<'_>]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
-    let order = &mut order[..places.len()];
-    order.sort_unstable_by_key(|&i| places[i].place.shard);
+    let order = &mut order[..parts.len()];
+    order.sort_unstable_by_key(|&i| parts[i].place.shard);
     let mut shards: Shards<'g> = Default::default();
     let mut locked = 0;
     for &i in order.iter() {
-        let shard = places[i].place.shard;
+        let shard = parts[i].place.shard;
         let held = locked > 0 && matches!(&shards[locked - 1], Some((s, _)) if *s == shard);
         if !held {
             shards[locked] = Some((shard, lock(&store.shards[shard].0)));
@@ -131,15 +128,15 @@ fn lock_shards<'g>(store: &'g MemoryStore, places: &[Part<'_>]) -> Shards<'g> {
     shards
 }
 
-/// The places' tools locked in name order (after the shards, as a call of one tool locks
-/// its tool), held in the places' order.
-fn lock_tools<'c>(places: &[Part<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
+/// The parts' tools locked in name order (after the shards, as a call of one tool locks
+/// its tool), held in the parts' order.
+fn lock_tools<'c>(parts: &[Part<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
-    let order = &mut order[..places.len()];
-    order.sort_unstable_by(|&a, &b| places[a].place.cell.name.cmp(&places[b].place.cell.name));
+    let order = &mut order[..parts.len()];
+    order.sort_unstable_by(|&a, &b| parts[a].place.cell.name.cmp(&parts[b].place.cell.name));
     let mut tools: [Option<MutexGuard<'c, ToolEntry>>; MAX] = Default::default();
     for &i in order.iter() {
-        tools[i] = Some(lock(&places[i].place.cell.inner));
+        tools[i] = Some(lock(&parts[i].place.cell.inner));
     }
     tools
 }
