@@ -189,7 +189,6 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
     );
 }
 
-/// When a call ended, which tool, whether it passed, whether it was metered.
 /// One call of the outage test.
 #[derive(Clone, Copy)]
 struct Outcome {
