@@ -131,9 +131,10 @@ fn layered(mode: &str, n: u64) {
 }
 
 /// `FS_LAYER=model`: `n` model calls through `FairShareLayer::model_calls()` charged to the
-/// tokens tool `chat.tokens` (`two`: and one request of `chat.requests`), as the compare bench's `model call/one tool`: the request's JSON
-/// read for its estimate, the call decided, the answer's JSON read to its end and its `usage`
-/// settled.
+/// tokens tool `chat.tokens`, as the compare bench's `model call/one tool` (`FS_LAYER=model-two`,
+/// `two`: also one request of `chat.requests`, as its `model call/two tools`): the request's
+/// JSON read for its estimate, the call decided, the answer's JSON read to its end and its
+/// `usage` settled.
 fn model_calls(n: u64, two: bool) {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
