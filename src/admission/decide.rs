@@ -13,7 +13,7 @@ use super::state::{
     PlanCounts, Snapshot,
 };
 use super::template::{self, Standing};
-use super::walk::{Decision, Fail, Label, Level};
+use super::walk::{Deciding, Fail, Label, Level};
 use crate::clock::Timestamp;
 use crate::policy::numbers::{instance_numbers, level_numbers, LevelNumbers};
 use crate::policy::{Budget, LevelPolicy};
@@ -46,12 +46,11 @@ pub fn decided_at(now: Timestamp, states: &[&NodeState]) -> Timestamp {
 
 /// Decides one call on `snap`, the stored states of its levels. Admitted: `snap` holds the
 /// states to write back. Refused: nothing is to be written (`snap` is left half worked on).
+/// [`Deciding::commit`] then [`Deciding::answer`].
 pub fn decide(plan: &Plan<'_>, snap: &mut Snapshot) -> Result<Admitted, Refusal> {
-    let mut d = Decision::new(plan, snap);
-    match d.prepare(snap).and_then(|()| d.check(snap)) {
-        Ok(takes) => Ok(d.commit(snap, takes)),
-        Err(f) => Err(d.refuse(f)),
-    }
+    let mut d = Deciding::new(plan, snap);
+    d.commit(snap)?;
+    Ok(d.answer(snap))
 }
 
 /// What [`decide`] would answer for `plan` on `snap`, and how each level stands, with
@@ -64,7 +63,7 @@ pub(crate) struct Explained {
 /// [`decide`] without its outcome: the verdict and each level's figures.
 pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     let mut snap = snap.clone();
-    let mut d = Decision::new(plan, &snap);
+    let mut d = Deciding::new(plan, &snap);
     if let Err(f) = d.prepare(&mut snap) {
         return Explained {
             verdict: Err(d.refuse(f)),
@@ -76,16 +75,18 @@ pub(crate) fn explain(plan: &Plan<'_>, snap: &Snapshot) -> Explained {
     Explained { verdict, levels }
 }
 
-impl<'p, 'a> Decision<'p, 'a> {
-    /// The call at its instant (its own, or its states' latest): the tool's level only.
-    fn new(plan: &'p Plan<'a>, snap: &Snapshot) -> Self {
+impl<'p, 'a> Deciding<'p, 'a> {
+    /// The call of `plan` at its instant: its own, or, if later, the latest instant any of
+    /// the states in `snap` was decided at (see [`decided_at`]).
+    #[inline]
+    pub fn new(plan: &'p Plan<'a>, snap: &Snapshot) -> Self {
         let n = if plan.instance.is_some() { 3 } else { 2 };
         let at = decided_at(plan.now, &snap.levels()[..n]);
         let now = at.as_micros() as f64;
         let period = plan.tool.period.as_micros() as f64;
         let window = aligned_window(now, period);
         let tool = tool_level(plan);
-        Decision {
+        Deciding {
             plan,
             at,
             levels: [tool; 3],
@@ -96,7 +97,47 @@ impl<'p, 'a> Decision<'p, 'a> {
             window,
             next_window: (window + 1.0) * period,
             standing: [Standing::NotCounted; 2],
+            takes: [[0.0; 3]; 3],
+            counted_until: [0.0; 3],
+            tool_expires: 0.0,
         }
+    }
+
+    /// Checks the call on `snap`, the stored states of its levels, and, if it passes,
+    /// commits it to them: `snap` holds the states to write back. Refused: nothing is to be
+    /// written (`snap` is left half worked on).
+    #[inline]
+    pub fn commit(&mut self, snap: &mut Snapshot) -> Result<(), Refusal> {
+        let takes = match self.prepare(snap).and_then(|()| self.check(snap)) {
+            Ok(takes) => takes,
+            Err(f) => return Err(self.refuse(f)),
+        };
+        self.takes = takes;
+        for (idx, take) in takes.into_iter().enumerate().take(self.n) {
+            self.commit_level(idx, take, snap.level_mut(idx));
+        }
+        // The tool counts every floor unit drawn below it, for the window report.
+        let floor_units: f64 = takes[..self.n].iter().map(|t| t[0]).sum();
+        snap.tool.floor_used += floor_units - takes[0][0];
+        self.counted_until = self.count_children(snap);
+        self.tool_expires = self.expiry(snap, 0);
+        Ok(())
+    }
+
+    /// When the tool's state may be forgotten without changing any future decision (µs),
+    /// provided it holds no permits, once the call is [committed](Self::commit): what a
+    /// store writes with the tool's state.
+    #[inline]
+    pub fn tool_expires(&self) -> f64 {
+        self.tool_expires
+    }
+
+    /// When level `idx`'s state in `snap` may be forgotten (µs): its buckets full, its
+    /// windows and budgets over, its template counts done.
+    fn expiry(&self, snap: &Snapshot, idx: usize) -> f64 {
+        let times = [self.now, self.period, self.next_window];
+        let s = snap.levels()[idx];
+        expiry(s, &self.levels[idx].buckets, times).max(self.counted_until[idx])
     }
 
     /// The callers counted, every level's numbers, its state refilled and rolled; or why one
@@ -296,23 +337,18 @@ impl<'p, 'a> Decision<'p, 'a> {
         })
     }
 
-    /// The call admitted: `takes` drawn from every level, counted in its windows, budgets
-    /// and template counts; the answer.
-    fn commit(&self, snap: &mut Snapshot, takes: [[f64; 3]; 3]) -> Admitted {
-        let mut expires = [0.0; 3];
-        for (idx, take) in takes.into_iter().enumerate().take(self.n) {
-            expires[idx] = self.commit_level(idx, take, snap.level_mut(idx));
-        }
-        // The tool counts every floor unit drawn below it, for the window report.
-        let floor_units: f64 = takes[..self.n].iter().map(|t| t[0]).sum();
-        snap.tool.floor_used += floor_units - takes[0][0];
-        let counts = self.count_children(snap);
-        for (e, c) in expires.iter_mut().zip(counts).take(self.n) {
-            *e = e.max(c);
+    /// The answer to the call [committed](Self::commit) on `snap` (as it left it): what was
+    /// charged where, the figures the caller is told, and when each level's state may be
+    /// forgotten. Reads nothing a store must lock.
+    #[inline]
+    pub fn answer(&self, snap: &Snapshot) -> Admitted {
+        let mut expires = [self.tool_expires, 0.0, 0.0];
+        for (idx, e) in expires.iter_mut().enumerate().take(self.n).skip(1) {
+            *e = self.expiry(snap, idx);
         }
         let charged = |idx: usize| {
             if idx < self.n {
-                self.charge_of(idx, takes[idx])
+                self.charge_of(idx, self.takes[idx])
             } else {
                 LevelCharge::default()
             }
@@ -368,8 +404,8 @@ impl<'p, 'a> Decision<'p, 'a> {
     }
 
     /// Takes `take` (floor, share, ceiling) from level `idx`'s state `s`, counts the call in
-    /// its windows and budgets; when the state may be forgotten (µs).
-    fn commit_level(&self, idx: usize, [f, h, k]: [f64; 3], s: &mut NodeState) -> f64 {
+    /// its windows and budgets.
+    fn commit_level(&self, idx: usize, [f, h, k]: [f64; 3], s: &mut NodeState) {
         let c = self.plan.cost;
         s.floor -= f;
         s.share -= h;
@@ -395,8 +431,6 @@ impl<'p, 'a> Decision<'p, 'a> {
                 }),
             }
         }
-        let l = &self.levels[idx];
-        expiry(s, &l.buckets, [self.now, self.period, self.next_window])
     }
 
     /// What the call took at level `idx`, for corrections later.

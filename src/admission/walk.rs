@@ -1,4 +1,4 @@
-//! A call's levels at the decision's instant ([`Decision`]: their numbers and buckets), and
+//! A call's levels at the decision's instant ([`Deciding`]: their numbers and buckets), and
 //! the walk from the caller up to the tool: which bucket of which level each unit of a call
 //! is drawn from, share first or floor first, with the borrowing bar, or why it cannot pass.
 //! `decide` builds the levels and commits the walk's takes.
@@ -99,9 +99,25 @@ impl Fail {
     }
 }
 
-/// A call's levels at the decision's instant: their numbers, their states brought up to
-/// date, how the caller stands among its parents' template children.
-pub(super) struct Decision<'p, 'a> {
+/// One call being decided ([`engine::decide`](super::engine::decide) in steps): its levels at
+/// the decision's instant — their numbers, their states brought up to date, how the caller
+/// stands among its parents' template children — and, once committed, what it took where.
+///
+/// A store that holds a tool's state under a lock shared by all its callers can let go of it
+/// between [`commit`](Self::commit) (which reads and writes the states) and
+/// [`answer`](Self::answer) (which makes the admitted call's record from them):
+///
+/// ```
+/// # use tower_fairshare::admission::engine::{Deciding, Plan, Snapshot, Admitted};
+/// # fn store(plan: &Plan<'_>, mut snap: Snapshot) -> Result<Admitted, tower_fairshare::Refusal> {
+/// // The tool's state is read into `snap` under its lock, then:
+/// let mut call = Deciding::new(plan, &snap);
+/// call.commit(&mut snap)?;
+/// // ... `snap`'s tool state written back, with `call.tool_expires()`, and the lock let go.
+/// Ok(call.answer(&snap))
+/// # }
+/// ```
+pub struct Deciding<'p, 'a> {
     pub(super) plan: &'p Plan<'a>,
     /// The instant the call is decided at: its own, or its states' latest.
     pub(super) at: Timestamp,
@@ -116,9 +132,25 @@ pub(super) struct Decision<'p, 'a> {
     /// How the tenant and the instance stood among their parents' template children before
     /// this call (template callers only).
     pub(super) standing: [Standing; 2],
+    /// Once committed: what each level took (floor, share, ceiling).
+    pub(super) takes: [[f64; 3]; 3],
+    /// Once committed: until when each level's state must be kept for the template counts
+    /// (µs; 0: no bound).
+    pub(super) counted_until: [f64; 3],
+    /// Once committed: when the tool's state may be forgotten (µs).
+    pub(super) tool_expires: f64,
 }
 
-impl Decision<'_, '_> {
+impl std::fmt::Debug for Deciding<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deciding")
+            .field("at", &self.at)
+            .field("takes", &self.takes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deciding<'_, '_> {
     /// The whole walk, caller first, on the states in `snap`: what each level takes (floor,
     /// share, ceiling), share first (or floor first), or why the call cannot pass.
     pub(super) fn walk(&self, snap: &Snapshot, share_first: bool) -> Result<[[f64; 3]; 3], Fail> {

@@ -410,7 +410,9 @@ fn stored(
     }
 }
 
-/// Decides `plan` on `snap` under the tool's lock; admitted, the tool's state is written.
+/// Decides `plan` on `snap`, its states read, checked and written under the tool's lock;
+/// admitted, the tool's state is written, and the call's answer made once the lock is let
+/// go (callers of one tool wait for each other only while its state is worked on).
 fn decide_under(
     cell: &ToolCell,
     plan: &Plan<'_>,
@@ -418,10 +420,12 @@ fn decide_under(
 ) -> Result<engine::Admitted, crate::Refusal> {
     let mut tool = lock(&cell.inner);
     (snap.tool, snap.plans) = (tool.state, tool.plans);
-    let admitted = engine::decide(plan, snap)?;
+    let mut call = engine::Deciding::new(plan, snap);
+    call.commit(snap)?;
     (tool.state, tool.plans) = (snap.tool, snap.plans);
-    tool.expires = micros_ceil(admitted.expires[0]);
-    Ok(admitted)
+    tool.expires = micros_ceil(call.tool_expires());
+    drop(tool);
+    Ok(call.answer(snap))
 }
 
 /// Writes an admitted call's tenant and instance states into its tenant's `entry`; `slot`

@@ -24,11 +24,11 @@ struct Place<'c> {
 }
 
 /// One plan as it is decided: where its states live, the states (some 600 bytes: decided
-/// where they lie, not moved about), and what the engine admitted.
-struct Part<'c> {
+/// where they lie, not moved about), and the engine's decision once it is committed.
+struct Part<'c, 'p, 'a> {
     place: Place<'c>,
     snap: Snapshot,
-    admitted: Option<engine::Admitted>,
+    call: Option<engine::Deciding<'p, 'a>>,
 }
 
 /// The most tools a call is charged to (the limiter refuses more).
@@ -38,19 +38,16 @@ const MAX: usize = crate::limiter::MAX_TOOLS_PER_CALL;
 type Shards<'g> = [Option<(usize, MutexGuard<'g, Shard>)>; MAX];
 
 /// Decides `plans` (of distinct tools) together: all admitted and written, or the first
-/// refusal and nothing written.
+/// refusal and nothing written. The tools' states are written once every plan is committed,
+/// and their locks let go before the answers are made (as for a call of one tool).
 pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let plans = &plans[..plans.len().min(MAX)];
     let cells = tool_cells(store, plans);
-    let mut parts: Vec<Part<'_>> = Vec::with_capacity(plans.len());
+    let mut parts: Vec<Part<'_, '_, '_>> = Vec::with_capacity(plans.len());
     for plan in plans {
         let place = place(store, &cells, plan);
-        let (snap, admitted) = (Snapshot::default(), None);
-        parts.push(Part {
-            place,
-            snap,
-            admitted,
-        });
+        let (snap, call) = (Snapshot::default(), None);
+        parts.push(Part { place, snap, call });
     }
     let mut shards = lock_shards(store, &parts);
     let mut tools = lock_tools(&parts);
@@ -58,25 +55,25 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
         let tool = tool.as_ref().expect("locked");
         part.snap = states(shard_of(&mut shards, part.place.shard), plan, &part.place);
         (part.snap.tool, part.snap.plans) = (tool.state, tool.plans);
-        match engine::decide(plan, &mut part.snap) {
-            Ok(a) => part.admitted = Some(a),
-            Err(r) => return Decision::Refused(r),
+        let call = part.call.insert(engine::Deciding::new(plan, &part.snap));
+        if let Err(r) = call.commit(&mut part.snap) {
+            return Decision::Refused(r);
         }
     }
-    // Written only once every plan is admitted.
-    for ((plan, part), tool) in plans.iter().zip(&parts).zip(tools.iter_mut()) {
-        let admitted = part.admitted.as_ref().expect("every plan admitted");
-        let expires = admitted.expires.map(micros_ceil);
+    for (part, tool) in parts.iter().zip(tools.iter_mut()) {
+        let call = part.call.as_ref().expect("every plan committed");
         let tool = tool.as_mut().expect("locked");
         (tool.state, tool.plans) = (part.snap.tool, part.snap.plans);
-        tool.expires = expires[0];
+        tool.expires = micros_ceil(call.tool_expires());
+    }
+    drop(tools);
+    let admissions = plans.iter().zip(&parts).map(|(plan, part)| {
+        let admitted = part.call.as_ref().expect("committed").answer(&part.snap);
+        let expires = admitted.expires.map(micros_ceil);
         let shard = shard_of(&mut shards, part.place.shard);
         write(store, shard, plan, &part.place, &part.snap, expires);
-    }
-    let admissions = parts
-        .into_iter()
-        .flat_map(|p| p.admitted)
-        .map(|a| a.admission);
+        admitted.admission
+    });
     Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
@@ -111,7 +108,7 @@ fn place<'c>(store: &MemoryStore, cells: &'c [Arc<ToolCell>], plan: &Plan<'_>) -
 }
 
 /// The parts' shards locked in shard order (the order a call of one tool takes one in).
-fn lock_shards<'g>(store: &'g MemoryStore, parts: &[Part<'_>]) -> Shards<'g> {
+fn lock_shards<'g>(store: &'g MemoryStore, parts: &[Part<'_, '_, '_>]) -> Shards<'g> {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..parts.len()];
     order.sort_unstable_by_key(|&i| parts[i].place.shard);
@@ -130,7 +127,7 @@ fn lock_shards<'g>(store: &'g MemoryStore, parts: &[Part<'_>]) -> Shards<'g> {
 
 /// The parts' tools locked in name order (after the shards, as a call of one tool locks
 /// its tool), held in the parts' order.
-fn lock_tools<'c>(parts: &[Part<'c>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
+fn lock_tools<'c>(parts: &[Part<'c, '_, '_>]) -> [Option<MutexGuard<'c, ToolEntry>>; MAX] {
     let mut order: [usize; MAX] = std::array::from_fn(|i| i);
     let order = &mut order[..parts.len()];
     order.sort_unstable_by(|&a, &b| parts[a].place.cell.name.cmp(&parts[b].place.cell.name));
