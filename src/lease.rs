@@ -451,7 +451,11 @@ impl Leases {
             next: None,
             refreshing: false,
         };
-        self.tools.fetch_or(tool_marks(plan.tool.name()), Relaxed);
+        // Written only when new: every call's lease check reads this line.
+        let marks = tool_marks(plan.tool.name());
+        if self.tools.load(Relaxed) & marks != marks {
+            self.tools.fetch_or(marks, Relaxed);
+        }
         let one_call = granted <= plan.cost;
         self.put(lease, one_call, returns);
         if left > EPS {
