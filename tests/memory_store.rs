@@ -191,11 +191,10 @@ burst = 3
     }
 }
 
-/// An answer record is reused once its ticket is dropped (the next decision on the thread
-/// writes over it): every answer reads the same as one written into a fresh record — same keys,
-/// charge, figures and time — whatever the record held before. The reference side decides the
-/// same calls on a thread of its own that keeps every ticket, so none of its records is reused.
-mod reused_answers {
+/// Dropping a ticket changes no later answer: every answer reads the same — same keys, charge,
+/// figures and time — whether the tickets before it were dropped at once or kept. The
+/// reference side decides the same calls on a thread of its own that keeps every ticket.
+mod dropped_tickets {
     use std::time::Duration;
 
     use crate::ready::now;
@@ -216,7 +215,7 @@ mod reused_answers {
     }
 
     /// Each call's answer as text (`None`: refused), deciding `calls` (caller, cost, µs later)
-    /// in order; `keep`: every ticket is held to the end, so no record is reused.
+    /// in order; `keep`: every ticket is held to the end, else dropped at once.
     fn answers(calls: &[(usize, u8, u64)], keep: bool) -> Vec<Option<String>> {
         let clock = ManualClock::new(EPOCH);
         let limiter = Limiter::with_store(
@@ -242,15 +241,15 @@ mod reused_answers {
         #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..Default::default() })]
 
         #[test]
-        fn a_reused_answer_reads_as_a_fresh_one(
+        fn an_answer_reads_the_same_whether_earlier_tickets_were_dropped_or_kept(
             calls in proptest::collection::vec((0usize..6, 1u8..4, 0u64..2_000_000), 1..120),
         ) {
             let fresh = {
                 let calls = calls.clone();
                 std::thread::spawn(move || answers(&calls, true)).join().expect("no panic")
             };
-            let reused = answers(&calls, false);
-            for (i, (r, f)) in reused.iter().zip(&fresh).enumerate() {
+            let dropped = answers(&calls, false);
+            for (i, (r, f)) in dropped.iter().zip(&fresh).enumerate() {
                 prop_assert_eq!(r, f, "call {} ({:?})", i, calls[i]);
             }
         }
