@@ -12,7 +12,7 @@ use super::{
     ToolCell, ToolEntry,
 };
 use crate::admission::engine::{self, Plan, Snapshot};
-use crate::store::{Admissions, Decision};
+use crate::store::{Admission, Admissions, Decision};
 
 /// Where one plan's states live: its tenant's hash and shard, its tool's cell (borrowed from
 /// the store's list of tools, read once for the call) and period.
@@ -24,11 +24,13 @@ struct Place<'c> {
 }
 
 /// One plan as it is decided: where its states live, the states (some 600 bytes: decided
-/// where they lie, not moved about), and the engine's decision once it is committed.
+/// where they lie, not moved about), the engine's decision once it is committed, and the
+/// answer once it is made.
 struct Part<'c, 'p, 'a> {
     place: Place<'c>,
     snap: Snapshot,
     call: Option<engine::Deciding<'p, 'a>>,
+    admission: Option<Arc<Admission>>,
 }
 
 /// The most tools a call is charged to (the limiter refuses more).
@@ -46,8 +48,13 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     let mut parts: Vec<Part<'_, '_, '_>> = Vec::with_capacity(plans.len());
     for plan in plans {
         let place = place(store, &cells, plan);
-        let (snap, call) = (Snapshot::default(), None);
-        parts.push(Part { place, snap, call });
+        let (snap, call, admission) = (Snapshot::default(), None, None);
+        parts.push(Part {
+            place,
+            snap,
+            call,
+            admission,
+        });
     }
     let mut shards = lock_shards(store, &parts);
     let mut tools = lock_tools(&parts);
@@ -67,13 +74,14 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
         tool.expires = micros_ceil(call.tool_expires());
     }
     drop(tools);
-    let admissions = plans.iter().zip(&parts).map(|(plan, part)| {
+    for (plan, part) in plans.iter().zip(&mut parts) {
         let admitted = part.call.as_ref().expect("committed").answer(&part.snap);
         let expires = admitted.expires.map(micros_ceil);
         let shard = shard_of(&mut shards, part.place.shard);
         write(store, shard, plan, &part.place, &part.snap, expires);
-        admitted.admission
-    });
+        part.admission = Some(admitted.admission);
+    }
+    let admissions = parts.iter_mut().flat_map(|p| p.admission.take());
     Decision::Admitted(Admissions::of(admissions).expect("a call of several tools"))
 }
 
