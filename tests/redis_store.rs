@@ -7,7 +7,7 @@
 mod support;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -265,7 +265,6 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
                 }
             }));
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
         // Gone once `kill` returns (it waits for the process): Redis admits nothing after.
         server.kill();
         let killed_at = Instant::now();
@@ -503,6 +502,194 @@ lease = "off"
         let state = limiter.store().inspect(&keys).await.unwrap();
         assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
     });
+}
+
+/// A write that ran in Redis but whose answer never came back (the connection cut as Redis
+/// answered) is found to have landed on the connection made again: its calls are answered as
+/// it decided them, counted once, not decided and counted a second time.
+#[test]
+fn a_write_that_landed_but_whose_answer_was_lost_counts_once() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "strict"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+lease = "off"
+[tool.tenants.A]
+"#,
+    )
+    .unwrap();
+    multi_thread().block_on(async {
+        let proxy = CutProxy::start(&server).await;
+        let clock = ManualClock::new(EPOCH);
+        let store = RedisStore::builder(proxy.url())
+            .injected_clock()
+            .timeout(Duration::from_secs(5))
+            .health_checks_every(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let a = Caller::new("A");
+        // Read once: A's next call is decided on the records the worker remembers, and its
+        // round trip is the write alone.
+        let first = limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ());
+        assert!(first.is_ok(), "{first:?}");
+        proxy.cut_answer_of(0);
+        clock.advance(Duration::from_millis(1));
+        let answer = limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ());
+        assert_eq!(proxy.cuts(), 1, "the write's answer was cut off");
+        assert!(answer.is_ok(), "{answer:?}");
+        let keys = limiter.call_keys(&a, "strict").unwrap();
+        let state = limiter.store().inspect(&keys).await.unwrap();
+        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
+    });
+}
+
+/// The same on a tool that caps calls in flight: the call whose write landed unanswered holds
+/// the permit that write took (it is not given back and taken again), and gives it back when
+/// its call is released.
+#[test]
+fn a_capped_call_whose_write_landed_unanswered_holds_one_permit() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(
+        r#"
+[[tool]]
+name = "capped"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+max_concurrency = 2
+lease = "off"
+[tool.tenants.A]
+"#,
+    )
+    .unwrap();
+    multi_thread().block_on(async {
+        let proxy = CutProxy::start(&server).await;
+        let clock = ManualClock::new(EPOCH);
+        let store = RedisStore::builder(proxy.url())
+            .injected_clock()
+            .timeout(Duration::from_secs(5))
+            .health_checks_every(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let a = Caller::new("A");
+        let first = limiter.admit(&a, "capped", Cost(1.0)).await.unwrap();
+        // A call counting permits is read from Redis: its read, then its write.
+        proxy.cut_answer_of(1);
+        clock.advance(Duration::from_millis(1));
+        let second = limiter.admit(&a, "capped", Cost(1.0)).await.unwrap();
+        assert_eq!(proxy.cuts(), 1, "the write's answer was cut off");
+        let keys = limiter.call_keys(&a, "capped").unwrap();
+        let state = limiter.store().inspect(&keys).await.unwrap();
+        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
+        assert_eq!(state[0].unwrap().in_flight, 2.0, "one permit a call");
+        let third = limiter.admit(&a, "capped", Cost(1.0)).await;
+        let refused = third.expect_err("both permits are held");
+        assert_eq!(refused.reason, Reason::ConcurrencyExceeded);
+        limiter.release(&first).await;
+        limiter.release(&second).await;
+        let state = limiter.store().inspect(&keys).await.unwrap();
+        assert_eq!(state[0].unwrap().in_flight, 0.0, "every permit back");
+    });
+}
+
+/// A loopback proxy to a Redis server that, once armed, lets a batch-script call through and
+/// closes its connection when Redis answers it: the script ran, its answer is lost.
+/// Connections made after that are relayed whole.
+struct CutProxy {
+    port: u16,
+    /// Batch-script calls to relay before the one whose answer is cut (-1: none is).
+    armed: Arc<AtomicI64>,
+    cuts: Arc<AtomicU64>,
+}
+
+impl CutProxy {
+    async fn start(server: &RedisServer) -> CutProxy {
+        let upstream = server.url();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = CutProxy {
+            port: listener.local_addr().unwrap().port(),
+            armed: Arc::new(AtomicI64::new(-1)),
+            cuts: Arc::new(AtomicU64::new(0)),
+        };
+        let (armed, cuts) = (proxy.armed.clone(), proxy.cuts.clone());
+        let to = upstream
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .to_owned();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(&to).await.unwrap();
+                tokio::spawn(relay(client, server, armed.clone(), cuts.clone()));
+            }
+        });
+        proxy
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Cuts the answer of the batch-script call that comes after `skip` more.
+    fn cut_answer_of(&self, skip: i64) {
+        self.armed.store(skip, Ordering::SeqCst);
+    }
+
+    fn cuts(&self) -> u64 {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+/// Relays one connection both ways until either side closes, or until Redis answers the
+/// batch-script call sent while the proxy was armed (that answer is not relayed).
+async fn relay(
+    client: tokio::net::TcpStream,
+    server: tokio::net::TcpStream,
+    armed: Arc<AtomicI64>,
+    cuts: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let script = redis::Script::new(include_str!("../src/store/redis/cycle.lua"));
+    let sha = script.get_hash().as_bytes().to_vec();
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    let sent = Arc::new(AtomicBool::new(false));
+    let up = {
+        let sent = sent.clone();
+        async move {
+            let mut buf = vec![0u8; 1 << 16];
+            while let Ok(n @ 1..) = from_client.read(&mut buf).await {
+                let call = buf[..n].windows(sha.len()).any(|w| w == sha);
+                if call && armed.fetch_sub(1, Ordering::SeqCst) == 0 {
+                    sent.store(true, Ordering::SeqCst);
+                }
+                if to_server.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let down = async move {
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = from_server.read(&mut buf).await {
+            if sent.load(Ordering::SeqCst) {
+                cuts.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            if to_client.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
 }
 
 /// A limiter on `server` with the injected clock at `EPOCH`, and the caller `parasite`, whose

@@ -322,9 +322,11 @@ impl Worker {
     ///   turn, so the other replica waits for this write (when the conflict is `counted`: a
     ///   write behind one of this worker's that did not land fails its check, and is not);
     /// - after a dropped connection, once more, on the connection made again, unseen by its
-    ///   callers. Whether the write landed is not known: the permits it would have taken are
-    ///   given back first (a permit given back twice, or never taken, removes nothing), and if
-    ///   it did land, its units are counted twice: under-use, never over-admission.
+    ///   callers — unless a read of its records there finds that it landed (see
+    ///   [`landed_unanswered`](Self::landed_unanswered)): then it is answered as it decided.
+    ///   When the read cannot tell, the permits it would have taken are given back first (a
+    ///   permit given back twice, or never taken, removes nothing), and if it did land, its
+    ///   units are counted twice: under-use, never over-admission.
     async fn settle(
         &mut self,
         sh: &Arc<Shared>,
@@ -345,6 +347,12 @@ impl Worker {
             Err(e) => Some(e),
         };
         cache.conflict();
+        let dropped = matches!(error, Some(StoreError::Unavailable(_)));
+        if dropped && self.landed_unanswered(sh, &batch, &decided).await {
+            cache.landed(&batch, &decided.outcomes);
+            batch.answer(sh, decided.outcomes);
+            return Ok(None);
+        }
         match error {
             None if batch.attempts + 1 >= MAX_ATTEMPTS => batch.fail(&conflicted()),
             None => {
@@ -360,6 +368,26 @@ impl Worker {
             }
         }
         Err(None)
+    }
+
+    /// Whether the write of `batch` (`decided`) landed although its answer was lost: a read
+    /// of its records finds one holding the version the write gave it. Versions are never
+    /// the same twice, and a write lands whole or not at all, so that proves it; a record
+    /// written over since, or a read that fails, proves nothing (false).
+    async fn landed_unanswered(&self, sh: &Shared, batch: &Batch, decided: &BatchWrite) -> bool {
+        let ours = |i: usize| decided.records[i].as_ref().filter(|_| decided.written[i]);
+        if !(0..decided.records.len()).any(|i| ours(i).is_some()) {
+            return false;
+        }
+        let Ok(Cycle {
+            read: Some(read), ..
+        }) = cycle(sh, None, Some(batch), self, false).await
+        else {
+            return false;
+        };
+        read.records.iter().enumerate().any(
+            |(i, held)| matches!((ours(i), held), (Some(w), Some(h)) if w.version == h.version),
+        )
     }
 
     /// `batch` with its `read` from Redis, to decide (and remembered); `None` when the read
