@@ -13,7 +13,8 @@
 //! (`benches/sketch/mod.rs`) instead of the crate. `FS_LAYER=bare|admitted|headers` makes N
 //! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
 //! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
-//! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=model` makes N model calls
+//! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=refused` through the layer,
+//! each call refused (429); `FS_LAYER=model` makes N model calls
 //! through `model_calls()` (one tool; `model-two`: charged to two, a request and its tokens).
 
 use std::sync::Arc;
@@ -89,7 +90,8 @@ criterion_group!(benches, bench);
 /// `FS_LAYER=bare|admitted|headers`: `n` calls through a bare service, or through
 /// `FairShareLayer` over it without or with RateLimit headers, each request built and its
 /// response dropped (the bare case's count is what the layer's are measured from);
-/// `unmatched` and `bare-unmatched`: the same for `/health`, a path no tool matches.
+/// `unmatched` and `bare-unmatched`: the same for `/health`, a path no tool matches;
+/// `refused`: through the layer, each call refused (429).
 fn layered(mode: &str, n: u64) {
     use tower::{Layer, Service};
     use tower_fairshare::{Caller, FairShareLayer};
@@ -101,7 +103,13 @@ fn layered(mode: &str, n: u64) {
     };
     let uri = match mode {
         "unmatched" | "bare-unmatched" => "/health",
+        // Its caller's ceiling is one call a minute: every call after the first is refused.
+        "refused" => "/tools/exhausted",
         _ => "/tools/search",
+    };
+    let answered = |r: &http::Response<_>| match mode {
+        "refused" => r.status() == http::StatusCode::TOO_MANY_REQUESTS,
+        _ => r.status().is_success(),
     };
     let request = || {
         let mut req = http::Request::builder()
@@ -122,9 +130,12 @@ fn layered(mode: &str, n: u64) {
         let mut s = FairShareLayer::new(limiter())
             .headers(mode == "headers")
             .layer(bare());
+        if mode == "refused" {
+            now(s.call(request())).expect("the first call, admitted");
+        }
         for _ in 0..n {
             now(std::future::poll_fn(|cx| s.poll_ready(cx))).expect("ready");
-            ok += u64::from(now(s.call(request())).is_ok_and(|r| r.status().is_success()));
+            ok += u64::from(now(s.call(request())).is_ok_and(|r| answered(&r)));
         }
     }
     assert_eq!(ok, n);
