@@ -31,24 +31,41 @@ impl Timestamp {
         )
     }
 
-    /// RFC 3339 text in UTC with second precision, e.g. `2026-05-22T15:00:00Z`.
+    /// RFC 3339 text in UTC with second precision, e.g. `2026-05-22T15:00:00Z` (its
+    /// [`Display`](fmt::Display)).
     pub fn to_rfc3339(self) -> String {
-        let secs = self.0 / 1_000_000;
-        let days = (secs / 86_400) as i64;
-        let rem = secs % 86_400;
-        let (y, m, d) = civil_from_days(days);
-        format!(
-            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-            rem / 3600,
-            (rem % 3600) / 60,
-            rem % 60
-        )
+        self.to_string()
     }
 }
 
 impl fmt::Display for Timestamp {
+    /// RFC 3339 in UTC with second precision, written digit by digit (a refusal's body
+    /// carries one: no formatting machinery, no allocation).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_rfc3339())
+        let secs = self.0 / 1_000_000;
+        let (days, rem) = (secs / 86_400, secs % 86_400);
+        let (y, m, d) = civil_from_days(days as i64);
+        let (h, min, s) = (rem / 3600, rem % 3600 / 60, rem % 60);
+        if y > 9999 {
+            return write!(f, "{y}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}Z");
+        }
+        let mut text = *b"0000-00-00T00:00:00Z";
+        let fields = [(0..4, y as u64), (5..7, m.into()), (8..10, d.into())];
+        for (at, n) in fields
+            .into_iter()
+            .chain([(11..13, h), (14..16, min), (17..19, s)])
+        {
+            decimal(&mut text[at], n);
+        }
+        f.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
+    }
+}
+
+/// Writes `n` in decimal into `digits`, zero-padded on the left (its low digits if longer).
+fn decimal(digits: &mut [u8], mut n: u64) {
+    for b in digits.iter_mut().rev() {
+        *b = b'0' + (n % 10) as u8;
+        n /= 10;
     }
 }
 
@@ -254,6 +271,27 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Written digit by digit, an instant reads as the formatted fields do: every second
+        /// from 1970 to past the year 10,000 (where the year takes five digits).
+        #[test]
+        fn rfc3339_text_is_the_formatted_fields(secs in 0u64..400_000_000_000) {
+            let t = Timestamp(secs * 1_000_000 + secs % 1_000_000);
+            let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+            let rem = secs % 86_400;
+            let (h, min, s) = (rem / 3600, rem % 3600 / 60, rem % 60);
+            let formatted = format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}Z");
+            proptest::prop_assert_eq!(t.to_rfc3339(), formatted);
+        }
+    }
+
+    #[test]
+    fn rfc3339_text_of_known_instants() {
+        assert_eq!(Timestamp(0).to_rfc3339(), "1970-01-01T00:00:00Z");
+        let t = Timestamp(1_779_462_000_999_999);
+        assert_eq!(t.to_string(), "2026-05-22T15:00:00Z");
+    }
 
     #[test]
     fn the_system_clock_counts_from_the_wall_clock_and_reads_it_again_each_second() {

@@ -282,11 +282,7 @@ impl Refusal {
         json_opt(o, self.unit.map(crate::policy::Unit::as_str))?;
         o.write_str(",\"reset_at\":")?;
         match self.reset_at {
-            Some(t) => {
-                o.write_char('"')?;
-                o.write_str(&t.to_rfc3339())?;
-                o.write_char('"')?;
-            }
+            Some(t) => write!(o, "\"{t}\"")?,
             None => o.write_str("null")?,
         }
         o.write_str(",\"retry_after_ms\":")?;
