@@ -372,8 +372,9 @@ impl Worker {
 
     /// Whether the write of `batch` (`decided`) landed although its answer was lost: a read
     /// of its records finds one holding the version the write gave it. Versions are never
-    /// the same twice, and a write lands whole or not at all, so that proves it; a record
-    /// written over since, or a read that fails, proves nothing (false).
+    /// the same twice, and a write lands whole or not at all, so that proves it; records all
+    /// written over since (by another replica, or by this worker's next write), or a read
+    /// that fails, prove nothing (false).
     async fn landed_unanswered(&self, sh: &Shared, batch: &Batch, decided: &BatchWrite) -> bool {
         let ours = |i: usize| decided.records[i].as_ref().filter(|_| decided.written[i]);
         if !(0..decided.records.len()).any(|i| ours(i).is_some()) {
