@@ -425,6 +425,16 @@ fn a_slow_redis_hits_the_timeout() {
     });
 }
 
+/// One tenant on a tool whose every call is decided at the store (no lease charges ahead).
+const STRICT: &str = r#"
+[[tool]]
+name = "strict"
+unit = "calls"
+rate = { limit = 100000, per = "1s" }
+lease = "off"
+[tool.tenants.A]
+"#;
+
 /// A call decided on the records the worker remembers has its write sent without a read,
 /// behind any other on its way (`batch::pipeline`). When the connection drops under that
 /// write (here: held by `CLIENT PAUSE WRITE`, so it has surely not run, then the store's
@@ -433,18 +443,7 @@ fn a_slow_redis_hits_the_timeout() {
 #[test]
 fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
     let server = RedisServer::start();
-    // Every call decided at the store: no lease charges ahead.
-    let policy = Policy::from_toml_str(
-        r#"
-[[tool]]
-name = "strict"
-unit = "calls"
-rate = { limit = 100000, per = "1s" }
-lease = "off"
-[tool.tenants.A]
-"#,
-    )
-    .unwrap();
+    let policy = Policy::from_toml_str(STRICT).unwrap();
     multi_thread().block_on(async {
         let clock = ManualClock::new(EPOCH);
         let store = RedisStore::builder(server.url())
@@ -498,9 +497,11 @@ lease = "off"
             .unwrap();
         let answer = call.await.unwrap();
         assert!(answer.is_ok(), "{answer:?}");
-        let keys = limiter.call_keys(&a, "strict").unwrap();
-        let state = limiter.store().inspect(&keys).await.unwrap();
-        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
+        assert_eq!(
+            tenant_total(&limiter, &a, "strict").await,
+            2.0,
+            "both calls, each once"
+        );
     });
 }
 
@@ -510,28 +511,9 @@ lease = "off"
 #[test]
 fn a_write_that_landed_but_whose_answer_was_lost_counts_once() {
     let server = RedisServer::start();
-    let policy = Policy::from_toml_str(
-        r#"
-[[tool]]
-name = "strict"
-unit = "calls"
-rate = { limit = 100000, per = "1s" }
-lease = "off"
-[tool.tenants.A]
-"#,
-    )
-    .unwrap();
+    let policy = Policy::from_toml_str(STRICT).unwrap();
     multi_thread().block_on(async {
-        let proxy = CutProxy::start(&server).await;
-        let clock = ManualClock::new(EPOCH);
-        let store = RedisStore::builder(proxy.url())
-            .injected_clock()
-            .timeout(Duration::from_secs(5))
-            .health_checks_every(Duration::ZERO)
-            .connect()
-            .await
-            .unwrap();
-        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let (proxy, limiter, clock) = behind_cut_proxy(&server, policy).await;
         let a = Caller::new("A");
         // Read once: A's next call is decided on the records the worker remembers, and its
         // round trip is the write alone.
@@ -542,9 +524,11 @@ lease = "off"
         let answer = limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ());
         assert_eq!(proxy.cuts(), 1, "the write's answer was cut off");
         assert!(answer.is_ok(), "{answer:?}");
-        let keys = limiter.call_keys(&a, "strict").unwrap();
-        let state = limiter.store().inspect(&keys).await.unwrap();
-        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
+        assert_eq!(
+            tenant_total(&limiter, &a, "strict").await,
+            2.0,
+            "both calls, each once"
+        );
     });
 }
 
@@ -567,16 +551,7 @@ lease = "off"
     )
     .unwrap();
     multi_thread().block_on(async {
-        let proxy = CutProxy::start(&server).await;
-        let clock = ManualClock::new(EPOCH);
-        let store = RedisStore::builder(proxy.url())
-            .injected_clock()
-            .timeout(Duration::from_secs(5))
-            .health_checks_every(Duration::ZERO)
-            .connect()
-            .await
-            .unwrap();
-        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let (proxy, limiter, clock) = behind_cut_proxy(&server, policy).await;
         let a = Caller::new("A");
         let first = limiter.admit(&a, "capped", Cost(1.0)).await.unwrap();
         // A call counting permits is read from Redis: its read, then its write.
@@ -584,9 +559,13 @@ lease = "off"
         clock.advance(Duration::from_millis(1));
         let second = limiter.admit(&a, "capped", Cost(1.0)).await.unwrap();
         assert_eq!(proxy.cuts(), 1, "the write's answer was cut off");
+        assert_eq!(
+            tenant_total(&limiter, &a, "capped").await,
+            2.0,
+            "both calls, each once"
+        );
         let keys = limiter.call_keys(&a, "capped").unwrap();
         let state = limiter.store().inspect(&keys).await.unwrap();
-        assert_eq!(state[1].unwrap().total, 2.0, "both calls, each once");
         assert_eq!(state[0].unwrap().in_flight, 2.0, "one permit a call");
         let third = limiter.admit(&a, "capped", Cost(1.0)).await;
         let refused = third.expect_err("both permits are held");
@@ -596,6 +575,36 @@ lease = "off"
         let state = limiter.store().inspect(&keys).await.unwrap();
         assert_eq!(state[0].unwrap().in_flight, 0.0, "every permit back");
     });
+}
+
+/// Units through `caller`'s tenant on `tool` in the current window, as Redis holds them.
+async fn tenant_total<C: tower_fairshare::Clock>(
+    limiter: &Limiter<RedisStore, C>,
+    caller: &Caller,
+    tool: &str,
+) -> f64 {
+    let keys = limiter.call_keys(caller, tool).unwrap();
+    let state = limiter.store().inspect(&keys).await.unwrap();
+    state[1].unwrap().total
+}
+
+/// A limiter deciding `policy` on `server` through a [`CutProxy`], its clock injected at
+/// `EPOCH`.
+async fn behind_cut_proxy(
+    server: &RedisServer,
+    policy: Policy,
+) -> (CutProxy, Limiter<RedisStore, ManualClock>, ManualClock) {
+    let proxy = CutProxy::start(server).await;
+    let clock = ManualClock::new(EPOCH);
+    let store = RedisStore::builder(proxy.url())
+        .injected_clock()
+        .timeout(Duration::from_secs(5))
+        .health_checks_every(Duration::ZERO)
+        .connect()
+        .await
+        .unwrap();
+    let limiter = Limiter::with_store(policy, store, clock.clone());
+    (proxy, limiter, clock)
 }
 
 /// A loopback proxy to a Redis server that, once armed, lets a batch-script call through and
