@@ -336,24 +336,21 @@ impl Worker {
         reply: Result<Cycle, StoreError>,
         counted: bool,
     ) -> Result<Option<Read>, Option<Batch>> {
-        let error = match reply {
-            Ok(c) if c.written => {
-                cache.clock(c.now);
-                cache.landed(&batch, &decided.outcomes);
-                batch.answer(sh, decided.outcomes);
-                return Ok(c.read);
-            }
-            Ok(_) => None,
-            Err(e) => Some(e),
+        let landed = match &reply {
+            Ok(c) => c.written,
+            Err(StoreError::Unavailable(_)) => self.landed_unanswered(sh, &batch, &decided).await,
+            Err(_) => false,
         };
-        cache.conflict();
-        let dropped = matches!(error, Some(StoreError::Unavailable(_)));
-        if dropped && self.landed_unanswered(sh, &batch, &decided).await {
+        match &reply {
+            Ok(c) if landed => cache.clock(c.now),
+            _ => cache.conflict(),
+        }
+        if landed {
             cache.landed(&batch, &decided.outcomes);
             batch.answer(sh, decided.outcomes);
-            return Ok(None);
+            return Ok(reply.ok().and_then(|c| c.read));
         }
-        match error {
+        match reply.err() {
             None if batch.attempts + 1 >= MAX_ATTEMPTS => batch.fail(&conflicted()),
             None => {
                 if counted {
