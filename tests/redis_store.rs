@@ -532,6 +532,46 @@ fn a_write_that_landed_but_whose_answer_was_lost_counts_once() {
     });
 }
 
+/// Two calls of one tenant whose writes both landed unanswered: the second, decided on the
+/// records the first wrote and sent behind it on the same connection, wrote over every record
+/// the first wrote; that it landed proves the first did (it expected the first's versions).
+/// Each call is counted once.
+#[test]
+fn a_write_sent_behind_a_landed_one_proves_it_landed() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(STRICT).unwrap();
+    multi_thread().block_on(async {
+        let (proxy, limiter, clock) = behind_cut_proxy(&server, policy).await;
+        let a = Caller::new("A");
+        let first = limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ());
+        assert!(first.is_ok(), "{first:?}");
+        // The first write's answer is held a while, then the connection closed: the second
+        // call's write goes out behind it meanwhile, runs, and its answer is lost too.
+        proxy.hold(300);
+        proxy.cut_answer_of(0);
+        clock.advance(Duration::from_millis(1));
+        let call = |limiter: &Limiter<RedisStore, ManualClock>| {
+            let (limiter, a) = (limiter.clone(), a.clone());
+            tokio::spawn(async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) })
+        };
+        let second = call(&limiter);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !proxy.cut_call_sent() {
+            assert!(Instant::now() < deadline, "the write never went out");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let third = call(&limiter);
+        let (second, third) = (second.await.unwrap(), third.await.unwrap());
+        assert_eq!(proxy.cuts(), 1, "the answers were cut off");
+        assert!(second.is_ok() && third.is_ok(), "{second:?} {third:?}");
+        assert_eq!(
+            tenant_total(&limiter, &a, "strict").await,
+            3.0,
+            "three calls, each once"
+        );
+    });
+}
+
 /// The same on a tool that caps calls in flight: the call whose write landed unanswered holds
 /// the permit that write took (it is not given back and taken again), and gives it back when
 /// its call is released.
@@ -614,6 +654,9 @@ struct CutProxy {
     port: u16,
     /// Batch-script calls to relay before the one whose answer is cut (-1: none is).
     armed: Arc<AtomicI64>,
+    /// How long the cut answer is held (ms) before the connection is closed: what the
+    /// client sends meanwhile still reaches Redis, and nothing comes back.
+    hold_ms: Arc<AtomicU64>,
     cuts: Arc<AtomicU64>,
 }
 
@@ -624,9 +667,14 @@ impl CutProxy {
         let proxy = CutProxy {
             port: listener.local_addr().unwrap().port(),
             armed: Arc::new(AtomicI64::new(-1)),
+            hold_ms: Arc::new(AtomicU64::new(0)),
             cuts: Arc::new(AtomicU64::new(0)),
         };
-        let (armed, cuts) = (proxy.armed.clone(), proxy.cuts.clone());
+        let (armed, hold, cuts) = (
+            proxy.armed.clone(),
+            proxy.hold_ms.clone(),
+            proxy.cuts.clone(),
+        );
         let to = upstream
             .trim_start_matches("redis://")
             .trim_end_matches('/')
@@ -634,7 +682,8 @@ impl CutProxy {
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let server = tokio::net::TcpStream::connect(&to).await.unwrap();
-                tokio::spawn(relay(client, server, armed.clone(), cuts.clone()));
+                let (armed, hold, cuts) = (armed.clone(), hold.clone(), cuts.clone());
+                tokio::spawn(relay(client, server, armed, hold, cuts));
             }
         });
         proxy
@@ -649,6 +698,16 @@ impl CutProxy {
         self.armed.store(skip, Ordering::SeqCst);
     }
 
+    /// Holds the cut answer `ms` before closing the connection.
+    fn hold(&self, ms: u64) {
+        self.hold_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Whether the call whose answer is to be cut has been sent.
+    fn cut_call_sent(&self) -> bool {
+        self.armed.load(Ordering::SeqCst) < 0
+    }
+
     fn cuts(&self) -> u64 {
         self.cuts.load(Ordering::SeqCst)
     }
@@ -660,6 +719,7 @@ async fn relay(
     client: tokio::net::TcpStream,
     server: tokio::net::TcpStream,
     armed: Arc<AtomicI64>,
+    hold_ms: Arc<AtomicU64>,
     cuts: Arc<AtomicU64>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -687,6 +747,8 @@ async fn relay(
         let mut buf = vec![0u8; 1 << 16];
         while let Ok(n @ 1..) = from_server.read(&mut buf).await {
             if sent.load(Ordering::SeqCst) {
+                let hold = hold_ms.load(Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(hold)).await;
                 cuts.fetch_add(1, Ordering::SeqCst);
                 return;
             }

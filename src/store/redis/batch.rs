@@ -12,7 +12,7 @@
 //!   cannot be delivered and it was an admission, the worker gives it back: its units by a
 //!   refund through the queue, its permits released.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -294,7 +294,8 @@ impl Worker {
         let read_next = next.as_ref().filter(|n| !cache.covers(n, &batch));
         let reply = cycle(sh, Some((&batch, &decided)), read_next, self, false).await;
         cache.remember(&batch, &decided);
-        let read = match self.settle(sh, cache, batch, decided, reply, true).await {
+        let alone = (true, &[][..]);
+        let read = match self.settle(sh, cache, batch, decided, reply, alone).await {
             Ok(read) => read,
             Err(again) => {
                 queue.again(again.into_iter().chain(next));
@@ -323,7 +324,8 @@ impl Worker {
     ///   write behind one of this worker's that did not land fails its check, and is not);
     /// - after a dropped connection, once more, on the connection made again, unseen by its
     ///   callers — unless a read of its records there finds that it landed (see
-    ///   [`landed_unanswered`](Self::landed_unanswered)): then it is answered as it decided.
+    ///   [`landed_unanswered`](Self::landed_unanswered); `behind`: what the writes sent behind
+    ///   it on the same connection write): then it is answered as it decided.
     ///   When the read cannot tell, the permits it would have taken are given back first (a
     ///   permit given back twice, or never taken, removes nothing), and if it did land, its
     ///   units are counted twice: under-use, never over-admission.
@@ -334,11 +336,13 @@ impl Worker {
         mut batch: Batch,
         decided: BatchWrite,
         reply: Result<Cycle, StoreError>,
-        counted: bool,
+        (counted, behind): (bool, &[Behind<'_>]),
     ) -> Result<Option<Read>, Option<Batch>> {
         let landed = match &reply {
             Ok(c) => c.written,
-            Err(StoreError::Unavailable(_)) => self.landed_unanswered(sh, &batch, &decided).await,
+            Err(StoreError::Unavailable(_)) => {
+                self.landed_unanswered(sh, &batch, &decided, behind).await
+            }
             Err(_) => false,
         };
         match &reply {
@@ -368,14 +372,26 @@ impl Worker {
     }
 
     /// Whether the write of `batch` (`decided`) landed although its answer was lost: a read
-    /// of its records finds one holding the version the write gave it. Versions are never
-    /// the same twice, and a write lands whole or not at all, so that proves it; records all
-    /// written over since (by another replica, or by this worker's next write), or a read
+    /// of its records finds one holding the version the write gave it, or the version a write
+    /// sent `behind` it gave a record after expecting this one's there (that write could land
+    /// only on this one). Versions are never the same twice, and a write lands whole or not
+    /// at all, so that proves it; records written over since by another replica, or a read
     /// that fails, prove nothing (false).
-    async fn landed_unanswered(&self, sh: &Shared, batch: &Batch, decided: &BatchWrite) -> bool {
-        let ours = |i: usize| decided.records[i].as_ref().filter(|_| decided.written[i]);
-        if !(0..decided.records.len()).any(|i| ours(i).is_some()) {
+    async fn landed_unanswered(
+        &self,
+        sh: &Shared,
+        batch: &Batch,
+        decided: &BatchWrite,
+        behind: &[Behind<'_>],
+    ) -> bool {
+        let mut proofs: Vec<(&str, u64)> = written(batch, decided).collect();
+        if proofs.is_empty() {
             return false;
+        }
+        for b in behind {
+            if b.expected.is_some_and(|v| proofs.contains(&(b.key, v))) {
+                proofs.push((b.key, b.version));
+            }
         }
         let Ok(Cycle {
             read: Some(read), ..
@@ -383,9 +399,9 @@ impl Worker {
         else {
             return false;
         };
-        read.records.iter().enumerate().any(
-            |(i, held)| matches!((ours(i), held), (Some(w), Some(h)) if w.version == h.version),
-        )
+        let held = batch.keys.records.iter().zip(&read.records);
+        held.filter_map(|(k, r)| Some((k.as_str(), r.as_ref()?.version)))
+            .any(|h| proofs.contains(&h))
     }
 
     /// `batch` with its `read` from Redis, to decide (and remembered); `None` when the read
@@ -511,6 +527,46 @@ fn restored(
     d
 }
 
+/// The records `d` writes for `batch`: each one's key and the version it gives it.
+fn written<'b>(batch: &'b Batch, d: &'b BatchWrite) -> impl Iterator<Item = (&'b str, u64)> {
+    let records = batch.keys.records.iter().zip(&d.records).zip(&d.written);
+    records.filter_map(|((k, r), w)| Some((k.as_str(), r.as_ref().filter(|_| *w)?.version)))
+}
+
+/// A record a write behind another on the same connection writes: its key, the version it
+/// expects there (`None`: none, or absent), the version it gives it.
+struct Behind<'a> {
+    key: &'a str,
+    expected: Option<u64>,
+    version: u64,
+}
+
+impl<'a> Behind<'a> {
+    /// The records the writes in `flight` write, when `reply` (the answer of the write ahead
+    /// of them) was lost with its connection; none otherwise (nothing to look for).
+    fn of(reply: &Result<Cycle, StoreError>, flight: &'a VecDeque<Ahead>) -> Vec<Behind<'a>> {
+        if !matches!(reply, Err(StoreError::Unavailable(_))) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for a in flight {
+            let d = &a.decided;
+            for (i, key) in a.batch.keys.records.iter().enumerate() {
+                let Some(r) = d.records[i].as_ref().filter(|_| d.written[i]) else {
+                    continue;
+                };
+                let read = d.versions[i].get(..8).and_then(|v| v.try_into().ok());
+                out.push(Behind {
+                    key,
+                    expected: read.map(u64::from_le_bytes),
+                    version: r.version,
+                });
+            }
+        }
+        out
+    }
+}
+
 /// A batch whose write is on its way.
 struct Ahead {
     batch: Batch,
@@ -541,7 +597,7 @@ impl Worker {
         first: Ahead,
         mut behind: Option<Batch>,
     ) {
-        let mut flight = std::collections::VecDeque::from([first]);
+        let mut flight = VecDeque::from([first]);
         loop {
             // Decide and send what has come in, while there is room.
             while flight.len() < IN_FLIGHT {
@@ -593,7 +649,9 @@ impl Worker {
                 (&mut front.reply).await
             };
             let a = flight.pop_front().expect("the front");
-            if let Err(again) = self.settle_ahead(sh, cache, a, reply, true).await {
+            let writes_behind = Behind::of(&reply, &flight);
+            let settled = self.settle_ahead(sh, cache, a, reply, (true, &writes_behind));
+            if let Err(again) = settled.await {
                 return self
                     .land(sh, queue, cache, flight, Some(again), behind)
                     .await;
@@ -611,16 +669,15 @@ impl Worker {
         sh: &Arc<Shared>,
         queue: &mut Queue,
         cache: &mut Cache,
-        flight: std::collections::VecDeque<Ahead>,
+        mut flight: VecDeque<Ahead>,
         mut again: Option<Vec<Batch>>,
         behind: Option<Batch>,
     ) {
-        for mut a in flight {
+        while let Some(mut a) = flight.pop_front() {
             let reply = (&mut a.reply).await;
-            if let Err(more) = self
-                .settle_ahead(sh, cache, a, reply, again.is_none())
-                .await
-            {
+            let (counted, writes_behind) = (again.is_none(), Behind::of(&reply, &flight));
+            let settled = self.settle_ahead(sh, cache, a, reply, (counted, &writes_behind));
+            if let Err(more) = settled.await {
                 again.get_or_insert_with(Vec::new).extend(more);
             }
         }
@@ -636,10 +693,10 @@ impl Worker {
         cache: &mut Cache,
         a: Ahead,
         reply: Result<Cycle, StoreError>,
-        counted: bool,
+        counted_behind: (bool, &[Behind<'_>]),
     ) -> Result<(), Vec<Batch>> {
         match self
-            .settle(sh, cache, a.batch, a.decided, reply, counted)
+            .settle(sh, cache, a.batch, a.decided, reply, counted_behind)
             .await
         {
             Ok(_) => {
