@@ -324,8 +324,8 @@ impl Worker {
     ///   write behind one of this worker's that did not land fails its check, and is not);
     /// - after a dropped connection, once more, on the connection made again, unseen by its
     ///   callers — unless a read of its records there finds that it landed (see
-    ///   [`landed_unanswered`](Self::landed_unanswered); `behind`: what the writes sent behind
-    ///   it on the same connection write): then it is answered as it decided.
+    ///   [`landed_unanswered`](Self::landed_unanswered); `writes_behind`: what the writes sent
+    ///   behind it on the same connection write): then it is answered as it decided.
     ///   When the read cannot tell, the permits it would have taken are given back first (a
     ///   permit given back twice, or never taken, removes nothing), and if it did land, its
     ///   units are counted twice: under-use, never over-admission.
@@ -336,12 +336,13 @@ impl Worker {
         mut batch: Batch,
         decided: BatchWrite,
         reply: Result<Cycle, StoreError>,
-        (counted, behind): (bool, &[Behind<'_>]),
+        (counted, writes_behind): (bool, &[WriteBehind<'_>]),
     ) -> Result<Option<Read>, Option<Batch>> {
         let landed = match &reply {
             Ok(c) => c.written,
             Err(StoreError::Unavailable(_)) => {
-                self.landed_unanswered(sh, &batch, &decided, behind).await
+                self.landed_unanswered(sh, &batch, &decided, writes_behind)
+                    .await
             }
             Err(_) => false,
         };
@@ -373,22 +374,23 @@ impl Worker {
 
     /// Whether the write of `batch` (`decided`) landed although its answer was lost: a read
     /// of its records finds one holding the version the write gave it, or the version a write
-    /// sent `behind` it gave a record after expecting this one's there (that write could land
-    /// only on this one). Versions are never the same twice, and a write lands whole or not
-    /// at all, so that proves it; records written over since by another replica, or a read
-    /// that fails, prove nothing (false).
+    /// sent behind it (`writes_behind`) gave a record after expecting this one's there (that
+    /// write could land only on this one). Versions are never the same twice, and a write
+    /// lands whole or not at all, so that proves it; records written over since by another
+    /// replica, or a read that fails, prove nothing (false).
     async fn landed_unanswered(
         &self,
         sh: &Shared,
         batch: &Batch,
         decided: &BatchWrite,
-        behind: &[Behind<'_>],
+        writes_behind: &[WriteBehind<'_>],
     ) -> bool {
-        let mut proofs: Vec<(&str, u64)> = written(batch, decided).collect();
+        let mut proofs: Vec<(&str, u64)> =
+            written(batch, decided).map(|(_, k, v)| (k, v)).collect();
         if proofs.is_empty() {
             return false;
         }
-        for b in behind {
+        for b in writes_behind {
             if b.expected.is_some_and(|v| proofs.contains(&(b.key, v))) {
                 proofs.push((b.key, b.version));
             }
@@ -527,43 +529,44 @@ fn restored(
     d
 }
 
-/// The records `d` writes for `batch`: each one's key and the version it gives it.
-fn written<'b>(batch: &'b Batch, d: &'b BatchWrite) -> impl Iterator<Item = (&'b str, u64)> {
+/// The records `d` writes for `batch`: each one's place in the batch, its key and the version
+/// it gives it.
+fn written<'b>(batch: &'b Batch, d: &'b BatchWrite) -> impl Iterator<Item = (usize, &'b str, u64)> {
     let records = batch.keys.records.iter().zip(&d.records).zip(&d.written);
-    records.filter_map(|((k, r), w)| Some((k.as_str(), r.as_ref().filter(|_| *w)?.version)))
+    records
+        .enumerate()
+        .filter_map(|(i, ((k, r), w))| Some((i, k.as_str(), r.as_ref().filter(|_| *w)?.version)))
 }
 
 /// A record a write behind another on the same connection writes: its key, the version it
 /// expects there (`None`: none, or absent), the version it gives it.
-struct Behind<'a> {
+struct WriteBehind<'a> {
     key: &'a str,
     expected: Option<u64>,
     version: u64,
 }
 
-impl<'a> Behind<'a> {
+impl<'a> WriteBehind<'a> {
     /// The records the writes in `flight` write, when `reply` (the answer of the write ahead
     /// of them) was lost with its connection; none otherwise (nothing to look for).
-    fn of(reply: &Result<Cycle, StoreError>, flight: &'a VecDeque<Ahead>) -> Vec<Behind<'a>> {
+    fn of(reply: &Result<Cycle, StoreError>, flight: &'a VecDeque<Ahead>) -> Vec<WriteBehind<'a>> {
         if !matches!(reply, Err(StoreError::Unavailable(_))) {
             return Vec::new();
         }
-        let mut out = Vec::new();
-        for a in flight {
-            let d = &a.decided;
-            for (i, key) in a.batch.keys.records.iter().enumerate() {
-                let Some(r) = d.records[i].as_ref().filter(|_| d.written[i]) else {
-                    continue;
-                };
-                let read = d.versions[i].get(..8).and_then(|v| v.try_into().ok());
-                out.push(Behind {
+        let records = flight.iter().flat_map(|a| {
+            written(&a.batch, &a.decided).map(|(i, key, version)| {
+                let read = a.decided.versions[i]
+                    .get(..8)
+                    .and_then(|v| v.try_into().ok());
+                let expected = read.map(u64::from_le_bytes);
+                WriteBehind {
                     key,
-                    expected: read.map(u64::from_le_bytes),
-                    version: r.version,
-                });
-            }
-        }
-        out
+                    expected,
+                    version,
+                }
+            })
+        });
+        records.collect()
     }
 }
 
@@ -649,7 +652,7 @@ impl Worker {
                 (&mut front.reply).await
             };
             let a = flight.pop_front().expect("the front");
-            let writes_behind = Behind::of(&reply, &flight);
+            let writes_behind = WriteBehind::of(&reply, &flight);
             let settled = self.settle_ahead(sh, cache, a, reply, (true, &writes_behind));
             if let Err(again) = settled.await {
                 return self
@@ -675,7 +678,7 @@ impl Worker {
     ) {
         while let Some(mut a) = flight.pop_front() {
             let reply = (&mut a.reply).await;
-            let (counted, writes_behind) = (again.is_none(), Behind::of(&reply, &flight));
+            let (counted, writes_behind) = (again.is_none(), WriteBehind::of(&reply, &flight));
             let settled = self.settle_ahead(sh, cache, a, reply, (counted, &writes_behind));
             if let Err(more) = settled.await {
                 again.get_or_insert_with(Vec::new).extend(more);
@@ -693,7 +696,7 @@ impl Worker {
         cache: &mut Cache,
         a: Ahead,
         reply: Result<Cycle, StoreError>,
-        counted_behind: (bool, &[Behind<'_>]),
+        counted_behind: (bool, &[WriteBehind<'_>]),
     ) -> Result<(), Vec<Batch>> {
         match self
             .settle(sh, cache, a.batch, a.decided, reply, counted_behind)
