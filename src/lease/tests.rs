@@ -43,8 +43,10 @@ fn paths_hash_apart_and_spread_over_the_shards() {
     assert!(paths >= 20_000, "{paths} paths");
     let (min, max) = (shards.iter().min().unwrap(), shards.iter().max().unwrap());
     let mean = paths as f64 / 512.0;
+    // Even use is a Poisson count of ~39 a shard: over 512 shards the fullest passes 1.7× the
+    // mean for about one random seed in 55, 2× for about one in 100,000.
     assert!(
-        f64::from(*min) > mean * 0.3 && f64::from(*max) < mean * 1.7,
+        f64::from(*min) > mean * 0.3 && f64::from(*max) < mean * 2.0,
         "shards used unevenly: {min}..{max} around {mean}"
     );
     // A name moved to another place in the path is another path.
