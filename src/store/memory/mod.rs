@@ -89,6 +89,19 @@ struct ToolEntry {
     expires: u64,
 }
 
+impl ToolEntry {
+    /// Puts the tool's state (and counts) in `snap`, for a call to be decided on.
+    fn read_into(&self, snap: &mut Snapshot) {
+        (snap.tool, snap.plans) = (self.state, self.plans);
+    }
+
+    /// Keeps the tool's state (and counts) as `call` committed them to `snap`.
+    fn write_from(&mut self, snap: &Snapshot, call: &engine::Deciding<'_, '_>) {
+        (self.state, self.plans) = (snap.tool, snap.plans);
+        self.expires = micros_ceil(call.tool_expires());
+    }
+}
+
 /// A tenant (or an untenanted caller) of one tool, with its instances: packed states, each
 /// holding its name.
 struct TenantEntry {
@@ -419,11 +432,10 @@ fn decide_under(
     snap: &mut Snapshot,
 ) -> Result<engine::Admitted, crate::Refusal> {
     let mut tool = lock(&cell.inner);
-    (snap.tool, snap.plans) = (tool.state, tool.plans);
+    tool.read_into(snap);
     let mut call = engine::Deciding::new(plan, snap);
     call.commit(snap)?;
-    (tool.state, tool.plans) = (snap.tool, snap.plans);
-    tool.expires = micros_ceil(call.tool_expires());
+    tool.write_from(snap, &call);
     drop(tool);
     Ok(call.answer(snap))
 }

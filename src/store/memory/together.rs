@@ -61,7 +61,7 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     for ((plan, part), tool) in plans.iter().zip(&mut parts).zip(&tools) {
         let tool = tool.as_ref().expect("locked");
         part.snap = states(shard_of(&mut shards, part.place.shard), plan, &part.place);
-        (part.snap.tool, part.snap.plans) = (tool.state, tool.plans);
+        tool.read_into(&mut part.snap);
         let call = part.call.insert(engine::Deciding::new(plan, &part.snap));
         if let Err(r) = call.commit(&mut part.snap) {
             return Decision::Refused(r);
@@ -69,9 +69,7 @@ pub(super) fn decide(store: &MemoryStore, plans: &[Plan<'_>]) -> Decision {
     }
     for (part, tool) in parts.iter().zip(tools.iter_mut()) {
         let call = part.call.as_ref().expect("every plan committed");
-        let tool = tool.as_mut().expect("locked");
-        (tool.state, tool.plans) = (part.snap.tool, part.snap.plans);
-        tool.expires = micros_ceil(call.tool_expires());
+        tool.as_mut().expect("locked").write_from(&part.snap, call);
     }
     drop(tools);
     for (plan, part) in plans.iter().zip(&mut parts) {
