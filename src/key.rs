@@ -1,11 +1,12 @@
 //! Store keys, built in one place.
 //!
-//! Every key is `fs5{<tool>}<kind><parts>` where each part is length-prefixed
+//! Every key is `fs5{<tool>}<kind><parts>` (for a tool in a group
+//! `fs5{<group>}g<tool><kind><parts>`) where each name is length-prefixed
 //! (`<byte length>:<bytes>`). Length prefixes make the encoding uniquely decodable, so no two
 //! distinct (tool, tenant, instance) triples share a key whatever bytes they contain (`:`,
 //! `|`, `{`, `}`, unicode). The kind byte keeps tool, tenant, instance and untenanted keys
-//! in disjoint spaces. The `{...}` hash tag holds only the tool: every key one decision
-//! touches is in one Redis Cluster slot, so a decision stays one atomic script.
+//! in disjoint spaces. The `{...}` hash tag holds only the tool (or its group): every key one
+//! decision touches is in one Redis Cluster slot, so a decision stays one atomic script.
 
 mod name;
 pub use name::Name;
