@@ -30,7 +30,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use fairshare::simulate::{simulate, Scenario};
+use fairshare::simulate::{simulate, Scenario, ScenarioError};
 use tower_fairshare::{Period, Policy};
 
 use cli::keys::Keys;
@@ -89,7 +89,7 @@ enum Command {
         /// `redis://host:6379/`, `rediss://` for TLS, `redis://user:password@host` for ACL
         /// credentials (also read from FAIRSHARE_REDIS_URL). The gateway starts even while Redis
         /// is down: each tool's `on_store_error` applies until Redis answers.
-        #[arg(long, value_name = "URL")]
+        #[arg(long, value_name = "URL", value_parser = clap::builder::NonEmptyStringValueParser::new())]
         redis: Option<String>,
         /// With `rediss://`: trust this CA certificate (PEM) instead of the system's roots.
         #[arg(long, value_name = "FILE")]
@@ -107,19 +107,24 @@ enum Command {
         /// Serve `/metrics` on the gateway's listener to requests with
         /// `Authorization: Bearer <KEY>` (also read from FAIRSHARE_METRICS_KEY). Without this
         /// or --metrics-listen there is no /metrics: it names every tenant.
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", value_parser = clap::builder::NonEmptyStringValueParser::new())]
         metrics_key: Option<String>,
         /// The most a client may take to send a request head; idle keep-alive connections
         /// are closed after it too.
-        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
         header_timeout: Duration,
         /// The most a request may take (answered 503 past it).
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = parse_duration, allow_hyphen_values = true)]
         request_timeout: Duration,
         /// The most connections open at once. Past it, a new connection closes the oldest one
         /// that has not sent a whole request head; when every one has, new ones wait in the
         /// listen queue.
-        #[arg(long, default_value_t = 1024)]
+        #[arg(
+            long,
+            default_value_t = 1024,
+            allow_negative_numbers = true,
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+        )]
         max_connections: usize,
         /// Also log every decision (tracing target `tower_fairshare::decision`) on stderr.
         #[arg(long)]
@@ -148,6 +153,34 @@ struct RedisTls {
 }
 
 impl RedisTls {
+    /// Why these files cannot serve a Redis connection (`redis`: whether there is one), checked
+    /// before the gateway starts: no Redis to use them with, a file that cannot be read, or one
+    /// that holds no PEM certificate (or key).
+    fn check(&self, redis: bool) -> Result<(), String> {
+        if !redis && (self.ca.is_some() || self.cert.is_some()) {
+            return Err("--redis-ca and --redis-cert need --redis (or FAIRSHARE_REDIS_URL)".into());
+        }
+        let pem = |path: &PathBuf, what: &str, marker: &str| {
+            let text =
+                std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            match text.windows(marker.len()).any(|w| w == marker.as_bytes()) {
+                true => Ok(()),
+                false => Err(format!(
+                    "{} holds no PEM {what} (`{marker}`)",
+                    path.display()
+                )),
+            }
+        };
+        if let Some(ca) = &self.ca {
+            pem(ca, "certificate", "-----BEGIN CERTIFICATE-----")?;
+        }
+        if let Some((cert, key)) = &self.cert {
+            pem(cert, "certificate", "-----BEGIN CERTIFICATE-----")?;
+            pem(key, "private key", "PRIVATE KEY-----")?;
+        }
+        Ok(())
+    }
+
     /// `builder` with the certificates read from their files, or which file could not be read.
     fn apply(
         &self,
@@ -215,6 +248,10 @@ fn main() -> ExitCode {
                     request_timeout,
                 },
             };
+            if let Err(e) = options.redis_tls.check(options.redis.is_some()) {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
             serve(&policy, &keys, options)
         }
         Command::Demo {
@@ -575,6 +612,10 @@ fn lending(t: &tower_fairshare::policy::ToolAllocation) {
         num(floors),
         num(t.capacity)
     );
+    if t.tenants.is_empty() {
+        // No caller is admitted: the policy's warning says so; nothing to lend or leave idle.
+        return;
+    }
     let alone: Vec<String> = t
         .tenants
         .iter()
@@ -652,11 +693,14 @@ fn run_simulation(
     };
     let scenario = match Scenario::from_path(scenario_path) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
+        Err(e) => return scenario_failed(scenario_path, &e),
+    };
+    if let Some(out) = svg {
+        if let Err(e) = svg_target(out, &[policy_path, scenario_path]) {
+            eprintln!("error: --svg {}: {e}", out.display());
             return ExitCode::from(1);
         }
-    };
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -701,12 +745,18 @@ fn run_simulation(
     };
     let report = match report {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
+        Err(e) => return scenario_failed(scenario_path, &e),
     };
     let tool = policy.tool(&scenario.tool).expect("checked by simulate");
+    // The report first: a chart that cannot be written loses nothing of the run.
+    if json {
+        sayln!(
+            "{}",
+            serde_json::to_string(&report).expect("report serializes")
+        );
+    } else {
+        say!("{}", report.to_table(tool.capacity(), tool.period()));
+    }
     if let Some(out) = svg {
         let title = format!(
             "{} — {}",
@@ -722,15 +772,32 @@ fn run_simulation(
             return ExitCode::from(1);
         }
     }
-    if json {
-        sayln!(
-            "{}",
-            serde_json::to_string(&report).expect("report serializes")
-        );
-    } else {
-        say!("{}", report.to_table(tool.capacity(), tool.period()));
-    }
     ExitCode::SUCCESS
+}
+
+/// A scenario that cannot run: the error, naming the file (a read error names it already).
+fn scenario_failed(path: &Path, e: &ScenarioError) -> ExitCode {
+    match e {
+        ScenarioError::Io { .. } => eprintln!("error: {e}"),
+        _ => eprintln!("error: {}: {e}", path.display()),
+    }
+    ExitCode::from(1)
+}
+
+/// Why `out` cannot take the chart, checked before the run: it is one of the `inputs`, or its
+/// folder does not exist.
+fn svg_target(out: &Path, inputs: &[&Path]) -> Result<(), String> {
+    let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
+    if let Some(input) = inputs.iter().find(|i| same(out, i)) {
+        return Err(format!(
+            "is the input file {}: write the chart to another file",
+            input.display()
+        ));
+    }
+    match out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) if !dir.is_dir() => Err(format!("the folder {} does not exist", dir.display())),
+        _ => Ok(()),
+    }
 }
 
 /// Stdout failed: a closed pipe ends the command quietly (exit 0), anything else is an error.

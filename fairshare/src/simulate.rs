@@ -116,7 +116,7 @@ pub enum ScenarioError {
         source: std::io::Error,
     },
     /// The text is not a scenario.
-    #[error("{path}: {message}")]
+    #[error("{}", located(path, message))]
     Syntax {
         /// Where.
         path: String,
@@ -124,7 +124,7 @@ pub enum ScenarioError {
         message: String,
     },
     /// A field has a bad value.
-    #[error("{path}: {message}")]
+    #[error("{}", located(path, message))]
     Invalid {
         /// Where (`caller[2].rate`).
         path: String,
@@ -132,6 +132,22 @@ pub enum ScenarioError {
         message: String,
     },
 }
+
+/// `message` at `path` (`caller[2].rate`); the message alone where the path names nothing (the
+/// whole file).
+fn located(path: &str, message: &str) -> String {
+    match path {
+        "" | "." => message.to_owned(),
+        path => format!("{path}: {message}"),
+    }
+}
+
+/// The most rows (periods × callers) a report may hold: a scenario past it is refused before
+/// anything is allocated for it.
+pub const MAX_ROWS: u64 = 1_000_000;
+
+/// The most calls a scenario may offer in all: each is a request through the layer.
+pub const MAX_CALLS: f64 = 20_000_000.0;
 
 impl Scenario {
     /// Parses a TOML scenario.
@@ -252,6 +268,29 @@ pub struct Report {
     pub totals: Vec<CallerRow>,
 }
 
+/// How many periods a scenario of `periods` periods and `callers` callers reports, or why it
+/// cannot run: no caller, or more rows than [`MAX_ROWS`] (`duration`: the scenario's, as
+/// written).
+fn rows_of(periods: u64, callers: usize, duration: &str) -> Result<usize, ScenarioError> {
+    if callers == 0 {
+        return Err(ScenarioError::Invalid {
+            path: "caller".into(),
+            message: "the scenario has no [[caller]]: add at least one".into(),
+        });
+    }
+    let rows = periods.saturating_mul(callers as u64);
+    if rows > MAX_ROWS {
+        return Err(ScenarioError::Invalid {
+            path: "duration".into(),
+            message: format!(
+                "`{duration}` is {periods} periods of the tool, {rows} rows of report for \
+                 {callers} callers; at most {MAX_ROWS}: shorten the scenario"
+            ),
+        });
+    }
+    Ok(periods as usize)
+}
+
 fn period(path: String, text: &str) -> Result<u64, ScenarioError> {
     Period::parse(text)
         .map(|p| p.as_micros())
@@ -305,7 +344,11 @@ pub async fn simulate_with<S: Store>(
         })?;
     let p = tool.period().as_micros();
     let duration = period("duration".into(), &scenario.duration)?;
-    let n_periods = duration.div_ceil(p) as usize;
+    let n_periods = rows_of(
+        duration.div_ceil(p),
+        scenario.callers.len(),
+        &scenario.duration,
+    )?;
     let allocation = policy.allocation();
     let alloc = allocation
         .tools
@@ -331,16 +374,44 @@ pub async fn simulate_with<S: Store>(
                 message: format!("must be a positive number of calls, not {}", c.rate),
             });
         }
+        for (field, name) in [("tenant", &c.tenant), ("instance", &c.instance)] {
+            if name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+                return Err(ScenarioError::Invalid {
+                    path: at(field),
+                    message: "must not be blank: name it, or leave the field out".into(),
+                });
+            }
+        }
         let per = period(at("per"), &c.per)?;
         let start = match &c.start {
             Some(s) if s.trim_start_matches('0').is_empty() || s == "0s" => 0,
             Some(s) => period(at("start"), s)?,
             None => 0,
         };
+        if start >= duration {
+            return Err(ScenarioError::Invalid {
+                path: at("start"),
+                message: format!(
+                    "`{}` is not before the scenario's end (`duration` = `{}`)",
+                    c.start.as_deref().unwrap_or_default(),
+                    scenario.duration
+                ),
+            });
+        }
         let stop = match &c.stop {
             Some(s) => period(at("stop"), s)?.min(duration),
             None => duration,
         };
+        if stop <= start {
+            return Err(ScenarioError::Invalid {
+                path: at("stop"),
+                message: format!(
+                    "`{}` is not after the caller's start (`{}`)",
+                    c.stop.as_deref().unwrap_or_default(),
+                    c.start.as_deref().unwrap_or("0s")
+                ),
+            });
+        }
         let cost = c.cost.unwrap_or(1.0);
         if !(cost.is_finite() && cost >= 0.0) {
             return Err(ScenarioError::Invalid {
@@ -398,6 +469,19 @@ pub async fn simulate_with<S: Store>(
             cost,
             next: 0,
             owed,
+        });
+    }
+    let offered: f64 = sources
+        .iter()
+        .map(|s| (s.stop - s.start) as f64 / s.interval)
+        .sum();
+    if offered > MAX_CALLS {
+        return Err(ScenarioError::Invalid {
+            path: "caller".into(),
+            message: format!(
+                "the callers offer {offered:.0} calls in all; at most {MAX_CALLS} are simulated \
+                 (each is a request through the layer): lower a rate or shorten `duration`"
+            ),
         });
     }
 

@@ -239,3 +239,190 @@ fn a_closed_pipe_ends_the_command_quietly() {
         assert!(stderr.is_empty(), "{args:?}: {stderr}");
     }
 }
+
+/// A folder of its own under the system's temp folder, with `files` written in it.
+fn scratch(name: &str, files: &[(&str, &str)]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("fairshare-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, text) in files {
+        std::fs::write(dir.join(file), text).unwrap();
+    }
+    dir
+}
+
+const ONE_TOOL: &str = r#"
+[[tool]]
+name = "t"
+unit = "calls"
+rate = { limit = 60, per = "1m" }
+[tool.default_tenant]
+"#;
+
+/// A scenario `simulate` cannot run is refused before it runs, naming the scenario file and
+/// the field, with what to do: one far too long (it aborted allocating gigabytes), one that
+/// offers too many calls (it ran for minutes), a caller that stops before it starts or starts
+/// after the end (every period read "offered 0"), a blank tenant, no caller at all; a file that
+/// is not TOML names its file and no empty field.
+#[test]
+fn simulate_refuses_a_scenario_it_cannot_run_naming_the_file_and_the_field() {
+    let caller = "[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n";
+    let cases = [
+        ("long", format!("tool = \"t\"\nduration = \"99999d\"\n{caller}"), "duration: "),
+        ("busy", "tool = \"t\"\nduration = \"10m\"\n[[caller]]\ntenant = \"A\"\nrate = 1e12\nper = \"1ms\"\n".to_owned(), "caller: the callers offer"),
+        ("stop", format!("tool = \"t\"\nduration = \"10m\"\n{caller}start = \"2m\"\nstop = \"1m\"\n"), "caller[0].stop: "),
+        ("late", format!("tool = \"t\"\nduration = \"10m\"\n{caller}start = \"20m\"\n"), "caller[0].start: "),
+        ("blank", "tool = \"t\"\nduration = \"10m\"\n[[caller]]\ntenant = \" \"\nrate = 10\nper = \"1m\"\n".to_owned(), "caller[0].tenant: must not be blank"),
+        ("none", "tool = \"t\"\nduration = \"10m\"\n".to_owned(), "caller: the scenario has no [[caller]]"),
+        ("syntax", "tool = \n".to_owned(), "TOML parse error"),
+    ];
+    let dir = scratch("refused", &[("p.toml", ONE_TOOL)]);
+    for (name, text, says) in cases {
+        let scenario = dir.join(format!("{name}.toml"));
+        std::fs::write(&scenario, text).unwrap();
+        let policy = dir.join("p.toml");
+        let (code, out, err) = fairshare(&[
+            "simulate",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--scenario",
+            scenario.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{name}: {err}");
+        assert!(out.is_empty(), "{name}: {out}");
+        let named = format!("error: {}: ", scenario.display());
+        assert!(err.starts_with(&named), "{name}: {err}");
+        assert!(err.contains(says), "{name}: {err}");
+        assert!(
+            !err.contains(": :") && !err.contains(": .:"),
+            "{name}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `--svg` never writes its chart over the policy or the scenario it reads, and a chart that
+/// cannot be written (no such folder) is refused before the run, not after it.
+#[test]
+fn simulate_writes_no_chart_over_its_inputs_nor_runs_for_a_chart_it_cannot_write() {
+    let scenario =
+        "tool = \"t\"\nduration = \"2m\"\n[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n";
+    let dir = scratch("svg", &[("p.toml", ONE_TOOL), ("s.toml", scenario)]);
+    let (p, s) = (dir.join("p.toml"), dir.join("s.toml"));
+    let missing = dir.join("no-such-folder").join("chart.svg");
+    for (out, says) in [
+        (&p, "is the input file"),
+        (&s, "is the input file"),
+        (&missing, "does not exist"),
+    ] {
+        let (code, stdout, err) = fairshare(&[
+            "simulate",
+            "--policy",
+            p.to_str().unwrap(),
+            "--scenario",
+            s.to_str().unwrap(),
+            "--svg",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{err}");
+        assert!(stdout.is_empty(), "{stdout}");
+        assert!(err.contains("--svg") && err.contains(says), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), ONE_TOOL);
+    assert_eq!(std::fs::read_to_string(&s).unwrap(), scenario);
+    // A chart beside them is written, and the report printed.
+    let chart = dir.join("chart.svg");
+    let (code, stdout, err) = fairshare(&[
+        "simulate",
+        "--policy",
+        p.to_str().unwrap(),
+        "--scenario",
+        s.to_str().unwrap(),
+        "--svg",
+        chart.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains('A'), "{stdout}");
+    assert!(std::fs::read_to_string(&chart).unwrap().starts_with("<svg"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `serve` refuses flags that cannot work before it listens: no connection allowed at all, a
+/// negative count, an empty metrics key (it meant no /metrics), a CA without Redis, a CA file
+/// that holds no certificate.
+#[test]
+fn serve_refuses_flags_that_cannot_work_before_it_listens() {
+    let dir = scratch(
+        "serve-flags",
+        &[
+            ("p.toml", ONE_TOOL),
+            ("k.toml", "[keys.\"sk-a\"]\ntenant = \"A\"\n"),
+            ("ca.pem", "not a certificate\n"),
+        ],
+    );
+    let path = |f: &str| dir.join(f).to_str().unwrap().to_owned();
+    let base = ["serve", "--listen", "127.0.0.1:0", "--policy"];
+    let cases: [(&[&str], &str); 5] = [
+        (&["--max-connections", "0"], "--max-connections"),
+        (&["--max-connections", "-1"], "--max-connections"),
+        (&["--metrics-key", ""], "--metrics-key"),
+        (&["--redis-ca", &path("ca.pem")], "need --redis"),
+        (
+            &[
+                "--redis",
+                "rediss://127.0.0.1:1/",
+                "--redis-ca",
+                &path("ca.pem"),
+            ],
+            "holds no PEM certificate",
+        ),
+    ];
+    for (flags, says) in cases {
+        let (policy, keys) = (path("p.toml"), path("k.toml"));
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend([policy.as_str(), "--keys", keys.as_str()]);
+        args.extend(flags);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fairshare"))
+            .args(&args)
+            .env_remove("FAIRSHARE_REDIS_URL")
+            .env_remove("FAIRSHARE_METRICS_KEY")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("fairshare runs");
+        // It must end by itself; one that listens is stopped and fails the test.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("{flags:?}: serve started");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A tool that lists no tenant and has no `default_tenant` or plan admits no caller: `check`
+/// warns so, and prints no line about lending among tenants it does not have (it printed
+/// "a tenant calling alone gets at most its ceiling: ;").
+#[test]
+fn check_warns_of_a_tool_that_admits_no_caller() {
+    let dir = scratch(
+        "no-caller",
+        &[(
+            "p.toml",
+            "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n",
+        )],
+    );
+    let policy = dir.join("p.toml");
+    let (code, out, err) = fairshare(&["check", policy.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let all = format!("{out}{err}");
+    assert!(all.contains("admits no caller"), "{all}");
+    assert!(!all.contains("calling alone"), "{all}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -187,6 +187,12 @@ fn tool(cx: &mut Ctx, raw: RawTool, path: &str) -> ToolPolicy {
         .as_ref()
         .map(|t| tenant(cx, "*", t, &default_path, tp.burst, true));
     tp.plans = plans_of(cx, &raw.plans, raw.unknown_plan, path, tp.burst);
+    if tp.tenants.is_empty() && tp.default_tenant.is_none() && tp.plans.is_empty() {
+        cx.warnings.push(Warning {
+            path: path.to_owned(),
+            message: "admits no caller: it lists no tenant and has no `default_tenant` or plan, so every call is refused; add `[tool.default_tenant]` or list the tenants".into(),
+        });
+    }
     let open = raw.default_ceiling == Some(DefaultCeiling::Capacity);
     share_out(cx, &mut tp, path, open);
     tp.burst = tool_burst(cx, path, tp.burst, raw.burst.is_some(), banks(&tp));
