@@ -695,6 +695,15 @@ fn run_simulation(
         Ok(s) => s,
         Err(e) => return scenario_failed(scenario_path, &e),
     };
+    if policy.tool(&scenario.tool).is_some() {
+        let limiter = tower_fairshare::Limiter::new(policy.clone());
+        for (i, c) in scenario.callers.iter().enumerate() {
+            if let Err(r) = limiter.call_keys(&c.caller(), &scenario.tool) {
+                let file = scenario_path.display();
+                eprintln!("warning: {file}: caller[{i}]: every call is refused: {r}");
+            }
+        }
+    }
     if let Some(out) = svg {
         if let Err(e) = svg_target(out, &[policy_path, scenario_path]) {
             eprintln!("error: --svg {}: {e}", out.display());

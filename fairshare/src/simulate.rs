@@ -102,6 +102,26 @@ pub struct ScenarioCaller {
     pub cost: Option<f64>,
 }
 
+impl ScenarioCaller {
+    /// The caller its calls are made as: its tenant (or none), instance, tier and plan.
+    pub fn caller(&self) -> Caller {
+        let mut caller = match &self.tenant {
+            Some(t) => Caller::new(t.as_str()),
+            None => Caller::untenanted(),
+        };
+        if let Some(inst) = &self.instance {
+            caller = caller.with_instance(inst.as_str());
+        }
+        if let Some(tier) = &self.tier {
+            caller = caller.with_tier(tier.as_str());
+        }
+        if let Some(plan) = &self.plan {
+            caller = caller.with_plan(plan.as_str());
+        }
+        caller
+    }
+}
+
 /// A scenario that cannot run, and why.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -419,19 +439,7 @@ pub async fn simulate_with<S: Store>(
                 message: format!("must be zero or a positive number, not {cost}"),
             });
         }
-        let mut caller = match &c.tenant {
-            Some(t) => Caller::new(t.as_str()),
-            None => Caller::untenanted(),
-        };
-        if let Some(inst) = &c.instance {
-            caller = caller.with_instance(inst.as_str());
-        }
-        if let Some(tier) = &c.tier {
-            caller = caller.with_tier(tier.as_str());
-        }
-        if let Some(plan) = &c.plan {
-            caller = caller.with_plan(plan.as_str());
-        }
+        let caller = c.caller();
         // What the allocation table says this caller is owed (templates: one active caller).
         let owed = c
             .tenant

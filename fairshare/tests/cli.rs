@@ -426,3 +426,37 @@ fn check_warns_of_a_tool_that_admits_no_caller() {
     assert!(!all.contains("calling alone"), "{all}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A scenario's caller the policy refuses whoever it is (a tenant it does not know, with no
+/// template to govern it) is simulated as it would be served — every call refused — and
+/// `simulate` says so and why, naming the caller.
+#[test]
+fn simulate_warns_of_a_caller_the_policy_refuses_whoever_it_is() {
+    let scenario = "tool = \"t\"\nduration = \"2m\"\n[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n[[caller]]\ntenant = \"Z\"\nrate = 10\nper = \"1m\"\n";
+    let policy = "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.tenants.A]\n";
+    let dir = scratch(
+        "refused-caller",
+        &[("p.toml", policy), ("s.toml", scenario)],
+    );
+    let (p, s) = (dir.join("p.toml"), dir.join("s.toml"));
+    let (code, out, err) = fairshare(&[
+        "simulate",
+        "--policy",
+        p.to_str().unwrap(),
+        "--scenario",
+        s.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains('Z'), "{out}");
+    let warning = format!(
+        "warning: {}: caller[1]: every call is refused: ",
+        s.display()
+    );
+    assert!(err.contains(&warning), "{err}");
+    assert!(
+        err.contains("permission_denied") && err.contains("(unlisted"),
+        "{err}"
+    );
+    assert!(!err.contains("caller[0]"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

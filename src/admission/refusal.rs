@@ -432,6 +432,9 @@ impl fmt::Display for Refusal {
         if let Some(s) = self.scope {
             write!(f, " at {} scope", s.as_str())?;
         }
+        if let Some(d) = self.detail {
+            write!(f, " ({d})")?;
+        }
         if let (Some(w), Some(l), Some(u)) = (self.window(), self.limit, self.used) {
             write!(f, " ({w}: {u} of {l} used)")?;
         }
