@@ -214,6 +214,32 @@ fn syntax_errors_name_the_field() {
     assert!(bad_period[0].1.contains("e.g. \"1m\""));
     let dup = problems("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1, per = \"1m\" }\n[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 1, per = \"1m\" }\n");
     assert_eq!(dup[0].0, "tool[1].name");
+    // In the words of the policy's author, not Rust's type names.
+    for limit in ["\"600\"", "18446744073709551616"] {
+        let text = format!("[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = {{ limit = {limit}, per = \"1m\" }}\n");
+        match Policy::from_toml_str(&text) {
+            Err(PolicyError::Syntax { path, message }) => {
+                assert_eq!(path, "tool[0].rate.limit", "{message}");
+                assert!(message.contains("expected a number"), "{message}");
+                assert!(
+                    !message.contains("f64") && !message.contains("i128"),
+                    "{message}"
+                );
+            }
+            other => panic!("{limit}: {other:?}"),
+        }
+    }
+}
+
+/// A policy file named `*.json` is read as JSON, and its syntax error says so (a TOML file
+/// named so read "expected ident at line 1 column 4" and no more).
+#[test]
+fn a_json_named_file_says_it_was_read_as_json() {
+    let file = std::env::temp_dir().join(format!("fairshare-policy-{}.json", std::process::id()));
+    std::fs::write(&file, "[[tool]]\nname = \"t\"\n").unwrap();
+    let e = Policy::from_path(&file).unwrap_err();
+    std::fs::remove_file(&file).unwrap();
+    assert!(e.to_string().contains("read as JSON"), "{e}");
 }
 
 #[test]

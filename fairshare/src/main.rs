@@ -695,13 +695,20 @@ fn run_simulation(
         Ok(s) => s,
         Err(e) => return scenario_failed(scenario_path, &e),
     };
-    if policy.tool(&scenario.tool).is_some() {
+    if let Some(tool) = policy.tool(&scenario.tool) {
         let limiter = tower_fairshare::Limiter::new(policy.clone());
         for (i, c) in scenario.callers.iter().enumerate() {
-            if let Err(r) = limiter.call_keys(&c.caller(), &scenario.tool) {
-                let file = scenario_path.display();
-                eprintln!("warning: {file}: caller[{i}]: every call is refused: {r}");
-            }
+            let why = match limiter.call_keys(&c.caller(), &scenario.tool) {
+                Err(r) => r.to_string(),
+                Ok(_) if c.cost.unwrap_or(1.0) > tool.capacity() => format!(
+                    "its cost {} is more than the tool's capacity ({} a period)",
+                    num(c.cost.unwrap_or(1.0)),
+                    num(tool.capacity())
+                ),
+                Ok(_) => continue,
+            };
+            let file = scenario_path.display();
+            eprintln!("warning: {file}: caller[{i}]: every call is refused: {why}");
         }
     }
     if let Some(out) = svg {

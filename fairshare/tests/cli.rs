@@ -428,11 +428,12 @@ fn check_warns_of_a_tool_that_admits_no_caller() {
 }
 
 /// A scenario's caller the policy refuses whoever it is (a tenant it does not know, with no
-/// template to govern it) is simulated as it would be served — every call refused — and
-/// `simulate` says so and why, naming the caller.
+/// template to govern it), or whose every call costs more than the tool's capacity, is
+/// simulated as it would be served — every call refused — and `simulate` says so and why,
+/// naming the caller.
 #[test]
 fn simulate_warns_of_a_caller_the_policy_refuses_whoever_it_is() {
-    let scenario = "tool = \"t\"\nduration = \"2m\"\n[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n[[caller]]\ntenant = \"Z\"\nrate = 10\nper = \"1m\"\n";
+    let scenario = "tool = \"t\"\nduration = \"2m\"\n[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n[[caller]]\ntenant = \"Z\"\nrate = 10\nper = \"1m\"\n[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\ncost = 1e300\n";
     let policy = "[[tool]]\nname = \"t\"\nunit = \"calls\"\nrate = { limit = 60, per = \"1m\" }\n[tool.tenants.A]\n";
     let dir = scratch(
         "refused-caller",
@@ -455,6 +456,10 @@ fn simulate_warns_of_a_caller_the_policy_refuses_whoever_it_is() {
     assert!(err.contains(&warning), "{err}");
     assert!(
         err.contains("permission_denied") && err.contains("(unlisted"),
+        "{err}"
+    );
+    assert!(
+        err.contains("caller[2]: every call is refused: its cost"),
         "{err}"
     );
     assert!(!err.contains("caller[0]"), "{err}");

@@ -274,7 +274,7 @@ impl Policy {
         let raw: raw::RawPolicy =
             serde_path_to_error::deserialize(de).map_err(|e| PolicyError::Syntax {
                 path: tidy_path(&e.path().to_string()),
-                message: e.inner().message().trim().to_owned(),
+                message: plain_types(e.inner().message().trim()),
             })?;
         validate::policy(raw)
     }
@@ -285,7 +285,7 @@ impl Policy {
         let raw: raw::RawPolicy =
             serde_path_to_error::deserialize(&mut de).map_err(|e| PolicyError::Syntax {
                 path: tidy_path(&e.path().to_string()),
-                message: e.inner().to_string(),
+                message: plain_types(&e.inner().to_string()),
             })?;
         validate::policy(raw)
     }
@@ -298,7 +298,13 @@ impl Policy {
             source,
         })?;
         if path.extension().is_some_and(|e| e == "json") {
-            Policy::from_json_str(&text)
+            Policy::from_json_str(&text).map_err(|e| match e {
+                PolicyError::Syntax { path, message } => PolicyError::Syntax {
+                    path,
+                    message: format!("{message} (read as JSON: the file's name ends in .json)"),
+                },
+                e => e,
+            })
         } else {
             Policy::from_toml_str(&text)
         }
@@ -787,6 +793,21 @@ fn deepest_dotted_key(text: &str) -> Option<(usize, usize)> {
         }
     }
     deepest
+}
+
+/// A parser's message in the words of a policy's author: serde names Rust's types
+/// (`expected f64`, `integer … as i128`).
+fn plain_types(message: &str) -> String {
+    let mut out = message.replace(" as i128", "");
+    for (rust, words) in [
+        ("expected f64", "expected a number"),
+        ("expected u64", "expected a whole number"),
+        ("expected u32", "expected a whole number"),
+        ("expected usize", "expected a whole number"),
+    ] {
+        out = out.replace(rust, words);
+    }
+    out
 }
 
 /// serde_path_to_error prints `tool[0].tenants.A`; keep it, but drop a leading `.`.

@@ -21,7 +21,6 @@ impl Period {
         let hint = || {
             format!("`{text}` is not a period: write a whole number and a unit (ms, s, m, h, d), e.g. \"1m\" or \"30s\"")
         };
-        let n: u64 = num.parse().map_err(|_| hint())?;
         let scale: u64 = match unit.trim() {
             "ms" => 1_000,
             "s" | "sec" => 1_000_000,
@@ -30,12 +29,22 @@ impl Period {
             "d" => 86_400_000_000,
             _ => return Err(hint()),
         };
+        let too_long = || {
+            let days = u64::MAX / 86_400_000_000;
+            format!("`{text}` is too long: a period is at most {days} days")
+        };
+        let n: u64 = num
+            .parse()
+            .map_err(|e: std::num::ParseIntError| match e.kind() {
+                std::num::IntErrorKind::PosOverflow => too_long(),
+                _ => hint(),
+            })?;
         if n == 0 {
             return Err(format!(
                 "`{text}` is zero: a period must be longer than nothing"
             ));
         }
-        let micros = n.checked_mul(scale).ok_or_else(hint)?;
+        let micros = n.checked_mul(scale).ok_or_else(too_long)?;
         Ok(Period { micros })
     }
 
@@ -190,6 +199,16 @@ mod tests {
         assert!(Period::parse("0s").unwrap_err().contains("zero"));
         assert!(Period::parse("m").is_err());
         assert!(Period::parse("-1m").is_err());
+        // A whole number and a unit, too many of them: said so, not "not a period".
+        for long in ["99999999999999d", "99999999999999999999s"] {
+            assert!(
+                Period::parse(long).unwrap_err().contains("too long"),
+                "{long}"
+            );
+        }
+        assert!(Period::parse("99999999999999999999x")
+            .unwrap_err()
+            .contains("not a period"));
     }
 
     #[test]
