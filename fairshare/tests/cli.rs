@@ -250,6 +250,18 @@ fn scratch(name: &str, files: &[(&str, &str)]) -> std::path::PathBuf {
     dir
 }
 
+/// `fairshare simulate` of the `policy` and `scenario` files, with `more` flags.
+fn simulate(
+    policy: &std::path::Path,
+    scenario: &std::path::Path,
+    more: &[&str],
+) -> (i32, String, String) {
+    let (p, s) = (policy.to_str().unwrap(), scenario.to_str().unwrap());
+    let mut args = vec!["simulate", "--policy", p, "--scenario", s];
+    args.extend(more);
+    fairshare(&args)
+}
+
 const ONE_TOOL: &str = r#"
 [[tool]]
 name = "t"
@@ -279,14 +291,7 @@ fn simulate_refuses_a_scenario_it_cannot_run_naming_the_file_and_the_field() {
     for (name, text, says) in cases {
         let scenario = dir.join(format!("{name}.toml"));
         std::fs::write(&scenario, text).unwrap();
-        let policy = dir.join("p.toml");
-        let (code, out, err) = fairshare(&[
-            "simulate",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--scenario",
-            scenario.to_str().unwrap(),
-        ]);
+        let (code, out, err) = simulate(&dir.join("p.toml"), &scenario, &[]);
         assert_eq!(code, 1, "{name}: {err}");
         assert!(out.is_empty(), "{name}: {out}");
         let named = format!("error: {}: ", scenario.display());
@@ -314,15 +319,7 @@ fn simulate_writes_no_chart_over_its_inputs_nor_runs_for_a_chart_it_cannot_write
         (&s, "is the input file"),
         (&missing, "does not exist"),
     ] {
-        let (code, stdout, err) = fairshare(&[
-            "simulate",
-            "--policy",
-            p.to_str().unwrap(),
-            "--scenario",
-            s.to_str().unwrap(),
-            "--svg",
-            out.to_str().unwrap(),
-        ]);
+        let (code, stdout, err) = simulate(&p, &s, &["--svg", out.to_str().unwrap()]);
         assert_eq!(code, 1, "{err}");
         assert!(stdout.is_empty(), "{stdout}");
         assert!(err.contains("--svg") && err.contains(says), "{err}");
@@ -331,15 +328,7 @@ fn simulate_writes_no_chart_over_its_inputs_nor_runs_for_a_chart_it_cannot_write
     assert_eq!(std::fs::read_to_string(&s).unwrap(), scenario);
     // A chart beside them is written, and the report printed.
     let chart = dir.join("chart.svg");
-    let (code, stdout, err) = fairshare(&[
-        "simulate",
-        "--policy",
-        p.to_str().unwrap(),
-        "--scenario",
-        s.to_str().unwrap(),
-        "--svg",
-        chart.to_str().unwrap(),
-    ]);
+    let (code, stdout, err) = simulate(&p, &s, &["--svg", chart.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(stdout.contains('A'), "{stdout}");
     assert!(std::fs::read_to_string(&chart).unwrap().starts_with("<svg"));
@@ -439,14 +428,8 @@ fn simulate_warns_of_a_caller_the_policy_refuses_whoever_it_is() {
         "refused-caller",
         &[("p.toml", policy), ("s.toml", scenario)],
     );
-    let (p, s) = (dir.join("p.toml"), dir.join("s.toml"));
-    let (code, out, err) = fairshare(&[
-        "simulate",
-        "--policy",
-        p.to_str().unwrap(),
-        "--scenario",
-        s.to_str().unwrap(),
-    ]);
+    let s = dir.join("s.toml");
+    let (code, out, err) = simulate(&dir.join("p.toml"), &s, &[]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains('Z'), "{out}");
     let warning = format!(
