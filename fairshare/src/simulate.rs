@@ -288,6 +288,155 @@ pub struct Report {
     pub totals: Vec<CallerRow>,
 }
 
+/// One caller of a scenario as it is run: who, how often, from when to when, at what cost,
+/// when it calls next, and (floor, ceiling) as the allocation table owes it.
+struct Source {
+    caller: Caller,
+    interval: f64,
+    start: u64,
+    stop: u64,
+    cost: f64,
+    next: u64,
+    owed: (f64, f64),
+}
+
+/// The scenario's callers as they are run (`duration`: the scenario's, µs), or the first that
+/// cannot be, or why they would offer more calls than [`MAX_CALLS`].
+fn sources(
+    scenario: &Scenario,
+    duration: u64,
+    alloc: &ToolAllocation,
+) -> Result<Vec<Source>, ScenarioError> {
+    let sources = (scenario.callers.iter().enumerate())
+        .map(|(i, c)| source(i, c, (duration, &scenario.duration), alloc))
+        .collect::<Result<Vec<_>, _>>()?;
+    let offered: f64 = sources
+        .iter()
+        .map(|s| (s.stop - s.start) as f64 / s.interval)
+        .sum();
+    if offered > MAX_CALLS {
+        return Err(ScenarioError::Invalid {
+            path: "caller".into(),
+            message: format!(
+                "the callers offer {offered:.0} calls in all; at most {MAX_CALLS} are simulated \
+                 (each is a request through the layer): lower a rate or shorten `duration`"
+            ),
+        });
+    }
+    Ok(sources)
+}
+
+/// Caller `i` of a scenario as it is run (`duration`: the scenario's, µs and as written), or
+/// which of its fields is wrong and why.
+fn source(
+    i: usize,
+    c: &ScenarioCaller,
+    duration: (u64, &str),
+    alloc: &ToolAllocation,
+) -> Result<Source, ScenarioError> {
+    let at = |f: &str| format!("caller[{i}].{f}");
+    if !(c.rate.is_finite() && c.rate > 0.0) {
+        return Err(ScenarioError::Invalid {
+            path: at("rate"),
+            message: format!("must be a positive number of calls, not {}", c.rate),
+        });
+    }
+    for (field, name) in [("tenant", &c.tenant), ("instance", &c.instance)] {
+        if name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            return Err(ScenarioError::Invalid {
+                path: at(field),
+                message: "must not be blank: name it, or leave the field out".into(),
+            });
+        }
+    }
+    let per = period(at("per"), &c.per)?;
+    let (start, stop) = span(c, duration, at)?;
+    let cost = c.cost.unwrap_or(1.0);
+    if !(cost.is_finite() && cost >= 0.0) {
+        return Err(ScenarioError::Invalid {
+            path: at("cost"),
+            message: format!("must be zero or a positive number, not {cost}"),
+        });
+    }
+    Ok(Source {
+        caller: c.caller(),
+        interval: per as f64 / c.rate,
+        start,
+        stop,
+        cost,
+        next: 0,
+        owed: owed(c, alloc),
+    })
+}
+
+/// When caller `c` offers calls (µs from the start: from, until), within the scenario's
+/// `duration` (µs and as written); `at` names its fields.
+fn span(
+    c: &ScenarioCaller,
+    (duration, written): (u64, &str),
+    at: impl Fn(&str) -> String,
+) -> Result<(u64, u64), ScenarioError> {
+    let start = match &c.start {
+        Some(s) if s.trim_start_matches('0').is_empty() || s == "0s" => 0,
+        Some(s) => period(at("start"), s)?,
+        None => 0,
+    };
+    if start >= duration {
+        return Err(ScenarioError::Invalid {
+            path: at("start"),
+            message: format!(
+                "`{}` is not before the scenario's end (`duration` = `{written}`)",
+                c.start.as_deref().unwrap_or_default(),
+            ),
+        });
+    }
+    let stop = match &c.stop {
+        Some(s) => period(at("stop"), s)?.min(duration),
+        None => duration,
+    };
+    if stop <= start {
+        return Err(ScenarioError::Invalid {
+            path: at("stop"),
+            message: format!(
+                "`{}` is not after the caller's start (`{}`)",
+                c.stop.as_deref().unwrap_or_default(),
+                c.start.as_deref().unwrap_or("0s")
+            ),
+        });
+    }
+    Ok((start, stop))
+}
+
+/// What the allocation table says caller `c` is owed, (floor, ceiling): its own row, or its
+/// template's with one active caller; nothing for a caller the policy does not govern.
+fn owed(c: &ScenarioCaller, alloc: &ToolAllocation) -> (f64, f64) {
+    let template = |plan: Option<&String>| {
+        let mut rows = alloc.tenants.iter();
+        rows.find(|r| r.name == "*" && r.plan.as_ref() == plan)
+    };
+    let tenant = c.tenant.as_deref().and_then(|t| {
+        alloc.tenants.iter().find(|r| r.name == t).or_else(|| {
+            c.plan
+                .as_ref()
+                .and_then(|p| template(Some(p)))
+                .or_else(|| template(None))
+        })
+    });
+    let Some(t) = tenant else {
+        return (0.0, 0.0);
+    };
+    let inst = c.instance.as_deref().and_then(|i| {
+        t.instances
+            .iter()
+            .find(|r| r.name == i)
+            .or_else(|| t.instances.iter().find(|r| r.name == "*"))
+    });
+    match inst {
+        Some(i) => (i.floor, i.ceiling),
+        None => (t.floor, t.ceiling),
+    }
+}
+
 /// How many periods a scenario of `periods` periods and `callers` callers reports, or why it
 /// cannot run: no caller, or more rows than [`MAX_ROWS`] (`duration`: the scenario's, as
 /// written).
@@ -376,122 +525,7 @@ pub async fn simulate_with<S: Store>(
         .find(|t| t.name == scenario.tool)
         .expect("tool exists");
 
-    struct Source {
-        caller: Caller,
-        interval: f64,
-        start: u64,
-        stop: u64,
-        cost: f64,
-        next: u64,
-        owed: (f64, f64),
-    }
-    let mut sources = Vec::new();
-    for (i, c) in scenario.callers.iter().enumerate() {
-        let at = |f: &str| format!("caller[{i}].{f}");
-        if !(c.rate.is_finite() && c.rate > 0.0) {
-            return Err(ScenarioError::Invalid {
-                path: at("rate"),
-                message: format!("must be a positive number of calls, not {}", c.rate),
-            });
-        }
-        for (field, name) in [("tenant", &c.tenant), ("instance", &c.instance)] {
-            if name.as_deref().is_some_and(|n| n.trim().is_empty()) {
-                return Err(ScenarioError::Invalid {
-                    path: at(field),
-                    message: "must not be blank: name it, or leave the field out".into(),
-                });
-            }
-        }
-        let per = period(at("per"), &c.per)?;
-        let start = match &c.start {
-            Some(s) if s.trim_start_matches('0').is_empty() || s == "0s" => 0,
-            Some(s) => period(at("start"), s)?,
-            None => 0,
-        };
-        if start >= duration {
-            return Err(ScenarioError::Invalid {
-                path: at("start"),
-                message: format!(
-                    "`{}` is not before the scenario's end (`duration` = `{}`)",
-                    c.start.as_deref().unwrap_or_default(),
-                    scenario.duration
-                ),
-            });
-        }
-        let stop = match &c.stop {
-            Some(s) => period(at("stop"), s)?.min(duration),
-            None => duration,
-        };
-        if stop <= start {
-            return Err(ScenarioError::Invalid {
-                path: at("stop"),
-                message: format!(
-                    "`{}` is not after the caller's start (`{}`)",
-                    c.stop.as_deref().unwrap_or_default(),
-                    c.start.as_deref().unwrap_or("0s")
-                ),
-            });
-        }
-        let cost = c.cost.unwrap_or(1.0);
-        if !(cost.is_finite() && cost >= 0.0) {
-            return Err(ScenarioError::Invalid {
-                path: at("cost"),
-                message: format!("must be zero or a positive number, not {cost}"),
-            });
-        }
-        let caller = c.caller();
-        // What the allocation table says this caller is owed (templates: one active caller).
-        let owed = c
-            .tenant
-            .as_deref()
-            .and_then(|t| {
-                alloc.tenants.iter().find(|r| r.name == t).or_else(|| {
-                    let template = |plan: Option<&String>| {
-                        let mut rows = alloc.tenants.iter();
-                        rows.find(|r| r.name == "*" && r.plan.as_ref() == plan)
-                    };
-                    c.plan
-                        .as_ref()
-                        .and_then(|p| template(Some(p)))
-                        .or_else(|| template(None))
-                })
-            })
-            .map(|t| {
-                let inst = c.instance.as_deref().and_then(|i| {
-                    t.instances
-                        .iter()
-                        .find(|r| r.name == i)
-                        .or_else(|| t.instances.iter().find(|r| r.name == "*"))
-                });
-                match inst {
-                    Some(i) => (i.floor, i.ceiling),
-                    None => (t.floor, t.ceiling),
-                }
-            })
-            .unwrap_or((0.0, 0.0));
-        sources.push(Source {
-            caller,
-            interval: per as f64 / c.rate,
-            start,
-            stop,
-            cost,
-            next: 0,
-            owed,
-        });
-    }
-    let offered: f64 = sources
-        .iter()
-        .map(|s| (s.stop - s.start) as f64 / s.interval)
-        .sum();
-    if offered > MAX_CALLS {
-        return Err(ScenarioError::Invalid {
-            path: "caller".into(),
-            message: format!(
-                "the callers offer {offered:.0} calls in all; at most {MAX_CALLS} are simulated \
-                 (each is a request through the layer): lower a rate or shorten `duration`"
-            ),
-        });
-    }
+    let mut sources = sources(scenario, duration, alloc)?;
 
     let row = |s: &Source| CallerRow {
         tenant: s.caller.tenant().map(str::to_owned),
