@@ -700,9 +700,9 @@ fn run_simulation(
         for (i, c) in scenario.callers.iter().enumerate() {
             let why = match limiter.call_keys(&c.caller(), &scenario.tool) {
                 Err(r) => r.to_string(),
-                Ok(_) if c.cost.unwrap_or(1.0) > tool.capacity() => format!(
+                Ok(_) if c.cost() > tool.capacity() => format!(
                     "its cost {} is more than the tool's capacity ({} a period)",
-                    num(c.cost.unwrap_or(1.0)),
+                    num(c.cost()),
                     num(tool.capacity())
                 ),
                 Ok(_) => continue,

@@ -120,6 +120,11 @@ impl ScenarioCaller {
         }
         caller
     }
+
+    /// The cost of each of its calls: as written, or 1.
+    pub fn cost(&self) -> f64 {
+        self.cost.unwrap_or(1.0)
+    }
 }
 
 /// A scenario that cannot run, and why.
@@ -351,7 +356,7 @@ fn source(
     }
     let per = period(at("per"), &c.per)?;
     let (start, stop) = span(c, duration, at)?;
-    let cost = c.cost.unwrap_or(1.0);
+    let cost = c.cost();
     if !(cost.is_finite() && cost >= 0.0) {
         return Err(ScenarioError::Invalid {
             path: at("cost"),
