@@ -339,114 +339,136 @@ fn serve(policy_path: &Path, keys_path: &Path, o: ServeOptions) -> ExitCode {
     for w in keys.warnings(&policy) {
         eprintln!("warning: {w}");
     }
-    let tools: Vec<String> = policy.tools().map(|t| t.name().to_owned()).collect();
-    let n_keys = keys.len();
     let policy_file = policy_path.to_owned();
     runtime().block_on(async move {
-        let handle = if o.metrics_listen.is_some() || o.metrics_key.is_some() {
-            cli::serve::install_prometheus()
-        } else {
-            None
-        };
-        let on_gateway = match (&handle, &o.metrics_key, o.metrics_listen) {
-            (Some(h), Some(key), None) => cli::serve::Metrics::WithKey(h.clone(), key.as_str().into()),
-            _ => cli::serve::Metrics::Off,
-        };
-        // The console names every listed tenant: only with the metrics key.
-        let console = match &o.metrics_key {
-            Some(key) => cli::serve::ConsoleAccess::WithKey(key.as_str().into()),
-            None => cli::serve::ConsoleAccess::Off,
-        };
-        // What the gateway runs once it has stopped: the limiter's shutdown (leases and
-        // permits given back).
-        type Finish = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-        let (app, finish): (_, Finish) = match &o.redis {
-            None => {
-                let limiter = tower_fairshare::Limiter::new(policy);
-                watch_policy(limiter.clone(), policy_file);
-                let finish = finish_with(limiter.clone());
-                (cli::serve::router_with(limiter, keys, on_gateway, console, o.limits), finish)
-            }
-            Some(url) => {
-                // Lazily: a replica starts while Redis is down, and connects when it is back.
-                let builder = match o.redis_tls.apply(tower_fairshare::store::RedisStore::builder(url.as_str())) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        eprintln!("error: {e}");
-                        return ExitCode::from(1);
-                    }
-                };
-                let store = match builder.connect_lazy() {
-                    Ok(s) => s,
-                    Err(e) => {
-                        eprintln!("error: cannot use Redis at {url}: {e}");
-                        return ExitCode::from(1);
-                    }
-                };
-                if let Err(e) = store.check_health().await {
-                    eprintln!("warning: Redis at {url} does not answer ({e}): each tool's on_store_error applies until it does");
-                }
-                let limiter =
-                    tower_fairshare::Limiter::with_store(policy, store, tower_fairshare::SystemClock);
-                watch_policy(limiter.clone(), policy_file);
-                let finish = finish_with(limiter.clone());
-                (cli::serve::router_with(limiter, keys, on_gateway, console, o.limits), finish)
-            }
-        };
-        let listener = match bind(o.listen).await {
-            Ok(l) => l,
-            Err(code) => return code,
-        };
-        let addr = listener
-            .local_addr()
-            .expect("a bound socket has an address");
-        let metrics_listener = match (o.metrics_listen, &handle) {
-            (Some(a), Some(_)) => match bind(a).await {
-                Ok(l) => Some(l),
-                Err(code) => return code,
-            },
-            _ => None,
-        };
-        // Scripts and tests read this line to learn the port.
-        sayln!("fairshare serve: listening on http://{addr}");
-        let metrics_note = match (&metrics_listener, &o.metrics_key) {
-            (Some(l), _) => {
-                let a = l.local_addr().expect("a bound socket has an address");
-                format!("metrics at http://{a}/metrics")
-            }
-            (None, Some(_)) if handle.is_some() => {
-                "metrics at /metrics with `Authorization: Bearer <key>`".to_owned()
-            }
-            _ => "no /metrics (--metrics-listen or --metrics-key)".to_owned(),
-        };
-        sayln!(
-            "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; {metrics_note}",
-            tools.join(", "),
-            cli::serve::API_KEY
-        );
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
-        if let (Some(l), Some(h)) = (metrics_listener, handle) {
-            let app = cli::serve::metrics_router(h, o.limits);
-            tokio::spawn(cli::serve::run(l, app, o.limits, std::future::pending()));
-        }
-        let shutdown = shutdown_signal();
-        let served = cli::serve::run(listener, app, o.limits, shutdown).await;
-        finish.await;
-        match served {
+        match serve_gateway(policy, keys, policy_file, o).await {
             Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: the server stopped: {e}");
-                ExitCode::from(1)
-            }
+            Err(code) => code,
         }
     })
+}
+
+/// What the gateway runs once it has stopped: the limiter's shutdown (leases and permits
+/// given back).
+type Finish = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Serves the gateway (and its metrics listener) until a shutdown signal, then shuts the
+/// limiter down.
+async fn serve_gateway(
+    policy: tower_fairshare::Policy,
+    keys: Keys,
+    policy_file: PathBuf,
+    o: ServeOptions,
+) -> Result<(), ExitCode> {
+    let tools: Vec<String> = policy.tools().map(|t| t.name().to_owned()).collect();
+    let n_keys = keys.len();
+    let handle = if o.metrics_listen.is_some() || o.metrics_key.is_some() {
+        cli::serve::install_prometheus()
+    } else {
+        None
+    };
+    let on_gateway = match (&handle, &o.metrics_key, o.metrics_listen) {
+        (Some(h), Some(key), None) => cli::serve::Metrics::WithKey(h.clone(), key.as_str().into()),
+        _ => cli::serve::Metrics::Off,
+    };
+    // The console names every listed tenant: only with the metrics key.
+    let console = match &o.metrics_key {
+        Some(key) => cli::serve::ConsoleAccess::WithKey(key.as_str().into()),
+        None => cli::serve::ConsoleAccess::Off,
+    };
+    let (app, finish) = match &o.redis {
+        None => {
+            let limiter = tower_fairshare::Limiter::new(policy);
+            gateway(limiter, keys, on_gateway, console, o.limits, policy_file)
+        }
+        Some(url) => {
+            let limiter = on_redis(policy, url, &o.redis_tls).await?;
+            gateway(limiter, keys, on_gateway, console, o.limits, policy_file)
+        }
+    };
+    let listener = bind(o.listen).await?;
+    let metrics_listener = match (o.metrics_listen, &handle) {
+        (Some(a), Some(_)) => Some(bind(a).await?),
+        _ => None,
+    };
+    let addr = listener
+        .local_addr()
+        .expect("a bound socket has an address");
+    // Scripts and tests read this line to learn the port.
+    sayln!("fairshare serve: listening on http://{addr}");
+    let metrics_note = match (&metrics_listener, &o.metrics_key) {
+        (Some(l), _) => {
+            let a = l.local_addr().expect("a bound socket has an address");
+            format!("metrics at http://{a}/metrics")
+        }
+        (None, Some(_)) if handle.is_some() => {
+            "metrics at /metrics with `Authorization: Bearer <key>`".to_owned()
+        }
+        _ => "no /metrics (--metrics-listen or --metrics-key)".to_owned(),
+    };
+    sayln!(
+        "  tools: {} (call /tools/{{name}}, any method); {n_keys} keys, sent in header {}; {metrics_note}",
+        tools.join(", "),
+        cli::serve::API_KEY
+    );
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    if let (Some(l), Some(h)) = (metrics_listener, handle) {
+        let app = cli::serve::metrics_router(h, o.limits);
+        tokio::spawn(cli::serve::run(l, app, o.limits, std::future::pending()));
+    }
+    let served = cli::serve::run(listener, app, o.limits, shutdown_signal()).await;
+    finish.await;
+    served.map_err(|e| {
+        eprintln!("error: the server stopped: {e}");
+        ExitCode::from(1)
+    })
+}
+
+/// The gateway deciding with `limiter`, which reloads the policy file when it changes, and
+/// the limiter's shutdown.
+fn gateway<S: tower_fairshare::Store, C: tower_fairshare::Clock>(
+    limiter: tower_fairshare::Limiter<S, C>,
+    keys: Keys,
+    metrics: cli::serve::Metrics,
+    console: cli::serve::ConsoleAccess,
+    limits: cli::serve::Limits,
+    policy_file: PathBuf,
+) -> (axum::Router, Finish) {
+    watch_policy(limiter.clone(), policy_file);
+    let finish = finish_with(limiter.clone());
+    let router = cli::serve::router_with(limiter, keys, metrics, console, limits);
+    (router, finish)
+}
+
+/// A limiter on the Redis at `url`, connected lazily: a replica starts while Redis is down,
+/// and connects when it is back.
+async fn on_redis(
+    policy: tower_fairshare::Policy,
+    url: &str,
+    tls: &RedisTls,
+) -> Result<tower_fairshare::Limiter<tower_fairshare::store::RedisStore>, ExitCode> {
+    let builder = tls
+        .apply(tower_fairshare::store::RedisStore::builder(url))
+        .map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        })?;
+    let store = builder.connect_lazy().map_err(|e| {
+        eprintln!("error: cannot use Redis at {url}: {e}");
+        ExitCode::from(1)
+    })?;
+    if let Err(e) = store.check_health().await {
+        eprintln!("warning: Redis at {url} does not answer ({e}): each tool's on_store_error applies until it does");
+    }
+    let clock = tower_fairshare::SystemClock;
+    Ok(tower_fairshare::Limiter::with_store(policy, store, clock))
 }
 
 /// The limiter's shutdown, to run once the gateway has stopped.
 fn finish_with<S: tower_fairshare::Store, C: tower_fairshare::Clock>(
     limiter: tower_fairshare::Limiter<S, C>,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+) -> Finish {
     Box::pin(async move { limiter.shutdown().await })
 }
 
@@ -695,22 +717,7 @@ fn run_simulation(
         Ok(s) => s,
         Err(e) => return scenario_failed(scenario_path, &e),
     };
-    if let Some(tool) = policy.tool(&scenario.tool) {
-        let limiter = tower_fairshare::Limiter::new(policy.clone());
-        for (i, c) in scenario.callers.iter().enumerate() {
-            let why = match limiter.call_keys(&c.caller(), &scenario.tool) {
-                Err(r) => r.to_string(),
-                Ok(_) if c.cost() > tool.capacity() => format!(
-                    "its cost {} is more than the tool's capacity ({} a period)",
-                    num(c.cost()),
-                    num(tool.capacity())
-                ),
-                Ok(_) => continue,
-            };
-            let file = scenario_path.display();
-            eprintln!("warning: {file}: caller[{i}]: every call is refused: {why}");
-        }
-    }
+    warn_of_refused_callers(&policy, &scenario, scenario_path);
     if let Some(out) = svg {
         if let Err(e) = svg_target(out, &[policy_path, scenario_path]) {
             eprintln!("error: --svg {}: {e}", out.display());
@@ -723,33 +730,8 @@ fn run_simulation(
         .expect("a single-threaded runtime");
     let run = async {
         match redis {
-            None => Ok::<_, String>(simulate(&policy, &scenario).await),
-            Some(url) => {
-                // A fresh namespace per run: runs never see each other's state.
-                let namespace = format!(
-                    "simulate-{}-{}",
-                    std::process::id(),
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_micros())
-                );
-                let store = tower_fairshare::store::RedisStore::builder(url)
-                    .injected_clock()
-                    .namespace(namespace)
-                    .connect()
-                    .await
-                    .map_err(|e| format!("cannot use Redis at {url}: {e}"))?;
-                let clock = tower_fairshare::ManualClock::new(fairshare::simulate::EPOCH);
-                let sweeper = store.clone();
-                let report =
-                    fairshare::simulate::simulate_with(&policy, store, &clock, &scenario).await;
-                // An injected clock's keys outlive their virtual expiry by ten real minutes:
-                // clear this run's namespace now (far past every expiry; one server only).
-                let _ = sweeper
-                    .sweep(tower_fairshare::Timestamp::from_micros(u64::MAX / 4))
-                    .await;
-                Ok(report)
-            }
+            None => Ok(simulate(&policy, &scenario).await),
+            Some(url) => simulate_on_redis(&policy, &scenario, url).await,
         }
     };
     let report = match rt.block_on(run) {
@@ -774,13 +756,8 @@ fn run_simulation(
         say!("{}", report.to_table(tool.capacity(), tool.period()));
     }
     if let Some(out) = svg {
-        let title = format!(
-            "{} — {}",
-            scenario.tool,
-            scenario_path
-                .file_name()
-                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
-        );
+        let name = scenario_path.file_name().unwrap_or_default();
+        let title = format!("{} — {}", scenario.tool, name.to_string_lossy());
         let chart =
             fairshare::chart::svg(&report, &title, tool.capacity(), &tool.period().to_string());
         if let Err(e) = std::fs::write(out, chart) {
@@ -789,6 +766,58 @@ fn run_simulation(
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Warns of every scenario caller the policy refuses whoever it is, or whose every call costs
+/// more than the tool's capacity: its calls will all be refused.
+fn warn_of_refused_callers(policy: &tower_fairshare::Policy, scenario: &Scenario, path: &Path) {
+    let Some(tool) = policy.tool(&scenario.tool) else {
+        return;
+    };
+    let limiter = tower_fairshare::Limiter::new(policy.clone());
+    for (i, c) in scenario.callers.iter().enumerate() {
+        let why = match limiter.call_keys(&c.caller(), &scenario.tool) {
+            Err(r) => r.to_string(),
+            Ok(_) if c.cost() > tool.capacity() => format!(
+                "its cost {} is more than the tool's capacity ({} a period)",
+                num(c.cost()),
+                num(tool.capacity())
+            ),
+            Ok(_) => continue,
+        };
+        let file = path.display();
+        eprintln!("warning: {file}: caller[{i}]: every call is refused: {why}");
+    }
+}
+
+/// The scenario run on the Redis at `url`, in a namespace of its own (runs never see each
+/// other's state), cleared after.
+async fn simulate_on_redis(
+    policy: &tower_fairshare::Policy,
+    scenario: &Scenario,
+    url: &str,
+) -> Result<Result<fairshare::simulate::Report, ScenarioError>, String> {
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let namespace = format!(
+        "simulate-{}-{}",
+        std::process::id(),
+        since_epoch.map_or(0, |d| d.as_micros())
+    );
+    let store = tower_fairshare::store::RedisStore::builder(url)
+        .injected_clock()
+        .namespace(namespace)
+        .connect()
+        .await
+        .map_err(|e| format!("cannot use Redis at {url}: {e}"))?;
+    let clock = tower_fairshare::ManualClock::new(fairshare::simulate::EPOCH);
+    let sweeper = store.clone();
+    let report = fairshare::simulate::simulate_with(policy, store, &clock, scenario).await;
+    // An injected clock's keys outlive their virtual expiry by ten real minutes: clear this
+    // run's namespace now (far past every expiry; one server only).
+    let _ = sweeper
+        .sweep(tower_fairshare::Timestamp::from_micros(u64::MAX / 4))
+        .await;
+    Ok(report)
 }
 
 /// A scenario that cannot run: the error, naming the file (a read error names it already).

@@ -305,6 +305,27 @@ struct Source {
     owed: (f64, f64),
 }
 
+impl Source {
+    /// When its call `k` (from 0) is made (µs from the start), if before it stops.
+    fn call_at(&self, k: u64) -> Option<u64> {
+        let t = self.start + (k as f64 * self.interval) as u64;
+        (t < self.stop).then_some(t)
+    }
+
+    /// Its row of a report, nothing counted yet.
+    fn row(&self) -> CallerRow {
+        CallerRow {
+            tenant: self.caller.tenant().map(str::to_owned),
+            instance: self.caller.instance().map(str::to_owned),
+            offered: 0,
+            admitted: 0,
+            refused: 0,
+            floor: self.owed.0,
+            ceiling: self.owed.1,
+        }
+    }
+}
+
 /// The scenario's callers as they are run (`duration`: the scenario's, µs), or the first that
 /// cannot be, or why they would offer more calls than [`MAX_CALLS`].
 fn sources(
@@ -503,20 +524,7 @@ pub async fn simulate_with<S: Store>(
     let mut service = FairShareLayer::new(limiter)
         .tool(scenario.tool.as_str())
         .layer(Answer200);
-    let tool = policy
-        .tool(&scenario.tool)
-        .ok_or_else(|| ScenarioError::Invalid {
-            path: "tool".into(),
-            message: format!(
-                "the policy has no tool `{}`: use one of {:?}",
-                scenario.tool,
-                policy
-                    .tools()
-                    .map(|t| t.name().to_owned())
-                    .collect::<Vec<_>>()
-            ),
-        })?;
-    let p = tool.period().as_micros();
+    let p = period_of(policy, scenario)?;
     let duration = period("duration".into(), &scenario.duration)?;
     let n_periods = rows_of(
         duration.div_ceil(p),
@@ -531,82 +539,105 @@ pub async fn simulate_with<S: Store>(
         .expect("tool exists");
 
     let mut sources = sources(scenario, duration, alloc)?;
-
-    let row = |s: &Source| CallerRow {
-        tenant: s.caller.tenant().map(str::to_owned),
-        instance: s.caller.instance().map(str::to_owned),
-        offered: 0,
-        admitted: 0,
-        refused: 0,
-        floor: s.owed.0,
-        ceiling: s.owed.1,
-    };
     let mut periods: Vec<PeriodRow> = (0..n_periods)
         .map(|k| PeriodRow {
             start_ms: k as u64 * p / 1000,
-            callers: sources.iter().map(row).collect(),
+            callers: sources.iter().map(Source::row).collect(),
             admitted: 0,
             unserved_floors: 0.0,
         })
         .collect();
 
     // Events in time order; ties by caller order, so runs are reproducible.
-    let time_of = |s: &Source, k: u64| s.start + (k as f64 * s.interval) as u64;
     let mut heap = BinaryHeap::new();
     for (i, s) in sources.iter().enumerate() {
-        let t = time_of(s, 0);
-        if t < s.stop {
+        if let Some(t) = s.call_at(0) {
             heap.push(Reverse((t, i)));
         }
     }
     let origin = clock.now();
     while let Some(Reverse((t, i))) = heap.pop() {
         clock.set(origin.saturating_add(Duration::from_micros(t)));
-        let s = &sources[i];
-        let mut request = Request::new(());
-        request.extensions_mut().insert(s.caller.clone());
-        request.extensions_mut().insert(Cost(s.cost));
-        *last.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        std::future::poll_fn(|cx| service.poll_ready(cx))
-            .await
-            .unwrap_or_else(|never| match never {});
-        let response = service
-            .call(request)
-            .await
-            .unwrap_or_else(|never| match never {});
         let cell = &mut periods[(t / p) as usize].callers[i];
-        cell.offered += 1;
-        if response.status() == StatusCode::OK {
-            cell.admitted += 1;
-            if let Some(v) = last.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                cell.floor = v.floor;
-                cell.ceiling = v.ceiling;
-            }
-        } else {
-            cell.refused += 1;
-        }
-        // Dropping the response ends the call: its concurrency permits come back.
-        drop(response);
+        offer(&mut service, &last, &sources[i], cell).await;
         let s = &mut sources[i];
         s.next += 1;
-        let nt = time_of(s, s.next);
-        if nt < s.stop {
+        if let Some(nt) = s.call_at(s.next) {
             heap.push(Reverse((nt, i)));
         }
     }
+    Ok(report(periods, &sources, alloc))
+}
+
+/// The period of the scenario's tool in `policy` (µs), or an error naming the tools it has.
+fn period_of(policy: &Policy, scenario: &Scenario) -> Result<u64, ScenarioError> {
+    policy
+        .tool(&scenario.tool)
+        .map(|t| t.period().as_micros())
+        .ok_or_else(|| ScenarioError::Invalid {
+            path: "tool".into(),
+            message: format!(
+                "the policy has no tool `{}`: use one of {:?}",
+                scenario.tool,
+                policy
+                    .tools()
+                    .map(|t| t.name().to_owned())
+                    .collect::<Vec<_>>()
+            ),
+        })
+}
+
+/// One call of `s` through `service`, counted in `cell`: offered, and admitted (with the
+/// floor and ceiling its decision owed the caller) or refused.
+async fn offer<T, B>(
+    service: &mut T,
+    last: &Mutex<Option<LevelView>>,
+    s: &Source,
+    cell: &mut CallerRow,
+) where
+    T: Service<Request<()>, Response = Response<B>, Error = Infallible>,
+{
+    let mut request = Request::new(());
+    request.extensions_mut().insert(s.caller.clone());
+    request.extensions_mut().insert(Cost(s.cost));
+    *last.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    std::future::poll_fn(|cx| service.poll_ready(cx))
+        .await
+        .unwrap_or_else(|never| match never {});
+    let response = service
+        .call(request)
+        .await
+        .unwrap_or_else(|never| match never {});
+    cell.offered += 1;
+    if response.status() == StatusCode::OK {
+        cell.admitted += 1;
+        if let Some(v) = last.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            cell.floor = v.floor;
+            cell.ceiling = v.ceiling;
+        }
+    } else {
+        cell.refused += 1;
+    }
+    // Dropping the response ends the call: its concurrency permits come back.
+    drop(response);
+}
+
+/// The report of a run's `periods`: each period's total and floors left unused, and each
+/// caller's totals over the run.
+fn report(mut periods: Vec<PeriodRow>, sources: &[Source], alloc: &ToolAllocation) -> Report {
     for p in periods.iter_mut() {
         p.admitted = p.callers.iter().map(|c| c.admitted).sum();
         p.unserved_floors = unserved_floors(
             alloc,
             p.callers
                 .iter()
-                .zip(&sources)
+                .zip(sources)
                 .filter_map(|(c, s)| Some((c.tenant.as_deref()?, c.admitted as f64 * s.cost))),
         );
     }
     let totals = (0..sources.len())
         .map(|i| {
-            let mut r = row(&sources[i]);
+            let mut r = sources[i].row();
             r.floor = 0.0;
             r.ceiling = 0.0;
             for p in &periods {
@@ -620,7 +651,7 @@ pub async fn simulate_with<S: Store>(
             r
         })
         .collect();
-    Ok(Report { periods, totals })
+    Report { periods, totals }
 }
 
 /// `tenant/instance`, as tables and charts name a caller.

@@ -147,43 +147,144 @@ struct Tally {
     latencies: Vec<Duration>,
 }
 
+/// The demo's tool as its policy sets it, and what each driver is owed: what the run is read
+/// against.
+struct Setup {
+    alloc: ToolAllocation,
+    period: Duration,
+    period_text: String,
+    capacity: f64,
+    windows: usize,
+    owed: Vec<Owed>,
+}
+
+impl Setup {
+    /// The demo policy (with `lease`, its tool leasing up to that many units) and the run's
+    /// figures for `duration`.
+    fn new(duration: Duration, lease: Option<u32>) -> Result<(Setup, Policy), String> {
+        let text = match lease {
+            Some(n) => POLICY.replace(
+                "[[tool]]\n",
+                &format!("[[tool]]\nlease = {{ max = {n} }}\n"),
+            ),
+            None => POLICY.to_owned(),
+        };
+        let policy = Policy::from_toml_str(&text).map_err(|e| e.to_string())?;
+        let alloc = policy
+            .allocation()
+            .tools
+            .into_iter()
+            .find(|t| t.name == TOOL)
+            .expect("the demo policy has the demo tool");
+        let tool = policy.tool(TOOL).expect("the demo tool");
+        let period = Duration::from_micros(tool.period().as_micros());
+        let owed = DRIVERS
+            .iter()
+            .map(|d| owed(&alloc, d.tenant, d.instance))
+            .collect();
+        let setup = Setup {
+            period,
+            period_text: tool.period().to_string(),
+            capacity: tool.capacity(),
+            windows: duration.as_micros().div_ceil(period.as_micros()).max(1) as usize,
+            owed,
+            alloc,
+        };
+        Ok((setup, policy))
+    }
+
+    /// Says where the gateway listens and what each driver offers.
+    fn announce(&self, addr: std::net::SocketAddr) {
+        sayln!("fairshare demo: the three-part acceptance test over real HTTP");
+        sayln!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
+        sayln!(
+            "  console  http://{addr}/fairshare/ (live: who is at its floor, its ceiling, why refused)"
+        );
+        sayln!(
+            "  tool     {TOOL}: {} calls per {}, burst {}",
+            num(self.capacity),
+            self.period_text,
+            num(self.alloc.burst)
+        );
+        for (d, o) in DRIVERS.iter().zip(&self.owed) {
+            sayln!(
+                "  {:<18} offers {:>3} per window, {} (floor {}, nominal {}, ceiling {})",
+                d.label,
+                d.per_window,
+                d.role,
+                num(o.floor),
+                num(o.nominal),
+                num(o.ceiling)
+            );
+        }
+    }
+
+    /// When the run starts: the start of the limiter's next window. The limiter counts per
+    /// window aligned to the clock, so every window of the report is one the limiter counted.
+    fn start(&self) -> Instant {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros();
+        let p = self.period.as_micros();
+        let wait = Duration::from_micros((now.div_ceil(p) * p - now) as u64);
+        sayln!(
+            "  waiting {:.1}s for the limiter's next {} window, then offering load for {} windows ({}s)",
+            wait.as_secs_f64(),
+            self.period_text,
+            self.windows,
+            self.run_for().as_secs()
+        );
+        Instant::now() + wait
+    }
+
+    fn run_for(&self) -> Duration {
+        self.period * self.windows as u32
+    }
+
+    /// Prints the report (and writes the chart to `svg`): success when every property held.
+    fn conclude(&self, tallies: &[Tally], svg: Option<&std::path::Path>) -> ExitCode {
+        let burst = self.alloc.burst;
+        say!(
+            "{}",
+            report(tallies, &self.owed, self.capacity, burst, &self.period_text)
+        );
+        if let Some(out) = svg {
+            let chart = fairshare::chart::svg(
+                &chart_report(tallies, &self.owed, &self.alloc),
+                "fairshare demo: the three-part acceptance over real HTTP",
+                self.capacity,
+                &self.period_text,
+            );
+            match std::fs::write(out, chart) {
+                Ok(()) => sayln!("chart written to {}", out.display()),
+                Err(e) => eprintln!("error: cannot write {}: {e}", out.display()),
+            }
+        }
+        let verdicts = verdicts(tallies, &self.owed, self.capacity, burst);
+        if verdicts.iter().all(|v| v.held) {
+            sayln!("every property held");
+            ExitCode::SUCCESS
+        } else {
+            sayln!("some property did NOT hold");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// Runs the demo; exit code 0 when every property held.
 pub(crate) async fn run(
     duration: Duration,
     svg: Option<&std::path::Path>,
     lease: Option<u32>,
 ) -> ExitCode {
-    let text = match lease {
-        Some(n) => POLICY.replace(
-            "[[tool]]\n",
-            &format!("[[tool]]\nlease = {{ max = {n} }}\n"),
-        ),
-        None => POLICY.to_owned(),
-    };
-    let policy = match Policy::from_toml_str(&text) {
-        Ok(p) => p,
+    let (setup, policy) = match Setup::new(duration, lease) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("error: the demo policy with --lease: {e}");
             return ExitCode::from(2);
         }
     };
-    let keys = Keys::from_toml_str(KEYS).expect("the demo keys are valid");
-    let allocation = policy.allocation();
-    let alloc = allocation
-        .tools
-        .iter()
-        .find(|t| t.name == TOOL)
-        .expect("the demo policy has the demo tool")
-        .clone();
-    let tool = policy.tool(TOOL).expect("the demo tool").clone();
-    let period = Duration::from_micros(tool.period().as_micros());
-    let capacity = tool.capacity();
-    let windows = duration.as_micros().div_ceil(period.as_micros()).max(1) as usize;
-    let owed: Vec<Owed> = DRIVERS
-        .iter()
-        .map(|d| owed(&alloc, d.tenant, d.instance))
-        .collect();
-
     let listener = match TcpListener::bind("127.0.0.1:0").await {
         Ok(l) => l,
         Err(e) => {
@@ -194,152 +295,143 @@ pub(crate) async fn run(
     let addr = listener
         .local_addr()
         .expect("a bound socket has an address");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let limits = serve::Limits::default();
-    let server = tokio::spawn(serve::run(
-        listener,
-        serve::router(
-            policy,
-            keys,
-            serve::Metrics::Off,
-            serve::ConsoleAccess::Open,
-            limits,
-        ),
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let keys = Keys::from_toml_str(KEYS).expect("the demo keys are valid");
+    let router = serve::router(
+        policy,
+        keys,
+        serve::Metrics::Off,
+        serve::ConsoleAccess::Open,
         limits,
-        async move {
-            let _ = stopped.await;
-        },
-    ));
-
-    sayln!("fairshare demo: the three-part acceptance test over real HTTP");
-    sayln!("  gateway  http://{addr}/tools/{TOOL} (axum + FairShareLayer, in this process; policy fairshare/demo/policy.toml)");
-    sayln!(
-        "  console  http://{addr}/fairshare/ (live: who is at its floor, its ceiling, why refused)"
     );
-    sayln!(
-        "  tool     {TOOL}: {} calls per {}, burst {}",
-        num(capacity),
-        tool.period(),
-        num(alloc.burst)
-    );
-    for (d, o) in DRIVERS.iter().zip(&owed) {
-        sayln!(
-            "  {:<18} offers {:>3} per window, {} (floor {}, nominal {}, ceiling {})",
-            d.label,
-            d.per_window,
-            d.role,
-            num(o.floor),
-            num(o.nominal),
-            num(o.ceiling)
-        );
-    }
+    let server = tokio::spawn(serve::run(listener, router, limits, async move {
+        let _ = stopped.await;
+    }));
 
-    // The limiter counts per window aligned to the clock: start on a boundary so every
-    // window of the report is one the limiter counted.
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_micros();
-    let p = period.as_micros();
-    let wait = Duration::from_micros((now.div_ceil(p) * p - now) as u64);
-    sayln!(
-        "  waiting {:.1}s for the limiter's next {} window, then offering load for {} windows ({}s)",
-        wait.as_secs_f64(),
-        tool.period(),
-        windows,
-        (period * windows as u32).as_secs()
-    );
-    let start = Instant::now() + wait;
-    let run_for = period * windows as u32;
-
+    setup.announce(addr);
+    let start = setup.start();
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(64)
         .pool_idle_timeout(client_idle(&limits))
         .build_http();
+    let uri: http::Uri = format!("http://{addr}/tools/{TOOL}")
+        .parse()
+        .expect("a valid URI");
     let progress: Arc<[Progress; 4]> = Arc::default();
     let mut drivers = JoinSet::new();
-    for (i, d) in DRIVERS.iter().enumerate() {
-        let client = client.clone();
-        let progress = progress.clone();
-        let uri: http::Uri = format!("http://{addr}/tools/{TOOL}")
-            .parse()
-            .expect("a valid URI");
-        let interval = period / d.per_window as u32;
-        let offered = d.per_window * windows as u64;
-        drivers.spawn(async move {
-            let mut calls = Vec::with_capacity(offered as usize);
-            let mut in_flight = JoinSet::new();
-            for k in 0..offered {
-                tokio::time::sleep_until(start + interval * k as u32).await;
-                let client = client.clone();
-                let progress = progress.clone();
-                let request = Request::get(uri.clone())
-                    .header(serve::API_KEY, d.key)
-                    .body(Empty::new())
-                    .expect("a valid request");
-                in_flight.spawn(async move {
-                    let sent = Instant::now();
-                    let outcome = match client.request(request).await {
-                        Ok(response) => {
-                            let status = response.status();
-                            // Read the whole body: the call is over when its body is.
-                            match response.into_body().collect().await {
-                                Ok(_) if status == StatusCode::OK => Outcome::Admitted,
-                                Ok(_) if status == StatusCode::TOO_MANY_REQUESTS => {
-                                    Outcome::Refused
-                                }
-                                Ok(_) => Outcome::Failed(format!("answered {status}")),
-                                Err(e) => Outcome::Failed(format!("its body failed: {e}")),
-                            }
-                        }
-                        Err(e) => Outcome::Failed(error_chain(&e)),
-                    };
-                    let latency = sent.elapsed();
-                    match outcome {
-                        Outcome::Admitted => &progress[i].admitted,
-                        _ => &progress[i].refused,
-                    }
-                    .fetch_add(1, Ordering::Relaxed);
-                    let window = (sent.saturating_duration_since(start).as_micros()
-                        / period.as_micros()) as usize;
-                    Call {
-                        window,
-                        outcome,
-                        latency,
-                    }
-                });
-                while let Some(done) = in_flight.try_join_next() {
-                    calls.push(done.expect("a call task does not panic"));
-                }
-            }
-            while let Some(done) = in_flight.join_next().await {
-                calls.push(done.expect("a call task does not panic"));
-            }
-            (i, calls)
-        });
+    for i in 0..DRIVERS.len() {
+        let (client, progress, uri) = (client.clone(), progress.clone(), uri.clone());
+        let pace = Pace {
+            start,
+            period: setup.period,
+            windows: setup.windows,
+        };
+        drivers.spawn(drive(i, client, progress, uri, pace));
     }
+    let printer = tokio::spawn(print_progress(progress, start, setup.run_for()));
+    let tallies = tally(drivers, setup.windows).await;
+    let _ = printer.await;
+    let _ = stop.send(());
+    let _ = server.await;
+    setup.conclude(&tallies, svg)
+}
 
-    let printer = {
-        let progress = progress.clone();
-        tokio::spawn(async move {
-            let seconds = run_for.as_secs();
-            for s in 1..=seconds {
-                tokio::time::sleep_until(start + Duration::from_secs(s)).await;
-                let mut line = format!("{s:>4}s  admitted/refused");
-                for (d, p) in DRIVERS.iter().zip(progress.iter()) {
-                    let _ = write!(
-                        line,
-                        "  {} {}/{}",
-                        d.label,
-                        p.admitted.load(Ordering::Relaxed),
-                        p.refused.load(Ordering::Relaxed)
-                    );
-                }
-                sayln!("{line}");
+/// When a driver's calls are sent: from `start`, `windows` windows of `period`.
+#[derive(Clone, Copy)]
+struct Pace {
+    start: Instant,
+    period: Duration,
+    windows: usize,
+}
+
+type DemoClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
+
+/// Driver `i`'s calls, evenly spaced, each in a task of its own: every call, answered or not.
+async fn drive(
+    i: usize,
+    client: DemoClient,
+    progress: Arc<[Progress; 4]>,
+    uri: http::Uri,
+    pace: Pace,
+) -> (usize, Vec<Call>) {
+    let drivers: &'static [Driver; 4] = &DRIVERS;
+    let d = &drivers[i];
+    let interval = pace.period / d.per_window as u32;
+    let offered = d.per_window * pace.windows as u64;
+    let mut calls = Vec::with_capacity(offered as usize);
+    let mut in_flight = JoinSet::new();
+    for k in 0..offered {
+        tokio::time::sleep_until(pace.start + interval * k as u32).await;
+        let request = Request::get(uri.clone())
+            .header(serve::API_KEY, d.key)
+            .body(Empty::new())
+            .expect("a valid request");
+        let (client, progress) = (client.clone(), progress.clone());
+        in_flight.spawn(async move {
+            let call = call(&client, request, pace).await;
+            match call.outcome {
+                Outcome::Admitted => &progress[i].admitted,
+                _ => &progress[i].refused,
             }
-        })
-    };
+            .fetch_add(1, Ordering::Relaxed);
+            call
+        });
+        while let Some(done) = in_flight.try_join_next() {
+            calls.push(done.expect("a call task does not panic"));
+        }
+    }
+    while let Some(done) = in_flight.join_next().await {
+        calls.push(done.expect("a call task does not panic"));
+    }
+    (i, calls)
+}
 
+/// One call sent and its whole body read: what came back, in which window it was sent.
+async fn call(client: &DemoClient, request: Request<Empty<Bytes>>, pace: Pace) -> Call {
+    let sent = Instant::now();
+    let outcome = match client.request(request).await {
+        Ok(response) => {
+            let status = response.status();
+            // Read the whole body: the call is over when its body is.
+            match response.into_body().collect().await {
+                Ok(_) if status == StatusCode::OK => Outcome::Admitted,
+                Ok(_) if status == StatusCode::TOO_MANY_REQUESTS => Outcome::Refused,
+                Ok(_) => Outcome::Failed(format!("answered {status}")),
+                Err(e) => Outcome::Failed(format!("its body failed: {e}")),
+            }
+        }
+        Err(e) => Outcome::Failed(error_chain(&e)),
+    };
+    let latency = sent.elapsed();
+    let since = sent.saturating_duration_since(pace.start);
+    Call {
+        window: (since.as_micros() / pace.period.as_micros()) as usize,
+        outcome,
+        latency,
+    }
+}
+
+/// A line a second for `run_for` from `start`: each driver's calls admitted and refused so far.
+async fn print_progress(progress: Arc<[Progress; 4]>, start: Instant, run_for: Duration) {
+    for s in 1..=run_for.as_secs() {
+        tokio::time::sleep_until(start + Duration::from_secs(s)).await;
+        let mut line = format!("{s:>4}s  admitted/refused");
+        for (d, p) in DRIVERS.iter().zip(progress.iter()) {
+            let _ = write!(
+                line,
+                "  {} {}/{}",
+                d.label,
+                p.admitted.load(Ordering::Relaxed),
+                p.refused.load(Ordering::Relaxed)
+            );
+        }
+        sayln!("{line}");
+    }
+}
+
+/// Every driver's calls counted, once all of them are over.
+async fn tally(mut drivers: JoinSet<(usize, Vec<Call>)>, windows: usize) -> Vec<Tally> {
     let mut tallies: Vec<Tally> = (0..DRIVERS.len())
         .map(|_| Tally {
             per_window: vec![0; windows],
@@ -367,42 +459,7 @@ pub(crate) async fn run(
             }
         }
     }
-    let _ = printer.await;
-    let _ = stop.send(());
-    let _ = server.await;
-
-    say!(
-        "{}",
-        report(
-            &tallies,
-            &owed,
-            capacity,
-            alloc.burst,
-            &tool.period().to_string()
-        )
-    );
-    if let Some(out) = svg {
-        let chart = fairshare::chart::svg(
-            &chart_report(&tallies, &owed, &alloc),
-            "fairshare demo: the three-part acceptance over real HTTP",
-            capacity,
-            &tool.period().to_string(),
-        );
-        match std::fs::write(out, chart) {
-            Ok(()) => sayln!("chart written to {}", out.display()),
-            Err(e) => eprintln!("error: cannot write {}: {e}", out.display()),
-        }
-    }
-    let all_held = verdicts(&tallies, &owed, capacity, alloc.burst)
-        .iter()
-        .all(|v| v.held);
-    if all_held {
-        sayln!("every property held");
-        ExitCode::SUCCESS
-    } else {
-        sayln!("some property did NOT hold");
-        ExitCode::from(1)
-    }
+    tallies
 }
 
 /// The demo's per-window admissions as a simulation report, for the chart.

@@ -132,47 +132,14 @@ pub(crate) fn router_with<S: Store, C: Clock>(
             // gateway does not serve stays 404 (and does not tell that a console is there).
             let guarded = Router::new()
                 .nest_service("/fairshare", console_of(&limiter))
-                .route_layer(middleware::from_fn(move |req: Request, next: Next| {
-                    let key = key.clone();
-                    async move {
-                        let by_query = req.uri().query().is_some_and(|q| {
-                            q.split('&')
-                                .filter_map(|kv| kv.strip_prefix("key="))
-                                .any(|v| percent_decoded(v).is_some_and(|v| same(&v, &key)))
-                        });
-                        if by_query || bearer(&req).is_some_and(|k| same(k, &key)) {
-                            next.run(req).await
-                        } else {
-                            (
-                                StatusCode::UNAUTHORIZED,
-                                [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare console\"")],
-                                "send the metrics key as `Authorization: Bearer <key>` or `?key=<key>`\n",
-                            )
-                                .into_response()
-                        }
-                    }
-                }));
+                .route_layer(middleware::from_fn_with_state(key, console_key));
             app = app.merge(guarded);
         }
     }
     if let Metrics::WithKey(handle, key) = metrics {
         app = app.route(
             "/metrics",
-            get(move |req: Request| {
-                let (handle, key) = (handle.clone(), key.clone());
-                async move {
-                    if bearer(&req).is_some_and(|k| same(k, &key)) {
-                        render(&handle)
-                    } else {
-                        (
-                            StatusCode::UNAUTHORIZED,
-                            [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare metrics\"")],
-                            "send the metrics key as `Authorization: Bearer <key>`\n",
-                        )
-                            .into_response()
-                    }
-                }
-            }),
+            get(move |req: Request| metrics_with_key(handle.clone(), key.clone(), req)),
         );
     }
     app
@@ -182,6 +149,40 @@ pub(crate) fn router_with<S: Store, C: Clock>(
             limits.request_timeout,
             time_limit,
         ))
+}
+
+/// Lets a request of the console through with the metrics key, sent in its query (`key=`)
+/// or as a bearer token; 401 without.
+async fn console_key(State(key): State<Arc<str>>, req: Request, next: Next) -> Response {
+    let by_query = req.uri().query().is_some_and(|q| {
+        q.split('&')
+            .filter_map(|kv| kv.strip_prefix("key="))
+            .any(|v| percent_decoded(v).is_some_and(|v| same(&v, &key)))
+    });
+    if by_query || bearer(&req).is_some_and(|k| same(k, &key)) {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare console\"")],
+            "send the metrics key as `Authorization: Bearer <key>` or `?key=<key>`\n",
+        )
+            .into_response()
+    }
+}
+
+/// The metrics, to a request that sends the metrics key as a bearer token; 401 without.
+async fn metrics_with_key(handle: PrometheusHandle, key: Arc<str>, req: Request) -> Response {
+    if bearer(&req).is_some_and(|k| same(k, &key)) {
+        render(&handle)
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(WWW_AUTHENTICATE, "Bearer realm=\"fairshare metrics\"")],
+            "send the metrics key as `Authorization: Bearer <key>`\n",
+        )
+            .into_response()
+    }
 }
 
 /// `a == b`, in a time that does not depend on where they first differ (a key check).
