@@ -168,10 +168,21 @@ impl Chained {
     }
 }
 
+/// A group of benches timed on the wall clock.
+type Group<'a> = criterion::BenchmarkGroup<'a, criterion::measurement::WallTime>;
+
 fn decisions(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+    governor_decisions(&mut g, quota);
+    chained_decisions(&mut g, quota);
+    fairshare_decisions(&mut g);
+    fairshare_threaded(&mut g);
+    g.finish();
+}
 
+/// governor's keyed limiter: one key, 10,000 keys, and on threads.
+fn governor_decisions(g: &mut Group<'_>, quota: Quota) {
     let gov = RateLimiter::keyed(quota);
     g.bench_function("governor 1 key", |b| {
         b.iter(|| gov.check_key(black_box(&0u64)).is_ok())
@@ -208,9 +219,11 @@ fn decisions(c: &mut Criterion) {
             })
         });
     }
+}
 
-    // What a user composes instead of a nested limiter: three keyed governors, one per level
-    // (the tool, the tenant, the tenant and instance), string keys held by the caller.
+/// What a user composes instead of a nested limiter: three keyed governors, one per level
+/// (the tool, the tenant, the tenant and instance), string keys held by the caller.
+fn chained_decisions(g: &mut Group<'_>, quota: Quota) {
     let chained = Chained::new(quota);
     let keys = Chained::keys(&callers("tenant", 1));
     g.bench_function("chained governors 1 caller", |b| {
@@ -238,7 +251,10 @@ fn decisions(c: &mut Criterion) {
             chained.check(black_box(&keys[i]))
         })
     });
+}
 
+/// The crate's decisions: exact, over 10,000 callers, saturated, leased, two tools.
+fn fairshare_decisions(g: &mut Group<'_>) {
     let l = limiter();
     let one = callers("tenant", 1);
     g.bench_function("fairshare 1 caller", |b| {
@@ -298,8 +314,11 @@ fn decisions(c: &mut Criterion) {
     g.bench_function("fairshare leased two tools 1 caller", |b| {
         b.iter(|| now(l.admit_all(black_box(&one[0]), black_box(&two))).is_ok())
     });
+}
 
-    // Threaded: each thread cycles over 64 callers, of its own tenants or of one shared tenant.
+/// The crate's decisions on threads: each thread cycles over 64 callers, of its own tenants
+/// or of one shared tenant.
+fn fairshare_threaded(g: &mut Group<'_>) {
     for (name, threads, shared, tool) in [
         ("fairshare 1 thread", 1, false, "search"),
         ("fairshare 2 threads distinct tenants", 2, false, "search"),
@@ -334,7 +353,6 @@ fn decisions(c: &mut Criterion) {
             })
         });
     }
-    g.finish();
 }
 
 /// What a decision on this machine cannot do without, each measured alone: reading the wall
@@ -416,33 +434,6 @@ where
 
 fn layers(c: &mut Criterion) {
     let mut g = c.benchmark_group("layer");
-    const SEARCH: &str = "/tools/search";
-    const EXHAUSTED: &str = "/tools/exhausted";
-
-    fn case<S, B>(
-        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-        name: &str,
-        mut svc: S,
-        path: &'static str,
-        expect: StatusCode,
-    ) where
-        S: Service<Request<Body>, Response = Response<B>>,
-        S::Error: std::fmt::Debug,
-    {
-        // One call before timing: the refusal cases use it up.
-        call(&mut svc, request(path));
-        assert_eq!(call(&mut svc, request(path)), expect, "{name}");
-        // The request is built outside the timed routine: its allocations are the same for every
-        // stack and only add noise to the differences.
-        g.bench_function(name, |b| {
-            b.iter_batched(
-                || request(path),
-                |req| call(&mut svc, req),
-                BatchSize::SmallInput,
-            )
-        });
-    }
-
     case(&mut g, "bare", bare(), SEARCH, StatusCode::OK);
     case(
         &mut g,
@@ -452,6 +443,36 @@ fn layers(c: &mut Criterion) {
         StatusCode::OK,
     );
 
+    tower_governor_layers(&mut g);
+    fairshare_layers(&mut g);
+    g.finish();
+}
+
+const SEARCH: &str = "/tools/search";
+const EXHAUSTED: &str = "/tools/exhausted";
+
+/// One layer case: `svc` called on `path`, answering `expect`, timed.
+fn case<S, B>(g: &mut Group<'_>, name: &str, mut svc: S, path: &'static str, expect: StatusCode)
+where
+    S: Service<Request<Body>, Response = Response<B>>,
+    S::Error: std::fmt::Debug,
+{
+    // One call before timing: the refusal cases use it up.
+    call(&mut svc, request(path));
+    assert_eq!(call(&mut svc, request(path)), expect, "{name}");
+    // The request is built outside the timed routine: its allocations are the same for every
+    // stack and only add noise to the differences.
+    g.bench_function(name, |b| {
+        b.iter_batched(
+            || request(path),
+            |req| call(&mut svc, req),
+            BatchSize::SmallInput,
+        )
+    });
+}
+
+/// tower_governor's layer: admitted, with its headers, refused.
+fn tower_governor_layers(g: &mut Group<'_>) {
     let admit = GovernorConfigBuilder::default()
         .per_nanosecond(1)
         .burst_size(u32::MAX)
@@ -459,7 +480,7 @@ fn layers(c: &mut Criterion) {
         .finish()
         .expect("a valid governor config");
     case(
-        &mut g,
+        g,
         "tower_governor admitted",
         GovernorLayer::new(admit).layer(bare()),
         SEARCH,
@@ -473,7 +494,7 @@ fn layers(c: &mut Criterion) {
         .finish()
         .expect("a valid governor config");
     case(
-        &mut g,
+        g,
         "tower_governor headers",
         GovernorLayer::new(headers).layer(bare()),
         SEARCH,
@@ -492,29 +513,33 @@ fn layers(c: &mut Criterion) {
             .map(|text| Body::new(Full::new(Bytes::from(text))))
     });
     case(
-        &mut g,
+        g,
         "tower_governor refused",
         refuse.layer(bare()),
         SEARCH,
         StatusCode::TOO_MANY_REQUESTS,
     );
+}
 
+/// The crate's layer: admitted, with RateLimit headers, refused; and the sketch behind a
+/// minimal layer.
+fn fairshare_layers(g: &mut Group<'_>) {
     case(
-        &mut g,
+        g,
         "fairshare admitted",
         FairShareLayer::new(limiter()).layer(bare()),
         SEARCH,
         StatusCode::OK,
     );
     case(
-        &mut g,
+        g,
         "fairshare headers",
         FairShareLayer::new(limiter()).headers(true).layer(bare()),
         SEARCH,
         StatusCode::OK,
     );
     case(
-        &mut g,
+        g,
         "fairshare refused",
         FairShareLayer::new(limiter()).layer(bare()),
         EXHAUSTED,
@@ -523,7 +548,7 @@ fn layers(c: &mut Criterion) {
     // What an admitted call through a layer costs at the least: the sketch of an exact
     // decision with the crate's per-call work, behind as little as a layer can be.
     case(
-        &mut g,
+        g,
         "sketch admitted",
         sketch::SketchService {
             sketch: std::sync::Arc::new(sketch::Sketch::default()),
@@ -532,7 +557,6 @@ fn layers(c: &mut Criterion) {
         SEARCH,
         StatusCode::OK,
     );
-    g.finish();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -802,6 +826,8 @@ return {1, 0}
         r
     }
 
+    /// The Redis part: our store against the GCRA script at 1, 16 and 64 calls in flight,
+    /// leases over two replicas, and a refused caller's flood; as JSON.
     pub(crate) fn run(url: &str, secs: f64) -> String {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
@@ -817,114 +843,124 @@ return {1, 0}
                 .query_async(&mut info)
                 .await
                 .expect("FLUSHALL");
-            let manager = client
-                .get_connection_manager()
-                .await
-                .expect("a connection manager");
-            let script = std::sync::Arc::new(redis::Script::new(GCRA));
-            let store = RedisStore::connect(url).await.expect("RedisStore connects");
-            let policy =
-                Policy::from_toml_str(super::common::POLICY).expect("the bench policy is valid");
-            let limiter = Limiter::with_store(policy, store, SystemClock);
-
+            let limiter = limiter_on(url).await;
             let mut rows = Vec::new();
             for in_flight in [1, 16, 64] {
-                let (con, script) = (manager.clone(), script.clone());
-                let gcra = drive(in_flight, secs, move |t| {
-                    let (mut con, script) = (con.clone(), script.clone());
-                    async move {
-                        script
-                            .key(format!("gcra:{t}"))
-                            .arg(1_000_000_000u64)
-                            .arg(1_000_000_000u64)
-                            .invoke_async::<(i64, i64)>(&mut con)
-                            .await
-                            .is_ok()
-                    }
-                });
-                let gcra = measured(&mut info, gcra).await;
+                let gcra = measured(&mut info, gcra(&client, in_flight, secs).await).await;
                 rows.push(gcra.json("gcra"));
-
-                let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
-                    (0..in_flight)
-                        .map(|t| Caller::new(format!("redis-{t}")).with_instance("agent"))
-                        .collect(),
-                );
-                let l = limiter.clone();
-                let ours = drive(in_flight, secs, move |t| {
-                    let (l, callers) = (l.clone(), callers.clone());
-                    async move { l.admit(&callers[t], "search", Cost(1.0)).await.is_ok() }
-                });
-                let ours = measured(&mut info, ours).await;
+                let ours = measured(&mut info, ours(&limiter, in_flight, secs)).await;
                 rows.push(ours.json("fairshare"));
             }
+            let leased = measured(&mut info, leased(url, secs).await).await;
+            rows.push(leased.json("leased-2-replicas"));
+            let flood = flood(&limiter, &mut info).await;
+            format!("{{\"runs\":[{}],{flood}}}\n", rows.join(","))
+        })
+    }
 
-            // Leases: 64 calls in flight over two replicas (two stores, two limiters) on one
-            // Redis, each task a caller of its own on the leasing tool.
-            let replicas: Vec<Limiter<RedisStore, SystemClock>> = {
-                let mut v = Vec::new();
-                for _ in 0..2 {
-                    let store = RedisStore::connect(url).await.expect("RedisStore connects");
-                    let policy = Policy::from_toml_str(super::common::POLICY).expect("valid");
-                    v.push(Limiter::with_store(policy, store, SystemClock));
-                }
-                v
-            };
-            let replicas = std::sync::Arc::new(replicas);
-            let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
-                (0..64)
-                    .map(|t| Caller::new(format!("lease-{t}")).with_instance("agent"))
-                    .collect(),
-            );
-            let leased = drive(64, secs, move |t| {
-                let (replicas, callers) = (replicas.clone(), callers.clone());
-                async move {
-                    match replicas[t % 2]
-                        .admit(&callers[t], "leased", Cost(1.0))
-                        .await
-                    {
-                        Ok(_) => true,
-                        Err(r) => {
-                            static ONCE: std::sync::Once = std::sync::Once::new();
-                            ONCE.call_once(|| eprintln!("DEBUG refusal: {r:?}"));
-                            false
-                        }
+    /// A limiter on the Redis at `url`, with the bench policy.
+    async fn limiter_on(url: &str) -> Limiter<RedisStore, SystemClock> {
+        let store = RedisStore::connect(url).await.expect("RedisStore connects");
+        let policy =
+            Policy::from_toml_str(super::common::POLICY).expect("the bench policy is valid");
+        Limiter::with_store(policy, store, SystemClock)
+    }
+
+    /// The GCRA script, `in_flight` tasks each on a key of its own.
+    async fn gcra(
+        client: &redis::Client,
+        in_flight: usize,
+        secs: f64,
+    ) -> impl std::future::Future<Output = Run> {
+        let con = client
+            .get_connection_manager()
+            .await
+            .expect("a connection manager");
+        let script = std::sync::Arc::new(redis::Script::new(GCRA));
+        drive(in_flight, secs, move |t| {
+            let (mut con, script) = (con.clone(), script.clone());
+            async move {
+                script
+                    .key(format!("gcra:{t}"))
+                    .arg(1_000_000_000u64)
+                    .arg(1_000_000_000u64)
+                    .invoke_async::<(i64, i64)>(&mut con)
+                    .await
+                    .is_ok()
+            }
+        })
+    }
+
+    /// Our exact decisions, `in_flight` tasks each a caller of its own.
+    fn ours(
+        limiter: &Limiter<RedisStore, SystemClock>,
+        in_flight: usize,
+        secs: f64,
+    ) -> impl std::future::Future<Output = Run> {
+        let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
+            (0..in_flight)
+                .map(|t| Caller::new(format!("redis-{t}")).with_instance("agent"))
+                .collect(),
+        );
+        let l = limiter.clone();
+        drive(in_flight, secs, move |t| {
+            let (l, callers) = (l.clone(), callers.clone());
+            async move { l.admit(&callers[t], "search", Cost(1.0)).await.is_ok() }
+        })
+    }
+
+    /// Leases: 64 calls in flight over two replicas (two stores, two limiters) on one Redis,
+    /// each task a caller of its own on the leasing tool.
+    async fn leased(url: &str, secs: f64) -> impl std::future::Future<Output = Run> {
+        let replicas = std::sync::Arc::new([limiter_on(url).await, limiter_on(url).await]);
+        let callers: std::sync::Arc<Vec<Caller>> = std::sync::Arc::new(
+            (0..64)
+                .map(|t| Caller::new(format!("lease-{t}")).with_instance("agent"))
+                .collect(),
+        );
+        drive(64, secs, move |t| {
+            let (replicas, callers) = (replicas.clone(), callers.clone());
+            async move {
+                let decided = replicas[t % 2].admit(&callers[t], "leased", Cost(1.0));
+                match decided.await {
+                    Ok(_) => true,
+                    Err(r) => {
+                        static ONCE: std::sync::Once = std::sync::Once::new();
+                        ONCE.call_once(|| eprintln!("a leased call was refused: {r:?}"));
+                        false
                     }
                 }
-            });
-            let leased = measured(&mut info, leased).await;
-            rows.push(leased.json("leased-2-replicas"));
-
-            // A runaway caller whose tenant is used up: after its first refusal, no Redis command
-            // until its retry time.
-            let runaway = Caller::new("runaway").with_instance("agent");
-            let _ = limiter.admit(&runaway, "exhausted", Cost(1.0)).await;
-            let refused = limiter
-                .admit(&runaway, "exhausted", Cost(1.0))
-                .await
-                .is_err();
-            let before = commands_but_upkeep(&mut info).await;
-            let flood = 10_000;
-            let mut admitted = 0;
-            for _ in 0..flood {
-                admitted += usize::from(
-                    limiter
-                        .admit(&runaway, "exhausted", Cost(1.0))
-                        .await
-                        .is_ok(),
-                );
             }
-            let commands = commands_but_upkeep(&mut info).await - before;
-            println!(
-                "redis: refused caller's flood of {flood} calls (refused before: {refused}): {admitted} \
-                 admitted, {commands} Redis commands"
-            );
-            format!(
-                "{{\"runs\":[{}],\"flood\":{{\"calls\":{flood},\"admitted\":{admitted},\
-                 \"redis_commands\":{commands}}}}}\n",
-                rows.join(",")
-            )
         })
+    }
+
+    /// A runaway caller whose tenant is used up: after its first refusal, no Redis command
+    /// until its retry time. Its JSON field.
+    async fn flood(
+        limiter: &Limiter<RedisStore, SystemClock>,
+        info: &mut redis::aio::MultiplexedConnection,
+    ) -> String {
+        let runaway = Caller::new("runaway").with_instance("agent");
+        let _ = limiter.admit(&runaway, "exhausted", Cost(1.0)).await;
+        let refused = limiter
+            .admit(&runaway, "exhausted", Cost(1.0))
+            .await
+            .is_err();
+        let before = commands_but_upkeep(info).await;
+        let flood = 10_000;
+        let mut admitted = 0;
+        for _ in 0..flood {
+            let decided = limiter.admit(&runaway, "exhausted", Cost(1.0)).await;
+            admitted += usize::from(decided.is_ok());
+        }
+        let commands = commands_but_upkeep(info).await - before;
+        println!(
+            "redis: refused caller's flood of {flood} calls (refused before: {refused}): {admitted} \
+             admitted, {commands} Redis commands"
+        );
+        format!(
+            "\"flood\":{{\"calls\":{flood},\"admitted\":{admitted},\"redis_commands\":{commands}}}"
+        )
     }
 }
 

@@ -6,6 +6,8 @@
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+// A function reads whole: at most 80 lines of code (`clippy.toml`).
+#![warn(clippy::too_many_lines)]
 #![warn(missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
 
 pub mod chart;
