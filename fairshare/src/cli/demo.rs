@@ -320,14 +320,14 @@ pub(crate) async fn run(
         .expect("a valid URI");
     let progress: Arc<[Progress; 4]> = Arc::default();
     let mut drivers = JoinSet::new();
-    for i in 0..DRIVERS.len() {
+    let pace = Pace {
+        start,
+        period: setup.period,
+        windows: setup.windows,
+    };
+    for (i, d) in DRIVERS.iter().enumerate() {
         let (client, progress, uri) = (client.clone(), progress.clone(), uri.clone());
-        let pace = Pace {
-            start,
-            period: setup.period,
-            windows: setup.windows,
-        };
-        drivers.spawn(drive(i, client, progress, uri, pace));
+        drivers.spawn(drive((i, d), client, progress, uri, pace));
     }
     let printer = tokio::spawn(print_progress(progress, start, setup.run_for()));
     let tallies = tally(drivers, setup.windows).await;
@@ -347,16 +347,15 @@ struct Pace {
 
 type DemoClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
 
-/// Driver `i`'s calls, evenly spaced, each in a task of its own: every call, answered or not.
+/// Driver `d`'s calls (the `i`th), evenly spaced, each in a task of its own: every call,
+/// answered or not.
 async fn drive(
-    i: usize,
+    (i, d): (usize, &'static Driver),
     client: DemoClient,
     progress: Arc<[Progress; 4]>,
     uri: http::Uri,
     pace: Pace,
 ) -> (usize, Vec<Call>) {
-    let drivers: &'static [Driver; 4] = &DRIVERS;
-    let d = &drivers[i];
     let interval = pace.period / d.per_window as u32;
     let offered = d.per_window * pace.windows as u64;
     let mut calls = Vec::with_capacity(offered as usize);
