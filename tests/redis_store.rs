@@ -469,19 +469,7 @@ fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
             let (limiter, a) = (limiter.clone(), a.clone());
             async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
         });
-        // Until the call's write waits in Redis.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut admin).unwrap();
-            if clients
-                .lines()
-                .any(|l| l.contains("flags=b") && l.contains("cmd=evalsha"))
-            {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the write never reached Redis");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_for_a_held_write(&mut admin).await;
         let killed: u64 = redis::cmd("CLIENT")
             .arg("KILL")
             .arg("TYPE")
@@ -503,6 +491,24 @@ fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
             "both calls, each once"
         );
     });
+}
+
+/// Until the store's connection waits in a paused Redis: the call's write held there, or a
+/// write of the store's own upkeep (its announcement every second) that the call's write,
+/// sent on the same connection, waits behind.
+async fn wait_for_a_held_write(admin: &mut redis::Connection) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let clients: String = redis::cmd("CLIENT").arg("LIST").query(admin).unwrap();
+        if clients.lines().any(|l| l.contains("flags=b")) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the write never reached Redis: {clients}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// A write that ran in Redis but whose answer never came back (the connection cut as Redis
@@ -1121,6 +1127,60 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         for t in &held {
             a.release(t).await;
         }
+    });
+}
+
+/// A write held in Redis past the worker's bound (20× the timeout, at least 5 s; here by
+/// `CLIENT PAUSE WRITE`) lands when Redis lets it run, after the worker stopped waiting for it
+/// and its caller was refused (the store timed out). It is looked for there, as a write whose
+/// connection broke is: it landed, so its call, whose caller has left, is given back. Nothing
+/// stays charged for a call no caller was admitted by.
+#[test]
+fn a_write_that_lands_after_the_worker_stopped_waiting_is_given_back() {
+    let server = RedisServer::start();
+    let policy = Policy::from_toml_str(STRICT).unwrap();
+    multi_thread().block_on(async {
+        let clock = ManualClock::new(EPOCH);
+        let store = RedisStore::builder(server.url())
+            .injected_clock()
+            .health_checks_every(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store, clock.clone());
+        let a = Caller::new("A");
+        // Read once: the worker remembers A's records, and sends A's next call's write alone.
+        assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
+        let mut admin = server.conn();
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(6_500)
+            .arg("WRITE")
+            .query(&mut admin)
+            .unwrap();
+        clock.advance(Duration::from_millis(1));
+        let call = tokio::spawn({
+            let (limiter, a) = (limiter.clone(), a.clone());
+            async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
+        });
+        wait_for_a_held_write(&mut admin).await;
+        let refused = call.await.unwrap().unwrap_err();
+        assert_eq!(refused.reason, Reason::StoreUnavailable);
+        // The pause ends after the worker's bound: the write lands, and the worker finds it.
+        // (Reads of the state time out until then.)
+        let keys = limiter.call_keys(&a, "strict").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let total = loop {
+            let total = match limiter.store().inspect(&keys).await {
+                Ok(s) => s[1].map(|t| t.total),
+                Err(_) => None,
+            };
+            if total == Some(1.0) || Instant::now() > deadline {
+                break total;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(total, Some(1.0), "only the admitted call stays counted");
     });
 }
 

@@ -323,7 +323,8 @@ impl Worker {
     ///   turn, so the other replica waits for this write (when the conflict is `counted`: a
     ///   write behind one of this worker's that did not land fails its check, and is not);
     /// - after a dropped connection, once more, on the connection made again, unseen by its
-    ///   callers — unless a read of its records there finds that it landed (see
+    ///   callers; after its answer was not waited for past the worker's bound (a stalled
+    ///   Redis), failed — unless, either way, a read of its records finds that it landed (see
     ///   [`landed_unanswered`](Self::landed_unanswered); `writes_behind`: what the writes sent
     ///   behind it on the same connection write): then it is answered as it decided.
     ///   When the read cannot tell, the permits it would have taken are given back first (a
@@ -340,7 +341,9 @@ impl Worker {
     ) -> Result<Option<Read>, Option<Batch>> {
         let landed = match &reply {
             Ok(c) => c.written,
-            Err(StoreError::Unavailable(_)) => {
+            // Its answer lost with the connection, or not waited for past the bound: the
+            // write may have run, or may still run before anything sent after it.
+            Err(StoreError::Unavailable(_) | StoreError::Timeout(_)) => {
                 self.landed_unanswered(sh, &batch, &decided, writes_behind)
                     .await
             }
