@@ -443,32 +443,9 @@ lease = "off"
 #[test]
 fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
     let server = RedisServer::start();
-    let policy = Policy::from_toml_str(STRICT).unwrap();
     multi_thread().block_on(async {
-        let clock = ManualClock::new(EPOCH);
-        let store = RedisStore::builder(server.url())
-            .injected_clock()
-            .timeout(Duration::from_secs(5))
-            .health_checks_every(Duration::ZERO)
-            .connect()
-            .await
-            .unwrap();
-        let limiter = Limiter::with_store(policy, store, clock.clone());
-        let a = Caller::new("A");
-        // Read once: the worker remembers A's records, and decides A's next call on them.
-        assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
-        let mut admin = server.conn();
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg(10_000)
-            .arg("WRITE")
-            .query(&mut admin)
-            .unwrap();
-        clock.advance(Duration::from_millis(1));
-        let call = tokio::spawn({
-            let (limiter, a) = (limiter.clone(), a.clone());
-            async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
-        });
+        let (limiter, a, call, mut admin) =
+            second_call_held(&server, Duration::from_secs(5), 10_000).await;
         wait_for_a_held_write(&mut admin).await;
         let killed: u64 = redis::cmd("CLIENT")
             .arg("KILL")
@@ -491,6 +468,47 @@ fn a_write_sent_behind_others_that_meets_a_dropped_connection_is_tried_again() {
             "both calls, each once"
         );
     });
+}
+
+/// A's second call on `strict`, on its way: after A's first call was admitted (the worker
+/// remembers A's records, and sends the second call's write alone), with Redis holding every
+/// write for `pause_ms` (`CLIENT PAUSE … WRITE`) from just before it. The store's timeout is
+/// `timeout`. Returns the limiter, A, the call, and the connection that paused Redis.
+async fn second_call_held(
+    server: &RedisServer,
+    timeout: Duration,
+    pause_ms: u64,
+) -> (
+    Limiter<RedisStore, ManualClock>,
+    Caller,
+    tokio::task::JoinHandle<Result<(), tower_fairshare::Refusal>>,
+    redis::Connection,
+) {
+    let clock = ManualClock::new(EPOCH);
+    let store = RedisStore::builder(server.url())
+        .injected_clock()
+        .timeout(timeout)
+        .health_checks_every(Duration::ZERO)
+        .connect()
+        .await
+        .unwrap();
+    let policy = Policy::from_toml_str(STRICT).unwrap();
+    let limiter = Limiter::with_store(policy, store, clock.clone());
+    let a = Caller::new("A");
+    assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
+    let mut admin = server.conn();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause_ms)
+        .arg("WRITE")
+        .query(&mut admin)
+        .unwrap();
+    clock.advance(Duration::from_millis(1));
+    let call = tokio::spawn({
+        let (limiter, a) = (limiter.clone(), a.clone());
+        async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
+    });
+    (limiter, a, call, admin)
 }
 
 /// Until the store's connection waits in a paused Redis: the call's write held there, or a
@@ -1138,31 +1156,9 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
 #[test]
 fn a_write_that_lands_after_the_worker_stopped_waiting_is_given_back() {
     let server = RedisServer::start();
-    let policy = Policy::from_toml_str(STRICT).unwrap();
     multi_thread().block_on(async {
-        let clock = ManualClock::new(EPOCH);
-        let store = RedisStore::builder(server.url())
-            .injected_clock()
-            .health_checks_every(Duration::ZERO)
-            .connect()
-            .await
-            .unwrap();
-        let limiter = Limiter::with_store(policy, store, clock.clone());
-        let a = Caller::new("A");
-        // Read once: the worker remembers A's records, and sends A's next call's write alone.
-        assert!(limiter.admit(&a, "strict", Cost(1.0)).await.is_ok());
-        let mut admin = server.conn();
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg(6_500)
-            .arg("WRITE")
-            .query(&mut admin)
-            .unwrap();
-        clock.advance(Duration::from_millis(1));
-        let call = tokio::spawn({
-            let (limiter, a) = (limiter.clone(), a.clone());
-            async move { limiter.admit(&a, "strict", Cost(1.0)).await.map(|_| ()) }
-        });
+        let (limiter, a, call, mut admin) =
+            second_call_held(&server, Duration::from_millis(250), 6_500).await;
         wait_for_a_held_write(&mut admin).await;
         let refused = call.await.unwrap().unwrap_err();
         assert_eq!(refused.reason, Reason::StoreUnavailable);
