@@ -548,3 +548,72 @@ fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
         now(l.admit_all(acme, &call)).unwrap();
     });
 }
+
+/// Callers whose quota is less than one call (many template tenants beside a heavy listed
+/// one) and who call a few times each are never named among the busiest: only a caller that
+/// is busy is, and the metrics get no label value for the others. (Each of their admitted
+/// calls used to be counted as 16 decisions, naming whoever called twice.)
+#[test]
+fn callers_with_a_quota_under_one_call_are_not_named_for_calling_twice() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let state = metrics::with_local_recorder(&recorder, || {
+        let policy = Policy::from_toml_str(
+            r#"
+            [[tool]]
+            name = "web_search"
+            unit = "calls"
+            rate = { limit = 600, per = "1m" }
+            burst = 600
+            [tool.tenants.big]
+            weight = 1000
+            [tool.default_tenant]
+            burst = 5
+            max_tenants = 100
+            "#,
+        )
+        .unwrap();
+        let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
+        let console = limiter.console();
+        let mut quotas = Vec::new();
+        for _ in 0..3 {
+            for k in 0..30 {
+                let caller = Caller::new(format!("guest-{k}"));
+                if let Ok(t) = now(limiter.admit(&caller, "web_search", Cost(1.0))) {
+                    quotas.extend(t.quota());
+                }
+            }
+        }
+        // A quota under one call, admitted from the caller's burst.
+        assert!(
+            quotas.len() == 90 && quotas.iter().all(|q| *q < 1.0),
+            "{quotas:?}"
+        );
+        // Refused past its burst: two reports of 16 refusals, so it is among the busiest.
+        let loud = Caller::new("loud");
+        for _ in 0..40 {
+            let _ = now(limiter.admit(&loud, "web_search", Cost(1.0)));
+        }
+        let res = now(console.oneshot(
+            http::Request::get("/fairshare/state")
+                .body(String::new())
+                .unwrap(),
+        ))
+        .unwrap();
+        let body = now(res.into_body().collect()).unwrap().to_bytes();
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+    });
+    let busy: Vec<&str> = state["tools"][0]["busiest"]["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tenant"].as_str().unwrap())
+        .collect();
+    assert_eq!(busy, ["loud"], "{state}");
+    let text = handle.render();
+    assert!(text.contains("tenant=\"loud\""), "{text}");
+    assert!(!text.contains("tenant=\"guest-"), "{text}");
+}

@@ -140,8 +140,11 @@ impl Decisions {
                 let (Some(quota), Some(left)) = (t.quota(), t.remaining()) else {
                     return;
                 };
+                // Its use before this call is never below 0: a caller whose quota is under
+                // one call would otherwise cross a step with every call.
                 let used = (quota - left).max(0.0);
-                if (used / STEP).floor() <= ((used - cost.0) / STEP).floor() {
+                let before = (used - cost.0).max(0.0);
+                if (used / STEP).floor() <= (before / STEP).floor() {
                     return;
                 }
                 [STEP, 0.0]
