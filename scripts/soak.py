@@ -15,7 +15,9 @@ checks, and prints:
   - RSS of each replica flat after warm-up: sampled every 10 s, every sample within +-10 % of
     the median after warm-up, and no growth (the mean of the last third within 10 % of the
     first third's);
-  - /metrics size bounded (it stops growing: label values come only from the policy);
+  - /metrics bounded: at most 64 KiB, and every `tenant` label value a listed tenant,
+    `other`, `unknown`, or a template tenant that was busy (one of the floods'): the metrics name
+    unlisted callers only among a tool's busiest;
   - 0 panics;
   - 0 5xx answers outside the Redis outage;
   - 0 overshoot in any window outside the restart: per window aligned to Redis's clock, the
@@ -251,14 +253,14 @@ async def reset_one(replica, key, rng):
 
 async def reset_flood(replicas, rng, per_tenant=500):
     """Four tenants (two instances of B, two template tenants) each reset `per_tenant` calls,
-    50 at a time, over both replicas."""
+    50 at a time, over both replicas: how many, and the template tenants' names."""
     keys = ["sk-b0", "sk-b1", f"sk-t{rng.randrange(TEMPLATE_TENANTS)}",
             f"sk-t{rng.randrange(TEMPLATE_TENANTS)}"]
     jobs = [(replicas[i % len(replicas)], k) for k in keys for i in range(per_tenant)]
     rng.shuffle(jobs)
     for i in range(0, len(jobs), 50):
         await asyncio.gather(*(reset_one(rep, k, rng) for rep, k in jobs[i:i + 50]))
-    return len(jobs)
+    return len(jobs), {f"guest-{k[len('sk-t'):]}" for k in keys if k.startswith("sk-t")}
 
 
 async def probe(replica, key, n=10):
@@ -363,10 +365,12 @@ async def main():
                 client(replicas, profile, rate / 4, until, stats, random.Random(rng.random()))))
 
     samples = []  # (elapsed, rss0, rss1, metrics0, metrics1)
+    tenant_labels = [set(), set()]  # every `tenant` label value each replica's /metrics showed
     rss_samples = []  # (elapsed, rss0, rss1), every 10 s
     outage = None  # (killed_at, restarted_at)
     restart_at = duration / 2
     floods_at = [duration * k / 8 for k in (1, 3, 5, 7)]
+    flooders = set()  # the template tenants of the floods: busy, so they may be named
     floods = []  # (elapsed, resets, permits held 1 s later, innocent refused concurrency_exceeded)
     next_hup, next_sample, next_rss = 60.0, 0.0, 0.0
     while time.monotonic() < until:
@@ -381,7 +385,8 @@ async def main():
             print(f"  {elapsed:6.0f}s  redis killed (SIGKILL, no persistence) and restarted 3 s later")
         if floods_at and elapsed >= floods_at[0]:
             floods_at.pop(0)
-            resets = await reset_flood(replicas, rng)
+            resets, busy = await reset_flood(replicas, rng)
+            flooders |= busy
             await asyncio.sleep(1)
             held = redis_command(redis.port, "ZCARD", "fs5{search}T!")
             innocent = []
@@ -400,11 +405,17 @@ async def main():
         if elapsed >= next_sample:
             next_sample += 30
             sizes = []
-            for rep in replicas:
+            for i, rep in enumerate(replicas):
                 try:
-                    sizes.append(len(await asyncio.wait_for(scrape(rep), 5)))
+                    text = await asyncio.wait_for(scrape(rep), 5)
                 except (OSError, asyncio.TimeoutError):
                     sizes.append(None)
+                    continue
+                sizes.append(len(text))
+                tenant_labels[i] |= set(re.findall(r'tenant="([^"]*)"', text))
+                if args.keep:
+                    with open(os.path.join(work, f"metrics-{i}-{elapsed:04.0f}s.txt"), "w") as f:
+                        f.write(text)
             rss = [rss_kb(rep.proc.pid) for rep in replicas]
             samples.append((elapsed, rss[0], rss[1], sizes[0], sizes[1]))
             print(f"  {elapsed:6.0f}s  rss {rss[0]} / {rss[1]} KiB, /metrics {sizes[0]} / {sizes[1]} B, "
@@ -541,8 +552,14 @@ async def main():
             half = [s[3 + i] for s in post[len(post) // 2:] if s[3 + i]]
             print(f"  replica {i} /metrics: {min(sizes)}-{max(sizes)} B over the run, "
                   f"{min(half)}-{max(half)} B in the last half after warm-up")
-            if max(sizes) > 64 * 1024 or max(half) > 1.1 * min(half):
-                failures.append(f"replica {i} /metrics grew: {sizes}")
+            if max(sizes) > 64 * 1024:
+                failures.append(f"replica {i} /metrics grew past 64 KiB: {sizes}")
+            named = sorted(tenant_labels[i] - {"A", "B", "other", "unknown"})
+            print(f"  replica {i} /metrics tenant labels besides A, B, other and unknown: {named} "
+                  f"(the floods' template tenants: {sorted(flooders)})")
+            if not set(named) <= flooders:
+                failures.append(f"replica {i} /metrics named quiet tenants: "
+                                f"{sorted(set(named) - flooders)}")
     abandoned = sum(metric(t, "fairshare_abandoned_decisions_total") for t in final_metrics)
     print(f"  decisions given back after their client left (abandoned, both replicas): "
           f"{abandoned:.0f}")
