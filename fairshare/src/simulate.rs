@@ -47,7 +47,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use tower_fairshare::admission::engine::{LevelView, Plan};
-use tower_fairshare::policy::ToolAllocation;
+use tower_fairshare::policy::{plain_words, ToolAllocation};
 use tower_fairshare::store::{
     Admission, Answer, CallKeys, Decision, MemoryStore, Store, StoreError, Stored,
 };
@@ -183,7 +183,7 @@ impl Scenario {
         })?;
         serde_path_to_error::deserialize(de).map_err(|e| ScenarioError::Syntax {
             path: e.path().to_string(),
-            message: e.inner().message().trim().to_owned(),
+            message: plain_words(e.inner().message().trim()),
         })
     }
 

@@ -274,7 +274,8 @@ rate = { limit = 60, per = "1m" }
 /// the field, with what to do: one far too long (it aborted allocating gigabytes), one that
 /// offers too many calls (it ran for minutes), a caller that stops before it starts or starts
 /// after the end (every period read "offered 0"), a blank tenant, no caller at all; a file that
-/// is not TOML names its file and no empty field.
+/// is not TOML names its file and no empty field; a value of the wrong type is named in the
+/// author's words (a number, not `f64`).
 #[test]
 fn simulate_refuses_a_scenario_it_cannot_run_naming_the_file_and_the_field() {
     let caller = "[[caller]]\ntenant = \"A\"\nrate = 10\nper = \"1m\"\n";
@@ -286,6 +287,7 @@ fn simulate_refuses_a_scenario_it_cannot_run_naming_the_file_and_the_field() {
         ("blank", "tool = \"t\"\nduration = \"10m\"\n[[caller]]\ntenant = \" \"\nrate = 10\nper = \"1m\"\n".to_owned(), "caller[0].tenant: must not be blank"),
         ("none", "tool = \"t\"\nduration = \"10m\"\n".to_owned(), "caller: the scenario has no [[caller]]"),
         ("syntax", "tool = \n".to_owned(), "TOML parse error"),
+        ("type", format!("tool = \"t\"\nduration = \"10m\"\n{}", caller.replace("10", "\"10\"")), "caller[0].rate: invalid type: string \"10\", expected a number"),
     ];
     let dir = scratch("refused", &[("p.toml", ONE_TOOL)]);
     for (name, text, says) in cases {
@@ -297,6 +299,11 @@ fn simulate_refuses_a_scenario_it_cannot_run_naming_the_file_and_the_field() {
         let named = format!("error: {}: ", scenario.display());
         assert!(err.starts_with(&named), "{name}: {err}");
         assert!(err.contains(says), "{name}: {err}");
+        // In the author's words, not Rust's types.
+        assert!(
+            !err.contains("f64") && !err.contains("u64"),
+            "{name}: {err}"
+        );
         assert!(
             !err.contains(": :") && !err.contains(": .:"),
             "{name}: {err}"

@@ -274,7 +274,7 @@ impl Policy {
         let raw: raw::RawPolicy =
             serde_path_to_error::deserialize(de).map_err(|e| PolicyError::Syntax {
                 path: tidy_path(&e.path().to_string()),
-                message: plain_types(e.inner().message().trim()),
+                message: plain_words(e.inner().message().trim()),
             })?;
         validate::policy(raw)
     }
@@ -285,7 +285,7 @@ impl Policy {
         let raw: raw::RawPolicy =
             serde_path_to_error::deserialize(&mut de).map_err(|e| PolicyError::Syntax {
                 path: tidy_path(&e.path().to_string()),
-                message: plain_types(&e.inner().to_string()),
+                message: plain_words(&e.inner().to_string()),
             })?;
         validate::policy(raw)
     }
@@ -795,9 +795,19 @@ fn deepest_dotted_key(text: &str) -> Option<(usize, usize)> {
     deepest
 }
 
-/// A parser's message in the words of a policy's author: serde names Rust's types
-/// (`expected f64`, `integer … as i128`).
-fn plain_types(message: &str) -> String {
+/// A parser's message in the words of a file's author: serde names Rust's types
+/// (`expected f64`, `integer … as i128`), which this says as a number or a whole number.
+/// The policy's own errors are worded so; a program that reads its own TOML files beside a
+/// policy can word its errors the same way.
+///
+/// ```
+/// use tower_fairshare::policy::plain_words;
+/// assert_eq!(
+///     plain_words("invalid type: string \"10\", expected f64"),
+///     "invalid type: string \"10\", expected a number"
+/// );
+/// ```
+pub fn plain_words(message: &str) -> String {
     let mut out = message.replace(" as i128", "");
     for (rust, words) in [
         ("expected f64", "expected a number"),

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use serde::Deserialize;
+use tower_fairshare::policy::plain_words;
 use tower_fairshare::{Caller, Policy};
 
 #[derive(Deserialize)]
@@ -65,7 +66,7 @@ impl Keys {
                 } else {
                     path
                 },
-                message: e.inner().message().trim().to_owned(),
+                message: plain_words(e.inner().message().trim()),
             }
         })?;
         if raw.keys.is_empty() {
