@@ -369,21 +369,21 @@ async fn tenants_sharing_an_instance_id_are_independent() {
 
 type Chunk = Result<http_body::Frame<Bytes>, Infallible>;
 
-#[tokio::test]
-async fn permits_live_in_the_body_and_come_back_on_every_path() {
-    let (limiter, _clock) = limiter();
-    let store_view = limiter.clone();
-    let caller = internal("acme", "x");
-    let keys = store_view.call_keys(&caller, "generate_report").unwrap();
-    let in_flight = || async {
-        let s = store_view.store().inspect(&keys).await.unwrap();
-        (
-            s[0].as_ref().map_or(0.0, |s| s.in_flight),
-            s[1].as_ref().map_or(0.0, |s| s.in_flight),
-        )
-    };
+/// The permits (tool, tenant) of `caller`'s calls of `generate_report` in flight now.
+async fn in_flight(limiter: &Limiter<MemoryStore, ManualClock>, caller: &Caller) -> (f64, f64) {
+    let keys = limiter.call_keys(caller, "generate_report").unwrap();
+    let s = limiter.store().inspect(&keys).await.unwrap();
+    (
+        s[0].as_ref().map_or(0.0, |s| s.in_flight),
+        s[1].as_ref().map_or(0.0, |s| s.in_flight),
+    )
+}
 
-    // A streaming inner body: in flight until the stream ends or is dropped.
+/// A streaming response holds its permits until its stream ends.
+#[tokio::test]
+async fn a_streaming_body_holds_its_permits_until_the_stream_ends() {
+    let (limiter, _clock) = limiter();
+    let caller = internal("acme", "x");
     let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(4);
     let rx = Arc::new(tokio::sync::Mutex::new(Some(rx)));
     let inner = service_fn(move |_req: Request<Full<Bytes>>| {
@@ -402,7 +402,7 @@ async fn permits_live_in_the_body_and_come_back_on_every_path() {
         .await
         .unwrap();
     assert_eq!(
-        in_flight().await,
+        in_flight(&limiter, &caller).await,
         (1.0, 1.0),
         "the streaming response holds its permits"
     );
@@ -413,12 +413,17 @@ async fn permits_live_in_the_body_and_come_back_on_every_path() {
     let body = res.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(&body[..], b"part");
     assert_eq!(
-        in_flight().await,
+        in_flight(&limiter, &caller).await,
         (0.0, 0.0),
         "released when the stream ended"
     );
+}
 
-    // Dropped mid-flight: a future that never completes, then dropped.
+/// A response future dropped mid-flight, or an inner service's error, gives the permits back.
+#[tokio::test]
+async fn permits_come_back_when_the_call_is_dropped_or_fails() {
+    let (limiter, _clock) = limiter();
+    let caller = internal("acme", "x");
     let pending = service_fn(|_req: Request<Full<Bytes>>| async {
         std::future::pending::<Result<Response<Full<Bytes>>, Infallible>>().await
     });
@@ -430,15 +435,14 @@ async fn permits_live_in_the_body_and_come_back_on_every_path() {
         .call(request("/tools/generate_report", Some(caller.clone())));
     let mut fut = Box::pin(fut);
     assert!(futures_poll_once(fut.as_mut()).is_pending());
-    assert_eq!(in_flight().await, (1.0, 1.0));
+    assert_eq!(in_flight(&limiter, &caller).await, (1.0, 1.0));
     drop(fut);
     assert_eq!(
-        in_flight().await,
+        in_flight(&limiter, &caller).await,
         (0.0, 0.0),
         "released when the response future was dropped"
     );
 
-    // Inner error: released too.
     let failing = service_fn(|_req: Request<Full<Bytes>>| async {
         Err::<Response<Full<Bytes>>, &str>("boom")
     });
@@ -451,51 +455,32 @@ async fn permits_live_in_the_body_and_come_back_on_every_path() {
         .await
         .unwrap_err();
     assert_eq!(err, "boom");
-    assert_eq!(in_flight().await, (0.0, 0.0));
+    assert_eq!(
+        in_flight(&limiter, &caller).await,
+        (0.0, 0.0),
+        "released when the inner service failed"
+    );
+}
 
-    // Body dropped unread: released; and the cap (2 per tenant) is enforced while held.
+/// The tenant's cap (2 in flight) holds while two responses are held, and their bodies
+/// dropped unread give the permits back.
+#[tokio::test]
+async fn permits_are_held_by_unread_bodies_and_come_back_when_dropped() {
+    let (limiter, _clock) = limiter();
     let (_calls, inner) = counting();
     let mut svc = FairShareLayer::new(limiter.clone()).layer(inner);
     let beta = internal("beta", "x");
-    let beta_keys = limiter.call_keys(&beta, "generate_report").unwrap();
-    let a = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(request("/tools/generate_report", Some(beta.clone())))
-        .await
-        .unwrap();
-    let b = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(request("/tools/generate_report", Some(beta.clone())))
-        .await
-        .unwrap();
-    let c = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(request("/tools/generate_report", Some(beta.clone())))
-        .await
-        .unwrap();
+    let mut responses = Vec::new();
+    for _ in 0..3 {
+        let req = request("/tools/generate_report", Some(beta.clone()));
+        responses.push(svc.ready().await.unwrap().call(req).await.unwrap());
+    }
+    let c = responses.pop().unwrap();
     assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(json(c).await["error"], "concurrency_exceeded");
-    assert_eq!(
-        limiter.store().inspect(&beta_keys).await.unwrap()[1]
-            .as_ref()
-            .unwrap()
-            .in_flight,
-        2.0
-    );
-    drop((a, b));
-    assert_eq!(
-        limiter.store().inspect(&beta_keys).await.unwrap()[1]
-            .as_ref()
-            .unwrap()
-            .in_flight,
-        0.0
-    );
+    assert_eq!(in_flight(&limiter, &beta).await.1, 2.0);
+    drop(responses);
+    assert_eq!(in_flight(&limiter, &beta).await.1, 0.0);
 }
 
 /// A body fed by a channel: a streaming response that ends when the sender is dropped.

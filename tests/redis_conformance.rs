@@ -13,13 +13,14 @@ use std::cell::Cell;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::RedisServer;
 /// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
 use tower_fairshare::store::RedisStore;
 use tower_fairshare::{
-    Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Reason, Store, Timestamp,
+    Caller, Cost, Limiter, ManualClock, MemoryStore, Policy, Reason, Refusal, Store, Ticket,
+    Timestamp,
 };
 
 /// One redis-server per test function; every case starts from an empty key space of its own
@@ -281,7 +282,7 @@ fn redis_script_matches_the_engine_call_for_call() {
         ..Config::default()
     });
     let cache_hits = Cell::new(0u64);
-    let compared = [Cell::new(0usize), Cell::new(0), Cell::new(0)];
+    let compared = Compared::default();
     runner
         .run(
             &(policy(), prop::collection::vec(op(), 50..250)),
@@ -291,200 +292,15 @@ fn redis_script_matches_the_engine_call_for_call() {
                 // Start an hour before a month ends, so windows of every kind roll over.
                 let start = Timestamp(EPOCH.as_micros() + 30 * 86_400_000_000 + 23 * 3_600_000_000);
                 let clock = ManualClock::new(start);
-                let redis = rt
-                    .block_on(
-                        RedisStore::builder(server.url())
-                            .injected_clock()
-                            .refusal_cache(false)
-                            .timeout(Duration::from_secs(10))
-                            // The memory store's permits never lapse: nor may these, over the
-                            // weeks of virtual time the workloads cover.
-                            .permit_ttl(PERMITS_NEVER_LAPSE)
-                            .connect(),
-                    )
-                    .unwrap();
-                // The engine's answers, every call decided: no refusal remembered.
-                let mem = Limiter::with_store(
-                    policy.clone(),
-                    MemoryStore::new().refusal_cache(false),
-                    clock.clone(),
-                );
-                // The in-process store as it comes, remembering refusals: it must never refuse
-                // a call the engine admits, nor admit one it refuses.
-                let rem = Limiter::with_store(policy.clone(), MemoryStore::new(), clock.clone());
-                let red = Limiter::with_store(policy.clone(), redis, clock.clone());
-                // A third store, refusal cache on, in a namespace of its own: it must never refuse
-                // a call the engine admits.
-                let cached = rt
-                    .block_on(
-                        RedisStore::builder(server.url())
-                            .injected_clock()
-                            .namespace("cached:")
-                            .timeout(Duration::from_secs(10))
-                            .permit_ttl(PERMITS_NEVER_LAPSE)
-                            .connect(),
-                    )
-                    .unwrap();
-                let cac = Limiter::with_store(policy.clone(), cached, clock.clone());
-                rt.block_on(async {
-                    let mut held = Vec::new();
-                    let ops = ops.into_iter().flat_map(|op| match op {
-                        Op::Flood(c, n, other) => {
-                            vec![Op::Admit(c, 1000, 1, false, other); n as usize]
-                        }
-                        op => vec![op],
-                    });
-                    for (n, op) in ops.enumerate() {
-                        match op {
-                            Op::Admit(who, dt, cost, keep, other) => {
-                                clock.advance(Duration::from_micros(dt));
-                                let c = &callers[who];
-                                let tool = if other { "u" } else { "t" };
-                                let a = mem.admit(c, tool, Cost(cost as f64)).await;
-                                let m = rem.admit(c, tool, Cost(cost as f64)).await;
-                                prop_assert_eq!(
-                                    a.is_ok(),
-                                    m.is_ok(),
-                                    "op {}: remembering refusals changed the answer: {:?}",
-                                    n,
-                                    m
-                                );
-                                let b = red.admit(c, tool, Cost(cost as f64)).await;
-                                let cached_before = cac.store().cached_refusals();
-                                let z = cac.admit(c, tool, Cost(cost as f64)).await;
-                                let from_cache = cac.store().cached_refusals() > cached_before;
-                                match (&a, &z) {
-                                    (Ok(_), Ok(_)) => {}
-                                    // A refusal from the cache repeats the one Redis gave the
-                                    // same call before: a sibling may since have spent what the
-                                    // call needed, so that the engine now names another limit.
-                                    // Refused either way.
-                                    (Err(_), Err(y)) if from_cache => prop_assert!(
-                                        matches!(
-                                            y.reason,
-                                            Reason::RateLimited | Reason::CapExceeded
-                                        ),
-                                        "op {}: the cache replayed {:?}",
-                                        n,
-                                        y
-                                    ),
-                                    (Err(x), Err(y)) => {
-                                        prop_assert_eq!(x.reason, y.reason, "op {}", n)
-                                    }
-                                    _ => prop_assert!(
-                                        false,
-                                        "op {}: memory {:?} but the cached store {:?}",
-                                        n,
-                                        a,
-                                        z
-                                    ),
-                                }
-                                match (&a, &b) {
-                                    (Ok(x), Ok(y)) => {
-                                        let (x, y) =
-                                            (x.admission().unwrap(), y.admission().unwrap());
-                                        prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
-                                        prop_assert_eq!(
-                                            x.remaining.to_bits(),
-                                            y.remaining.to_bits(),
-                                            "op {} remaining {} vs {}",
-                                            n,
-                                            x.remaining,
-                                            y.remaining
-                                        );
-                                        prop_assert_eq!(x.quota.to_bits(), y.quota.to_bits());
-                                        prop_assert_eq!(x.reset_in.to_bits(), y.reset_in.to_bits());
-                                        prop_assert_eq!(x.slack.to_bits(), y.slack.to_bits());
-                                        prop_assert_eq!(x.views, y.views);
-                                        prop_assert_eq!(x.at, y.at);
-                                        compared[0].set(compared[0].get() + 1);
-                                    }
-                                    (Err(x), Err(y)) => {
-                                        prop_assert_eq!(x, y, "op {}", n);
-                                        compared[1].set(compared[1].get() + 1);
-                                    }
-                                    _ => prop_assert!(
-                                        false,
-                                        "op {}: memory {:?} but redis {:?}",
-                                        n,
-                                        a,
-                                        b
-                                    ),
-                                }
-                                if let (Ok(x), Ok(y), Ok(z), Ok(w)) = (a, b, z, m) {
-                                    if keep {
-                                        held.push((x, y, z, w));
-                                    } else {
-                                        rem.release(&w).await;
-                                        mem.release(&x).await;
-                                        red.release(&y).await;
-                                        cac.release(&z).await;
-                                    }
-                                }
-                                // Every stored state the call touched is the same, bit for bit.
-                                let Ok(keys) = mem.call_keys(c, tool) else {
-                                    continue;
-                                };
-                                let sm = mem.store().inspect(&keys).await.unwrap();
-                                let sr = red.store().inspect(&keys).await.unwrap();
-                                for level in 0..3 {
-                                    match (&sm[level], &sr[level]) {
-                                        (Some(x), Some(y)) => {
-                                            prop_assert_eq!(x, y, "op {} level {}", n, level);
-                                            compared[2].set(compared[2].get() + 1);
-                                        }
-                                        (None, None) => {}
-                                        // Redis's real-time TTL may drop a state that is already
-                                        // equivalent to a fresh one; the memory store keeps it until
-                                        // a sweep. Anything else is a mismatch.
-                                        (Some(_), None) => {}
-                                        (None, Some(y)) => prop_assert!(
-                                            false,
-                                            "op {} level {}: only redis holds {:?}",
-                                            n,
-                                            level,
-                                            y
-                                        ),
-                                    }
-                                }
-                            }
-                            Op::Settle(pct) if !held.is_empty() => {
-                                let (x, y, z, w) = &held[0];
-                                let actual =
-                                    Cost(x.admission().unwrap().charge.cost * pct as f64 / 100.0);
-                                mem.settle(x, actual).await;
-                                rem.settle(w, actual).await;
-                                red.settle(y, actual).await;
-                                cac.settle(z, actual).await;
-                            }
-                            Op::Refund if !held.is_empty() => {
-                                let (x, y, z, w) = held.remove(0);
-                                rem.refund(&w).await;
-                                rem.release(&w).await;
-                                mem.refund(&x).await;
-                                red.refund(&y).await;
-                                cac.refund(&z).await;
-                                mem.release(&x).await;
-                                red.release(&y).await;
-                                cac.release(&z).await;
-                            }
-                            Op::Release if !held.is_empty() => {
-                                let (x, y, z, w) = held.remove(0);
-                                rem.release(&w).await;
-                                mem.release(&x).await;
-                                red.release(&y).await;
-                                cac.release(&z).await;
-                            }
-                            _ => {}
-                        }
-                    }
-                    cache_hits.set(cache_hits.get() + cac.store().cached_refusals());
-                    Ok(())
-                })
+                let four = rt.block_on(Four::on(&server, &policy, &clock));
+                rt.block_on(four.run(ops, &clock, &callers, &compared))?;
+                cache_hits.set(cache_hits.get() + four.cac.store().cached_refusals());
+                Ok(())
             },
         )
         .unwrap();
-    let [admitted, refused, states] = compared.map(Cell::into_inner);
+    let [admitted, refused, states] =
+        [compared.admitted, compared.refused, compared.states].map(Cell::into_inner);
     eprintln!(
         "{cases} generated policies and workloads: compared {admitted} admissions, {refused} refusals, {states} stored states; {} refusals from the cache",
         cache_hits.get()
@@ -497,4 +313,249 @@ fn redis_script_matches_the_engine_call_for_call() {
         admitted > 100 && refused > 20,
         "too few comparisons: {admitted} admissions, {refused} refusals"
     );
+}
+
+/// How many admissions, refusals and stored states the workloads compared.
+#[derive(Default)]
+struct Compared {
+    admitted: Cell<usize>,
+    refused: Cell<usize>,
+    states: Cell<usize>,
+}
+
+fn count(c: &Cell<usize>) {
+    c.set(c.get() + 1);
+}
+
+/// One admitted call's tickets, in the order of [`Four`]'s limiters.
+type Held = [Ticket; 4];
+
+/// The four limiters a workload runs through, on one clock.
+struct Four {
+    /// The engine's answers, every call decided: no refusal remembered.
+    mem: Limiter<MemoryStore, ManualClock>,
+    /// The in-process store as it comes, remembering refusals: it must never refuse a call the
+    /// engine admits, nor admit one it refuses.
+    rem: Limiter<MemoryStore, ManualClock>,
+    /// Redis, no refusal remembered: the same answers and states as the engine, bit for bit.
+    red: Limiter<RedisStore, ManualClock>,
+    /// Redis remembering refusals, in a namespace of its own: it must never refuse a call the
+    /// engine admits.
+    cac: Limiter<RedisStore, ManualClock>,
+}
+
+impl Four {
+    async fn on(server: &RedisServer, policy: &Policy, clock: &ManualClock) -> Four {
+        // The memory store's permits never lapse: nor may Redis's, over the weeks of virtual
+        // time the workloads cover.
+        let redis = |namespace: Option<&str>, remember: bool| {
+            let builder = RedisStore::builder(server.url());
+            let builder = match namespace {
+                Some(n) => builder.namespace(n),
+                None => builder,
+            };
+            builder
+                .injected_clock()
+                .refusal_cache(remember)
+                .timeout(Duration::from_secs(10))
+                .permit_ttl(PERMITS_NEVER_LAPSE)
+                .connect()
+        };
+        let (red, cac) = (redis(None, false).await, redis(Some("cached:"), true).await);
+        let limiter = |store| Limiter::with_store(policy.clone(), store, clock.clone());
+        Four {
+            mem: limiter(MemoryStore::new().refusal_cache(false)),
+            rem: limiter(MemoryStore::new()),
+            red: Limiter::with_store(policy.clone(), red.unwrap(), clock.clone()),
+            cac: Limiter::with_store(policy.clone(), cac.unwrap(), clock.clone()),
+        }
+    }
+
+    /// Runs `ops` (a flood as its calls), comparing every answer and state.
+    async fn run(
+        &self,
+        ops: Vec<Op>,
+        clock: &ManualClock,
+        callers: &[Caller],
+        compared: &Compared,
+    ) -> Result<(), TestCaseError> {
+        let mut held: Vec<Held> = Vec::new();
+        let ops = ops.into_iter().flat_map(|op| match op {
+            Op::Flood(c, n, other) => vec![Op::Admit(c, 1000, 1, false, other); n as usize],
+            op => vec![op],
+        });
+        for (n, op) in ops.enumerate() {
+            match op {
+                Op::Admit(who, dt, cost, keep, other) => {
+                    clock.advance(Duration::from_micros(dt));
+                    let (c, tool) = (&callers[who], if other { "u" } else { "t" });
+                    if let Some(h) = self.admit(n, c, tool, cost as f64, compared).await? {
+                        match keep {
+                            true => held.push(h),
+                            false => self.release(&h).await,
+                        }
+                    }
+                    self.same_states(n, c, tool, compared).await?;
+                }
+                Op::Settle(pct) if !held.is_empty() => self.settle(&held[0], pct).await,
+                Op::Refund if !held.is_empty() => {
+                    let h = held.remove(0);
+                    self.refund(&h).await;
+                    self.release(&h).await;
+                }
+                Op::Release if !held.is_empty() => self.release(&held.remove(0)).await,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Op `n`: `c` calls `tool` for `cost` through every limiter, whose answers must agree;
+    /// the tickets when all four admit.
+    async fn admit(
+        &self,
+        n: usize,
+        c: &Caller,
+        tool: &str,
+        cost: f64,
+        compared: &Compared,
+    ) -> Result<Option<Held>, TestCaseError> {
+        let a = self.mem.admit(c, tool, Cost(cost)).await;
+        let m = self.rem.admit(c, tool, Cost(cost)).await;
+        prop_assert_eq!(
+            a.is_ok(),
+            m.is_ok(),
+            "op {}: remembering refusals changed the answer: {:?}",
+            n,
+            m
+        );
+        let b = self.red.admit(c, tool, Cost(cost)).await;
+        let cached_before = self.cac.store().cached_refusals();
+        let z = self.cac.admit(c, tool, Cost(cost)).await;
+        let from_cache = self.cac.store().cached_refusals() > cached_before;
+        cached_agrees(n, &a, &z, from_cache)?;
+        redis_agrees(n, &a, &b, compared)?;
+        Ok(match (a, m, b, z) {
+            (Ok(x), Ok(w), Ok(y), Ok(z)) => Some([x, w, y, z]),
+            _ => None,
+        })
+    }
+
+    /// Every stored state the call of `c` on `tool` touched is the same in memory and in
+    /// Redis, bit for bit.
+    async fn same_states(
+        &self,
+        n: usize,
+        c: &Caller,
+        tool: &str,
+        compared: &Compared,
+    ) -> Result<(), TestCaseError> {
+        let Ok(keys) = self.mem.call_keys(c, tool) else {
+            return Ok(());
+        };
+        let sm = self.mem.store().inspect(&keys).await.unwrap();
+        let sr = self.red.store().inspect(&keys).await.unwrap();
+        for level in 0..3 {
+            match (&sm[level], &sr[level]) {
+                (Some(x), Some(y)) => {
+                    prop_assert_eq!(x, y, "op {} level {}", n, level);
+                    count(&compared.states);
+                }
+                // Redis's real-time TTL may drop a state that is already equivalent to a fresh
+                // one; the memory store keeps it until a sweep. Anything else is a mismatch.
+                (None, None) | (Some(_), None) => {}
+                (None, Some(y)) => {
+                    prop_assert!(false, "op {} level {}: only redis holds {:?}", n, level, y)
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn settle(&self, [x, w, y, z]: &Held, pct: u32) {
+        let actual = Cost(x.admission().unwrap().charge.cost * pct as f64 / 100.0);
+        self.mem.settle(x, actual).await;
+        self.rem.settle(w, actual).await;
+        self.red.settle(y, actual).await;
+        self.cac.settle(z, actual).await;
+    }
+
+    async fn refund(&self, [x, w, y, z]: &Held) {
+        self.rem.refund(w).await;
+        self.mem.refund(x).await;
+        self.red.refund(y).await;
+        self.cac.refund(z).await;
+    }
+
+    async fn release(&self, [x, w, y, z]: &Held) {
+        self.rem.release(w).await;
+        self.mem.release(x).await;
+        self.red.release(y).await;
+        self.cac.release(z).await;
+    }
+}
+
+/// The Redis store remembering refusals agrees with the engine on op `n`.
+fn cached_agrees(
+    n: usize,
+    a: &Result<Ticket, Refusal>,
+    z: &Result<Ticket, Refusal>,
+    from_cache: bool,
+) -> Result<(), TestCaseError> {
+    match (a, z) {
+        (Ok(_), Ok(_)) => {}
+        // A refusal from the cache repeats the one Redis gave the same call before: a sibling
+        // may since have spent what the call needed, so that the engine now names another
+        // limit. Refused either way.
+        (Err(_), Err(y)) if from_cache => prop_assert!(
+            matches!(y.reason, Reason::RateLimited | Reason::CapExceeded),
+            "op {}: the cache replayed {:?}",
+            n,
+            y
+        ),
+        (Err(x), Err(y)) => prop_assert_eq!(x.reason, y.reason, "op {}", n),
+        _ => prop_assert!(
+            false,
+            "op {}: memory {:?} but the cached store {:?}",
+            n,
+            a,
+            z
+        ),
+    }
+    Ok(())
+}
+
+/// Redis answers op `n` as the engine does, bit for bit.
+fn redis_agrees(
+    n: usize,
+    a: &Result<Ticket, Refusal>,
+    b: &Result<Ticket, Refusal>,
+    compared: &Compared,
+) -> Result<(), TestCaseError> {
+    match (a, b) {
+        (Ok(x), Ok(y)) => {
+            let (x, y) = (x.admission().unwrap(), y.admission().unwrap());
+            prop_assert_eq!(&x.charge, &y.charge, "op {}", n);
+            prop_assert_eq!(
+                x.remaining.to_bits(),
+                y.remaining.to_bits(),
+                "op {} remaining {} vs {}",
+                n,
+                x.remaining,
+                y.remaining
+            );
+            prop_assert_eq!(x.quota.to_bits(), y.quota.to_bits());
+            prop_assert_eq!(x.reset_in.to_bits(), y.reset_in.to_bits());
+            prop_assert_eq!(x.slack.to_bits(), y.slack.to_bits());
+            prop_assert_eq!(x.views, y.views);
+            prop_assert_eq!(x.at, y.at);
+            count(&compared.admitted);
+        }
+        (Err(x), Err(y)) => {
+            prop_assert_eq!(x, y, "op {}", n);
+            count(&compared.refused);
+        }
+        _ => prop_assert!(false, "op {}: memory {:?} but redis {:?}", n, a, b),
+    }
+    Ok(())
 }

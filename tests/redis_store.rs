@@ -232,39 +232,13 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
             .await
             .unwrap();
         let limiter = Limiter::with_store(policy, store, SystemClock);
-        let stop = Arc::new(AtomicBool::new(false));
-        let slowest = Arc::new(AtomicU64::new(0));
-        let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
-        let mut handles = Vec::new();
-        for k in 0..16 {
-            let (limiter, stop, slowest, outcomes) =
-                (limiter.clone(), stop.clone(), slowest.clone(), outcomes.clone());
-            handles.push(tokio::spawn(async move {
-                let a = Caller::new("A");
+        let load = Load::default();
+        let handles: Vec<_> = (0..16)
+            .map(|k| {
                 let tool = if k % 2 == 0 { "strict" } else { "lenient" };
-                while !stop.load(Ordering::Relaxed) {
-                    let t0 = Instant::now();
-                    let r = limiter.admit(&a, tool, Cost(1.0)).await;
-                    slowest.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    let (ok, charged_at) = match &r {
-                        Ok(t) => (true, t.admission().map(|a| a.at.as_micros())),
-                        Err(e) => {
-                            assert_eq!(e.reason, Reason::StoreUnavailable, "{e}");
-                            assert!(e.retryable);
-                            (false, None)
-                        }
-                    };
-                    outcomes.lock().unwrap().push(Outcome {
-                        started: t0,
-                        ended: Instant::now(),
-                        tool,
-                        passed: ok,
-                        charged_at,
-                    });
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            }));
-        }
+                tokio::spawn(load.clone().call_until_stopped(limiter.clone(), tool))
+            })
+            .collect();
         // Gone once `kill` returns (it waits for the process): Redis admits nothing after.
         server.kill();
         let killed_at = Instant::now();
@@ -281,38 +255,16 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
         .await
         .unwrap();
         // Calls succeed again within a second of Redis answering.
-        let recovered = loop {
-            let last_ok = outcomes
-                .lock()
-                .unwrap()
-                .iter()
-                .rev()
-                .find(|o| o.ended > restarted_at && o.tool == "strict" && o.passed)
-                .map(|o| o.ended);
-            if let Some(t) = last_ok {
-                break t;
-            }
-            assert!(
-                restarted_at.elapsed() < Duration::from_secs(3),
-                "no call succeeded within 3 s of the restart"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
+        load.wait_for_a_strict_call_after(restarted_at).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
-        stop.store(true, Ordering::Relaxed);
+        load.stop.store(true, Ordering::Relaxed);
         for h in handles {
             h.await.unwrap();
         }
-        let first_ok_after = outcomes
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|o| o.ended > restarted_at && o.tool == "strict" && o.passed)
-            .map(|o| o.ended)
-            .unwrap_or(recovered);
-        let recovery = first_ok_after - restarted_at;
-        let slowest = Duration::from_micros(slowest.load(Ordering::Relaxed));
-        let outage: Vec<_> = outcomes
+        let recovery = load.first_strict_call_after(restarted_at).unwrap() - restarted_at;
+        let slowest = Duration::from_micros(load.slowest.load(Ordering::Relaxed));
+        let outage: Vec<_> = load
+            .outcomes
             .lock()
             .unwrap()
             .iter()
@@ -329,31 +281,98 @@ fn killed_redis_applies_on_store_error_within_the_timeout_then_recovers() {
         );
         assert!(slowest < timeout + Duration::from_millis(150), "a call hung for {slowest:?}");
         assert!(recovery < Duration::from_secs(1), "recovery took {recovery:?}");
-        // A call spent from its lease passes, metered, either way: its grant was charged at
-        // Redis before Redis went away (a lease may outlive the timeout). Nothing is charged
-        // after.
-        let before_the_kill = |o: &Outcome| o.charged_at.is_some_and(|at| at <= killed_us);
-        assert!(outage.iter().any(|o| o.tool == "strict" && !o.passed));
-        assert!(outage
-            .iter()
-            .any(|o| o.tool == "lenient" && o.passed && o.charged_at.is_none()));
-        for o in &outage {
-            assert!(
-                o.charged_at.is_none() || before_the_kill(o),
-                "a {} call was charged at {:?} after Redis went away at {killed_us}",
-                o.tool,
-                o.charged_at
-            );
-            match o.tool {
-                "strict" => assert!(
-                    !o.passed || before_the_kill(o),
-                    "a strict call passed while Redis was down"
-                ),
-                _ => assert!(o.passed, "a lenient call was not let through"),
-            }
-        }
+        each_answered_by_on_store_error(&outage, killed_us);
         assert!(limiter.store().errors() > 0);
     });
+}
+
+/// The outage test's callers: told when to stop, the slowest answer (µs) and every call.
+#[derive(Clone, Default)]
+struct Load {
+    stop: Arc<AtomicBool>,
+    slowest: Arc<AtomicU64>,
+    outcomes: Arc<Mutex<Vec<Outcome>>>,
+}
+
+impl Load {
+    /// A's calls of `tool` every 2 ms until told to stop, each kept; a refusal must be
+    /// `store_unavailable`, retryable.
+    async fn call_until_stopped(
+        self,
+        limiter: Limiter<RedisStore, SystemClock>,
+        tool: &'static str,
+    ) {
+        let a = Caller::new("A");
+        while !self.stop.load(Ordering::Relaxed) {
+            let t0 = Instant::now();
+            let r = limiter.admit(&a, tool, Cost(1.0)).await;
+            self.slowest
+                .fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            let (passed, charged_at) = match &r {
+                Ok(t) => (true, t.admission().map(|a| a.at.as_micros())),
+                Err(e) => {
+                    assert_eq!(e.reason, Reason::StoreUnavailable, "{e}");
+                    assert!(e.retryable);
+                    (false, None)
+                }
+            };
+            self.outcomes.lock().unwrap().push(Outcome {
+                started: t0,
+                ended: Instant::now(),
+                tool,
+                passed,
+                charged_at,
+            });
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// When the first `strict` call that ended after `t` passed.
+    fn first_strict_call_after(&self, t: Instant) -> Option<Instant> {
+        let outcomes = self.outcomes.lock().unwrap();
+        let mut after = outcomes.iter().filter(|o| o.ended > t);
+        after
+            .find(|o| o.tool == "strict" && o.passed)
+            .map(|o| o.ended)
+    }
+
+    /// Waits for a `strict` call that ends after `t` to pass: at most 3 s.
+    async fn wait_for_a_strict_call_after(&self, t: Instant) {
+        while self.first_strict_call_after(t).is_none() {
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "no call succeeded within 3 s of the restart"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Each call of the outage (Redis gone at `killed_us`) answered by its tool's
+/// `on_store_error`, with some of each kind seen. A call spent from its lease passes,
+/// metered, either way: its grant was charged at Redis before Redis went away (a lease may
+/// outlive the timeout). Nothing is charged after.
+fn each_answered_by_on_store_error(outage: &[Outcome], killed_us: u64) {
+    let before_the_kill = |o: &Outcome| o.charged_at.is_some_and(|at| at <= killed_us);
+    assert!(outage.iter().any(|o| o.tool == "strict" && !o.passed));
+    assert!(outage
+        .iter()
+        .any(|o| o.tool == "lenient" && o.passed && o.charged_at.is_none()));
+    for o in outage {
+        assert!(
+            o.charged_at.is_none() || before_the_kill(o),
+            "a {} call was charged at {:?} after Redis went away at {killed_us}",
+            o.tool,
+            o.charged_at
+        );
+        match o.tool {
+            "strict" => assert!(
+                !o.passed || before_the_kill(o),
+                "a strict call passed while Redis was down"
+            ),
+            _ => assert!(o.passed, "a lenient call was not let through"),
+        }
+    }
 }
 
 fn plan_for<'p>(policy: &'p Policy, tenant: &'p Arc<str>, now: Timestamp) -> Plan<'p> {
