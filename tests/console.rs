@@ -428,11 +428,11 @@ async fn the_live_page_in_headless_chromium() {
     let addr: SocketAddr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let url = format!("http://{addr}/fairshare");
+    let heavy = Caller::new("heavy").with_instance("crawler");
+    let quiet = Caller::new("quiet").with_instance("assistant");
 
     // Over most of a minute, heavy floods (50 calls a second, ten times its ceiling) and
     // quiet's assistant calls 60 times: quiet's floor.
-    let heavy = Caller::new("heavy").with_instance("crawler");
-    let quiet = Caller::new("quiet").with_instance("assistant");
     for ms in (0..59_000u64).step_by(20) {
         clock.set(EPOCH.saturating_add(Duration::from_millis(ms)));
         let _ = limiter.admit(&heavy, "generate_report", Cost(1.0)).await;
@@ -443,60 +443,30 @@ async fn the_live_page_in_headless_chromium() {
                 .unwrap();
         }
     }
-    let store = |name: &'static str| {
-        let limiter = limiter.clone();
-        async move {
-            let keys = limiter
-                .call_keys(&Caller::new(name), "generate_report")
-                .unwrap();
-            limiter.store().inspect(&keys).await.unwrap()[1]
-                .unwrap()
-                .total
-        }
-    };
-
     let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
-    let (h_used, h_ceiling) = (
-        figure(&dom, "heavy", "used"),
-        figure(&dom, "heavy", "ceiling"),
-    );
-    let (q_used, q_floor) = (
-        figure(&dom, "quiet", "used"),
-        figure(&dom, "quiet", "floor"),
-    );
+    let h_used = figure(&dom, "heavy", "used");
     assert_eq!(
         h_used,
-        store("heavy").await,
+        used(&limiter, "heavy").await,
         "the page's figure is the store's"
     );
+    let q_used = figure(&dom, "quiet", "used");
     assert_eq!(
         q_used,
-        store("quiet").await,
+        used(&limiter, "quiet").await,
         "the page's figure is the store's"
     );
-    assert_eq!(h_ceiling, 300.0);
-    assert!(h_used >= 0.97 * h_ceiling, "heavy at its ceiling: {h_used}");
+    assert_eq!(figure(&dom, "heavy", "ceiling"), 300.0);
+    assert!(h_used >= 0.97 * 300.0, "heavy at its ceiling: {h_used}");
     assert!(figure(&dom, "heavy", "borrowed") > 0.0);
-    assert_eq!(q_floor, 60.0);
-    assert_eq!(q_used, q_floor, "quiet at its floor");
+    assert_eq!(figure(&dom, "quiet", "floor"), 60.0);
+    assert_eq!(q_used, 60.0, "quiet at its floor");
     assert!(
         dom.contains("rate_limited"),
         "heavy's refusals by reason are shown"
     );
 
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
-    std::fs::create_dir_all(&target).unwrap();
-    let (one, two) = (target.join("console-1.png"), target.join("console-2.png"));
-    let shot = |to: &Path| {
-        let out = headless(&[&format!("--screenshot={}", to.display()), &url]);
-        assert!(
-            to.exists(),
-            "no screenshot: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::fs::read(to).unwrap()
-    };
-    let first = shot(&one);
+    let first = screenshot(&url, "console-1.png");
     // The next window: heavy floods again and gets its banked floor and a burst at once,
     // quiet calls ten times. Every bar moves.
     clock.set(EPOCH.saturating_add(Duration::from_secs(61)));
@@ -509,8 +479,48 @@ async fn the_live_page_in_headless_chromium() {
             .await
             .unwrap();
     }
-    // The explain form, from a link: with the tier the tool requires, the caller is
-    // admitted; without it, the page says what to add.
+    the_explain_form_answers_from_a_link(&url);
+    let second = screenshot(&url, "console-2.png");
+    assert_ne!(
+        first, second,
+        "the bars did not move between the two screenshots"
+    );
+    let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
+    assert_eq!(figure(&dom, "heavy", "used"), used(&limiter, "heavy").await);
+    assert_eq!(figure(&dom, "quiet", "used"), used(&limiter, "quiet").await);
+    assert_eq!(figure(&dom, "quiet", "used"), 10.0);
+    assert!(figure(&dom, "heavy", "used") < h_used / 2.0, "a new window");
+}
+
+/// Units through `tenant` of `generate_report` in the window, as the store holds them.
+async fn used(limiter: &Limiter<MemoryStore, ManualClock>, tenant: &str) -> f64 {
+    let keys = limiter
+        .call_keys(&Caller::new(tenant), "generate_report")
+        .unwrap();
+    limiter.store().inspect(&keys).await.unwrap()[1]
+        .unwrap()
+        .total
+}
+
+/// A screenshot of the page at `url`, written to `target/{name}`: its bytes.
+fn screenshot(url: &str, name: &str) -> Vec<u8> {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let to = target.join(name);
+    // Not an earlier run's.
+    let _ = std::fs::remove_file(&to);
+    let out = headless(&[&format!("--screenshot={}", to.display()), url]);
+    assert!(
+        to.exists(),
+        "no screenshot: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read(to).unwrap()
+}
+
+/// The explain form, from a link: with the tier the tool requires, the caller is admitted;
+/// without it, the page says what to add.
+fn the_explain_form_answers_from_a_link(url: &str) {
     let asked = |q: &str| {
         let page = format!("{url}#explain?{q}");
         String::from_utf8(headless(&["--dump-dom", &page]).stdout).unwrap()
@@ -519,14 +529,4 @@ async fn the_live_page_in_headless_chromium() {
     assert!(dom.contains("\"admitted\": true"), "{dom}");
     let dom = asked("tool=internal_report&tenant=heavy");
     assert!(dom.contains("depends on the caller's tier"), "{dom}");
-    let second = shot(&two);
-    assert_ne!(
-        first, second,
-        "the bars did not move between the two screenshots"
-    );
-    let dom = String::from_utf8(headless(&["--dump-dom", &url]).stdout).unwrap();
-    assert_eq!(figure(&dom, "heavy", "used"), store("heavy").await);
-    assert_eq!(figure(&dom, "quiet", "used"), store("quiet").await);
-    assert_eq!(figure(&dom, "quiet", "used"), 10.0);
-    assert!(figure(&dom, "heavy", "used") < h_used / 2.0, "a new window");
 }

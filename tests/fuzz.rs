@@ -348,38 +348,37 @@ fn shape() -> impl Strategy<Value = Shape> {
         })
 }
 
+const SHAPES_POLICY: &str = r#"
+[[tool]]
+name = "report"
+unit = "calls"
+rate = { limit = 600, per = "1m" }
+tier = "internal"
+max_concurrency = 4
+[tool.tenants.acme]
+floor = 10
+[tool.tenants.acme.default_instance]
+max_instances = 3
+[tool.default_tenant]
+ceiling = 5
+burst = 5
+max_tenants = 50
+
+[[tool]]
+name = "llm"
+unit = "tokens"
+rate = { limit = 1000, per = "1m" }
+require_tenant = false
+[tool.default_tenant]
+max_tenants = 20
+"#;
+
 /// The layer over every request shape: an answer from the documented set, never a panic; the
 /// inner service runs for admitted and unmapped requests only; refusals carry well-formed
 /// JSON (HTTP) or a gRPC status, and ASCII RateLimit headers.
 #[test]
 fn the_layer_answers_any_request_shape() {
-    let policy = Policy::from_toml_str(
-        r#"
-        [[tool]]
-        name = "report"
-        unit = "calls"
-        rate = { limit = 600, per = "1m" }
-        tier = "internal"
-        max_concurrency = 4
-        [tool.tenants.acme]
-        floor = 10
-        [tool.tenants.acme.default_instance]
-        max_instances = 3
-        [tool.default_tenant]
-        ceiling = 5
-        burst = 5
-        max_tenants = 50
-
-        [[tool]]
-        name = "llm"
-        unit = "tokens"
-        rate = { limit = 1000, per = "1m" }
-        require_tenant = false
-        [tool.default_tenant]
-        max_tenants = 20
-        "#,
-    )
-    .unwrap();
+    let policy = Policy::from_toml_str(SHAPES_POLICY).unwrap();
     let clock = ManualClock::new(EPOCH);
     let limiter = Limiter::with_store(policy, MemoryStore::new(), clock.clone());
     let ran = Arc::new(AtomicUsize::new(0));
@@ -398,33 +397,12 @@ fn the_layer_answers_any_request_shape() {
     runner(cases(2000))
         .run(&shape(), |s| {
             clock.advance(std::time::Duration::from_millis(7));
-            let mut req = Request::builder().method(s.method);
-            req = req.uri(match s.path.parse::<http::Uri>() {
-                Ok(u) => u,
-                Err(_) => return Ok(()), // not a request any server would hand over
-            });
-            if s.grpc {
-                req = req.header("content-type", "application/grpc");
-            }
-            let mut req = req.body(Full::new(Bytes::new())).unwrap();
-            if let Some((tenant, instance, tier)) = &s.caller {
-                let mut c = match tenant {
-                    Some(t) => Caller::new(t.as_str()),
-                    None => Caller::untenanted(),
-                };
-                if let Some(i) = instance {
-                    c = c.with_instance(i.as_str());
-                }
-                if let Some(t) = tier {
-                    c = c.with_tier(t.as_str());
-                }
-                req.extensions_mut().insert(c);
-            }
-            if let Some(c) = s.cost {
-                req.extensions_mut().insert(Cost(c));
-            }
+            // A path that is no URI is not a request any server would hand over.
+            let Some(req) = request_of(&s) else {
+                return Ok(());
+            };
             let before = ran.load(Ordering::SeqCst);
-            let res = rt.block_on(async {
+            let (status, headers, body) = rt.block_on(async {
                 let mut svc = svc.clone();
                 let res = svc.ready().await.unwrap().call(req).await.unwrap();
                 let status = res.status();
@@ -432,34 +410,74 @@ fn the_layer_answers_any_request_shape() {
                 let body = res.into_body().collect().await.unwrap().to_bytes();
                 (status, headers, body)
             });
-            let (status, headers, body) = res;
             let ran_inner = ran.load(Ordering::SeqCst) > before;
-            prop_assert!(
-                [200, 401, 403, 429, 503].contains(&status.as_u16()),
-                "{s:?}: {status}"
-            );
-            for name in [RATELIMIT, RATELIMIT_POLICY] {
-                if let Some(v) = headers.get(&name) {
-                    prop_assert!(v.to_str().is_ok(), "{s:?}: {name} {v:?}");
-                }
-            }
-            if status == StatusCode::OK && body.as_ref() == b"ok" {
-                prop_assert!(ran_inner, "{s:?}");
-            } else {
-                prop_assert!(!ran_inner, "{s:?}: refused, yet the inner service ran");
-                if s.grpc {
-                    prop_assert!(headers.contains_key("grpc-status"), "{s:?}");
-                } else {
-                    let v: serde_json::Value = serde_json::from_slice(&body)
-                        .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}: {body:?}")))?;
-                    prop_assert!(v["error"].is_string(), "{s:?}: {v}");
-                    prop_assert!(
-                        v["retry_after_ms"].is_null() || v["retry_after_ms"].is_u64(),
-                        "{s:?}: {v}"
-                    );
-                }
-            }
-            Ok(())
+            well_answered(&s, status, &headers, &body, ran_inner)
         })
         .unwrap();
+}
+
+/// The request of shape `s`, its caller and cost in its extensions; `None` when its path is
+/// no URI.
+fn request_of(s: &Shape) -> Option<Request<Full<Bytes>>> {
+    let mut req = Request::builder()
+        .method(s.method)
+        .uri(s.path.parse::<http::Uri>().ok()?);
+    if s.grpc {
+        req = req.header("content-type", "application/grpc");
+    }
+    let mut req = req.body(Full::new(Bytes::new())).unwrap();
+    if let Some((tenant, instance, tier)) = &s.caller {
+        let mut c = match tenant {
+            Some(t) => Caller::new(t.as_str()),
+            None => Caller::untenanted(),
+        };
+        if let Some(i) = instance {
+            c = c.with_instance(i.as_str());
+        }
+        if let Some(t) = tier {
+            c = c.with_tier(t.as_str());
+        }
+        req.extensions_mut().insert(c);
+    }
+    if let Some(c) = s.cost {
+        req.extensions_mut().insert(Cost(c));
+    }
+    Some(req)
+}
+
+/// The answer to shape `s` is one the layer documents: a known status, ASCII RateLimit
+/// headers, the inner service run only for what passed, a refusal with its JSON or gRPC status.
+fn well_answered(
+    s: &Shape,
+    status: StatusCode,
+    headers: &http::HeaderMap,
+    body: &Bytes,
+    ran_inner: bool,
+) -> Result<(), TestCaseError> {
+    prop_assert!(
+        [200, 401, 403, 429, 503].contains(&status.as_u16()),
+        "{s:?}: {status}"
+    );
+    for name in [RATELIMIT, RATELIMIT_POLICY] {
+        if let Some(v) = headers.get(&name) {
+            prop_assert!(v.to_str().is_ok(), "{s:?}: {name} {v:?}");
+        }
+    }
+    if status == StatusCode::OK && body.as_ref() == b"ok" {
+        prop_assert!(ran_inner, "{s:?}");
+        return Ok(());
+    }
+    prop_assert!(!ran_inner, "{s:?}: refused, yet the inner service ran");
+    if s.grpc {
+        prop_assert!(headers.contains_key("grpc-status"), "{s:?}");
+        return Ok(());
+    }
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}: {body:?}")))?;
+    prop_assert!(v["error"].is_string(), "{s:?}: {v}");
+    prop_assert!(
+        v["retry_after_ms"].is_null() || v["retry_after_ms"].is_u64(),
+        "{s:?}: {v}"
+    );
+    Ok(())
 }

@@ -48,7 +48,6 @@ async fn described_services_are_limited_like_http_ones() {
     )
     .unwrap();
     let limiter = Limiter::with_store(policy, MemoryStore::new(), ManualClock::new(EPOCH));
-    let keys = limiter.call_keys(&Caller::new("acme"), "llm").unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
     let inner = service_fn(move |job: Job| {
@@ -59,50 +58,29 @@ async fn described_services_are_limited_like_http_ones() {
         }
     });
     let mut svc = DescribedLayer::new(limiter.clone(), Jobs).layer(inner);
-
-    let out = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(Job {
-            tenant: Some("acme"),
-            tokens: 600.0,
-        })
-        .await
-        .unwrap();
+    let acme = |tokens| Job {
+        tenant: Some("acme"),
+        tokens,
+    };
+    let out = svc.ready().await.unwrap().call(acme(600.0)).await.unwrap();
     assert_eq!(out, 600.0);
-    let in_flight = limiter.store().inspect(&keys).await.unwrap()[1]
-        .as_ref()
-        .unwrap()
-        .in_flight;
-    assert_eq!(in_flight, 0.0, "permit released when the future completed");
-
-    match svc
-        .ready()
-        .await
-        .unwrap()
-        .call(Job {
-            tenant: Some("acme"),
-            tokens: 600.0,
-        })
-        .await
-    {
-        Err(FairShareError::Refused(r)) => assert_eq!(r.reason, Reason::RateLimited),
+    assert_eq!(
+        acme_in_flight(&limiter).await,
+        0.0,
+        "permit released when the future completed"
+    );
+    let refused = |r: Result<f64, FairShareError<std::io::Error>>| match r {
+        Err(FairShareError::Refused(r)) => r.reason,
         other => panic!("{other:?}"),
-    }
-    match svc
-        .ready()
-        .await
-        .unwrap()
-        .call(Job {
-            tenant: None,
-            tokens: 1.0,
-        })
-        .await
-    {
-        Err(FairShareError::Refused(r)) => assert_eq!(r.reason, Reason::UnidentifiedCaller),
-        other => panic!("{other:?}"),
-    }
+    };
+    let over = svc.ready().await.unwrap().call(acme(600.0)).await;
+    assert_eq!(refused(over), Reason::RateLimited);
+    let nobody = Job {
+        tenant: None,
+        tokens: 1.0,
+    };
+    let nobody = svc.ready().await.unwrap().call(nobody).await;
+    assert_eq!(refused(nobody), Reason::UnidentifiedCaller);
     assert_eq!(
         calls.load(Ordering::SeqCst),
         1,
@@ -112,29 +90,21 @@ async fn described_services_are_limited_like_http_ones() {
     // Dropped before completion: the permit comes back.
     let pending = service_fn(|_job: Job| std::future::pending::<Result<f64, std::io::Error>>());
     let mut svc = DescribedLayer::new(limiter.clone(), Jobs).layer(pending);
-    let mut fut = Box::pin(svc.ready().await.unwrap().call(Job {
-        tenant: Some("acme"),
-        tokens: 1.0,
-    }));
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(acme(1.0)));
     assert!(fut
         .as_mut()
         .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
         .is_pending());
-    assert_eq!(
-        limiter.store().inspect(&keys).await.unwrap()[1]
-            .as_ref()
-            .unwrap()
-            .in_flight,
-        1.0
-    );
+    assert_eq!(acme_in_flight(&limiter).await, 1.0);
     drop(fut);
-    assert_eq!(
-        limiter.store().inspect(&keys).await.unwrap()[1]
-            .as_ref()
-            .unwrap()
-            .in_flight,
-        0.0
-    );
+    assert_eq!(acme_in_flight(&limiter).await, 0.0);
+}
+
+/// The permits acme's calls of `llm` hold now, at the tenant.
+async fn acme_in_flight(limiter: &Limiter<MemoryStore, ManualClock>) -> f64 {
+    let keys = limiter.call_keys(&Caller::new("acme"), "llm").unwrap();
+    let s = limiter.store().inspect(&keys).await.unwrap();
+    s[1].as_ref().unwrap().in_flight
 }
 
 use std::future::Future as _;

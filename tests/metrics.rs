@@ -353,32 +353,7 @@ fn the_console_counts_refusals_as_the_metrics_do() {
         serde_json::from_slice::<serde_json::Value>(&body).unwrap()
     });
     let text = handle.render();
-    let tenants = state["tools"][0]["tenants"].as_array().unwrap();
-    let mut compared = 0;
-    for t in tenants {
-        let name = t["name"].as_str().unwrap();
-        for (reason, n) in t["refused"].as_object().unwrap() {
-            let labels = [
-                "outcome=\"refused\"".to_owned(),
-                format!("reason=\"{reason}\""),
-            ];
-            let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
-            // The console's `other` is every unlisted caller; the metrics name the busiest of
-            // them apart.
-            let tenant_is = |l: &str| match name {
-                "other" => !l.contains("tenant=\"acme\""),
-                _ => l.contains(&format!("tenant=\"{name}\"")),
-            };
-            let metric: f64 = text
-                .lines()
-                .filter(|l| l.starts_with(DECISIONS) && labels.iter().all(|x| l.contains(x)))
-                .filter(|l| tenant_is(l))
-                .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-                .sum();
-            assert_eq!(n.as_f64().unwrap(), metric, "{name} {reason}:\n{text}");
-            compared += 1;
-        }
-    }
+    let compared = refusals_counted_alike(&state, &text);
     assert!(
         compared >= 3,
         "refusals of acme and of `other`, by reason: {state}"
@@ -395,6 +370,38 @@ fn the_console_counts_refusals_as_the_metrics_do() {
     );
     assert!(text.contains("tenant=\"made-up-1\""), "{text}");
     assert!(!text.contains("tenant=\"made-up-2\""), "{text}");
+}
+
+/// Each tenant's refusals by reason in the console's `state` are the decision metrics' in
+/// `text` (the console's `other` is every unlisted caller; the metrics name the busiest of
+/// them apart): how many were compared.
+fn refusals_counted_alike(state: &serde_json::Value, text: &str) -> usize {
+    let tenants = state["tools"][0]["tenants"].as_array().unwrap();
+    let mut compared = 0;
+    for t in tenants {
+        let name = t["name"].as_str().unwrap();
+        for (reason, n) in t["refused"].as_object().unwrap() {
+            let labels = [
+                "outcome=\"refused\"".to_owned(),
+                format!("reason=\"{reason}\""),
+            ];
+            let tenant_is = |l: &str| match name {
+                "other" => !l.contains("tenant=\"acme\""),
+                _ => l.contains(&format!("tenant=\"{name}\"")),
+            };
+            let metric: f64 = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with(DECISIONS) && labels.iter().all(|x| l.contains(x.as_str()))
+                })
+                .filter(|l| tenant_is(l))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+                .sum();
+            assert_eq!(n.as_f64().unwrap(), metric, "{name} {reason}:\n{text}");
+            compared += 1;
+        }
+    }
+    compared
 }
 
 /// Makes 1,000 calls of `acme` with `call` on `toml`'s policy, 10 µs apart, gives the leases

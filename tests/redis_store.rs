@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use support::{command_calls, RedisServer};
-use tower_fairshare::admission::engine::{LevelRef, Plan};
+use tower_fairshare::admission::engine::{LevelRef, NodeState, Plan, Stored};
 /// The virtual start of the tests: 2026-01-01T00:00:00Z, aligned to every period and calendar window.
 const EPOCH: tower_fairshare::Timestamp = tower_fairshare::Timestamp(1_767_225_600_000_000);
-use tower_fairshare::store::RedisStore;
+use tower_fairshare::store::{CallKeys, RedisStore};
 use tower_fairshare::{
     Caller, Cost, Limiter, ManualClock, Policy, Reason, Store, StoreError, SystemClock, Timestamp,
 };
@@ -81,93 +81,41 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
     let server = RedisServer::start();
     let policy = Policy::from_toml_str(SHARED).unwrap();
     let rt = multi_thread();
-    let admitted: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let quiet_refused = Arc::new(AtomicU64::new(0));
-    let quiet_admitted = Arc::new(AtomicU64::new(0));
-    let tasks_progressed = Arc::new(AtomicU64::new(0));
+    let run = SharedRun::default();
     rt.block_on(async {
-        let mut replicas = Vec::new();
-        for _ in 0..4 {
+        let mut handles = Vec::new();
+        for r in 0..4 {
             let store = RedisStore::builder(server.url())
                 .timeout(Duration::from_secs(2))
                 .connect()
                 .await
                 .unwrap();
-            replicas.push(Limiter::with_store(policy.clone(), store, SystemClock));
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut handles = Vec::new();
-        for (r, limiter) in replicas.iter().enumerate() {
+            let limiter = Limiter::with_store(policy.clone(), store, SystemClock);
             for k in 0..64 {
-                let limiter = limiter.clone();
-                let admitted = admitted.clone();
-                let stop = stop.clone();
-                let progressed = tasks_progressed.clone();
                 let caller = match k % 4 {
                     0 => Caller::new(format!("guest-{r}-{k}")),
                     _ => Caller::new("heavy").with_instance(format!("agent-{k}")),
                 };
-                handles.push(tokio::spawn(async move {
-                    let mut any = false;
-                    while !stop.load(Ordering::Relaxed) {
-                        match limiter.admit(&caller, "search", Cost(1.0)).await {
-                            Ok(t) => {
-                                let a = t.admission().expect("metered");
-                                admitted.lock().unwrap().push(a.at.as_micros());
-                            }
-                            Err(e) => {
-                                assert_ne!(e.reason, Reason::StoreUnavailable, "{e}");
-                                // A client backs off a little; the cache answers most of these.
-                                tokio::time::sleep(Duration::from_millis(1)).await;
-                            }
-                        }
-                        if !any {
-                            any = true;
-                            progressed.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }));
+                handles.push(tokio::spawn(run.clone().busy(limiter.clone(), caller)));
             }
-            // The quiet tenant: 5 calls a second from each replica, 20/s in all, floor 40/s.
-            let limiter = limiter.clone();
-            let admitted = admitted.clone();
-            let stop = stop.clone();
-            let (qa, qr) = (quiet_admitted.clone(), quiet_refused.clone());
-            handles.push(tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(50 * r as u64)).await;
-                let quiet = Caller::new("quiet");
-                while !stop.load(Ordering::Relaxed) {
-                    match limiter.admit(&quiet, "search", Cost(1.0)).await {
-                        Ok(t) => {
-                            qa.fetch_add(1, Ordering::Relaxed);
-                            admitted
-                                .lock()
-                                .unwrap()
-                                .push(t.admission().unwrap().at.as_micros());
-                        }
-                        Err(e) => {
-                            eprintln!("quiet refused: {e}");
-                            qr.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }));
+            handles.push(tokio::spawn(run.clone().quiet(limiter, r)));
         }
         tokio::time::sleep(Duration::from_millis(2500)).await;
-        stop.store(true, Ordering::Relaxed);
+        run.stop.store(true, Ordering::Relaxed);
         for h in handles {
             h.await.unwrap();
         }
     });
-    let mut times = admitted.lock().unwrap().clone();
+    let mut times = run.admitted.lock().unwrap().clone();
     times.sort_unstable();
     let n = times.len();
     let span = (times[n - 1] - times[0]) as f64 / 1e6;
+    let (quiet_admitted, quiet_refused) = (
+        run.quiet_admitted.load(Ordering::Relaxed),
+        run.quiet_refused.load(Ordering::Relaxed),
+    );
     eprintln!(
-        "admitted {n} calls over {span:.2} s; quiet {} admitted, {} refused",
-        quiet_admitted.load(Ordering::Relaxed),
-        quiet_refused.load(Ordering::Relaxed)
+        "admitted {n} calls over {span:.2} s; quiet {quiet_admitted} admitted, {quiet_refused} refused"
     );
     assert!(
         n as f64 > 300.0 * span * 0.8,
@@ -176,17 +124,161 @@ fn four_replicas_with_64_tasks_each_share_one_exact_budget() {
     // C = 300 per second, burst 20, floors 30 + 40.
     let excess = worst_excess(&times, 300.0, 1e6, 20.0 + 70.0 + 1e-6);
     assert!(excess <= 0.0, "capacity bound broken by {excess} calls");
+    assert_eq!(quiet_refused, 0, "the quiet tenant lost its floor");
+    assert!(quiet_admitted >= 40);
     assert_eq!(
-        quiet_refused.load(Ordering::Relaxed),
-        0,
-        "the quiet tenant lost its floor"
-    );
-    assert!(quiet_admitted.load(Ordering::Relaxed) >= 40);
-    assert_eq!(
-        tasks_progressed.load(Ordering::Relaxed),
+        run.progressed.load(Ordering::Relaxed),
         256,
         "some task never got an answer"
     );
+}
+
+/// The four replicas' run: when to stop, when each admitted call was charged (µs, by Redis),
+/// the quiet tenant's answers and how many busy tasks got one.
+#[derive(Clone, Default)]
+struct SharedRun {
+    stop: Arc<AtomicBool>,
+    admitted: Arc<Mutex<Vec<u64>>>,
+    quiet_admitted: Arc<AtomicU64>,
+    quiet_refused: Arc<AtomicU64>,
+    progressed: Arc<AtomicU64>,
+}
+
+impl SharedRun {
+    /// `caller` calls `search` in a loop until told to stop, backing off 1 ms after a refusal
+    /// (the cache answers most of those); the store never fails.
+    async fn busy(self, limiter: Limiter<RedisStore, SystemClock>, caller: Caller) {
+        let mut any = false;
+        while !self.stop.load(Ordering::Relaxed) {
+            match limiter.admit(&caller, "search", Cost(1.0)).await {
+                Ok(t) => {
+                    let a = t.admission().expect("metered");
+                    self.admitted.lock().unwrap().push(a.at.as_micros());
+                }
+                Err(e) => {
+                    assert_ne!(e.reason, Reason::StoreUnavailable, "{e}");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+            if !any {
+                any = true;
+                self.progressed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The quiet tenant on replica `r`: 5 calls a second from each replica, 20/s in all, its
+    /// floor 40/s.
+    async fn quiet(self, limiter: Limiter<RedisStore, SystemClock>, r: u64) {
+        tokio::time::sleep(Duration::from_millis(50 * r)).await;
+        let quiet = Caller::new("quiet");
+        while !self.stop.load(Ordering::Relaxed) {
+            match limiter.admit(&quiet, "search", Cost(1.0)).await {
+                Ok(t) => {
+                    self.quiet_admitted.fetch_add(1, Ordering::Relaxed);
+                    let at = t.admission().unwrap().at.as_micros();
+                    self.admitted.lock().unwrap().push(at);
+                }
+                Err(e) => {
+                    eprintln!("quiet refused: {e}");
+                    self.quiet_refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// The busy tenant's calls of `t`, each 10 µs of virtual time after the last, until `until`
+/// (µs after the epoch); the time each admitted one was charged at.
+async fn busy_until(
+    limiter: Limiter<RedisStore, ManualClock>,
+    clock: ManualClock,
+    until: u64,
+    busy_at: Arc<Mutex<Vec<u64>>>,
+) {
+    let busy = Caller::new("busy");
+    while tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros() < until {
+        if let Ok(ticket) = limiter.admit(&busy, "t", Cost(1.0)).await {
+            let at = ticket.admission().unwrap().at.as_micros();
+            busy_at.lock().unwrap().push(at);
+        }
+        clock.advance(Duration::from_micros(10));
+    }
+}
+
+/// The quiet tenant's calls of `t`, one every 100 ms of virtual time from `first` until `end`
+/// (µs after the epoch): how many were admitted, and each refusal.
+async fn quiet_every_100ms(
+    limiter: Limiter<RedisStore, ManualClock>,
+    clock: ManualClock,
+    first: u64,
+    end: u64,
+    quiet: Arc<Mutex<(u64, Vec<String>)>>,
+) {
+    let caller = Caller::new("quiet");
+    let mut next = first;
+    while next < end {
+        if tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros() < next {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        match limiter.admit(&caller, "t", Cost(1.0)).await {
+            Ok(_) => quiet.lock().unwrap().0 += 1,
+            Err(e) => quiet.lock().unwrap().1.push(e.to_string()),
+        }
+        next += 100_000;
+    }
+}
+
+/// `n` calls of `caller` on `t` whose callers go away while the decision is in flight: each
+/// future is polled once (the script is on its way) and dropped.
+async fn leave_in_flight(a: &Limiter<RedisStore, ManualClock>, caller: &Caller, n: usize) {
+    for _ in 0..n {
+        let mut fut = std::pin::pin!(a.admit(caller, "t", Cost(1.0)));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Almost always pending: the decision is on its way to Redis. On a busy machine the
+        // test thread can be descheduled between sending the call and this first poll, long
+        // enough for the answer to arrive first: then this caller did not leave, and gives its
+        // call back itself, as any caller that is done would.
+        if let std::task::Poll::Ready(Ok(ticket)) = fut.as_mut().poll(&mut cx) {
+            a.refund(&ticket).await;
+            a.release(&ticket).await;
+        }
+    }
+}
+
+/// The states of `keys` once the background has finished what the callers left (real I/O,
+/// no virtual time passes): nothing charged at the tool, or 10 s gone.
+async fn settled(a: &Limiter<RedisStore, ManualClock>, keys: &CallKeys) -> Stored {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = a.store().inspect(keys).await.unwrap();
+        // Nothing stored for the tool means nothing was ever charged there.
+        let done = s[0]
+            .as_ref()
+            .is_none_or(|t| t.in_flight == 0.0 && t.total == 0.0);
+        if done || Instant::now() > deadline {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// No permit, unit or budget left charged at the tool, no unit at the tenant. Nothing stored
+/// means nothing was ever charged there: nothing to leak.
+fn nothing_charged(state: [Option<NodeState>; 3]) {
+    if let Some(tool) = &state[0] {
+        assert_eq!(tool.in_flight, 0.0, "permits leaked: {tool:?}");
+        assert_eq!(tool.total, 0.0, "units leaked: {tool:?}");
+        assert!(
+            tool.budgets.iter().all(|b| b.used == 0.0),
+            "budget leaked: {tool:?}"
+        );
+    }
+    if let Some(tenant) = &state[1] {
+        assert_eq!(tenant.total, 0.0, "the parasite's units leaked: {tenant:?}");
+    }
 }
 
 /// One call of the outage test.
@@ -1080,53 +1172,11 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         let a = Limiter::with_store(policy.clone(), patient, clock.clone());
         let b = Limiter::with_store(policy, hasty, clock.clone());
         let parasite = Caller::new("parasite");
-        // 1,000 callers that go away while their decision is in flight: each future is
-        // polled once (the script is on its way) and dropped.
-        for _ in 0..1000 {
-            let mut fut = std::pin::pin!(a.admit(&parasite, "t", Cost(1.0)));
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            // Almost always pending: the decision is on its way to Redis. On a busy machine the
-            // test thread can be descheduled between sending the call and this first poll,
-            // long enough for the answer to arrive first: then this caller did not leave, and
-            // gives its call back itself, as any caller that is done would.
-            if let std::task::Poll::Ready(Ok(ticket)) = fut.as_mut().poll(&mut cx) {
-                a.refund(&ticket).await;
-                a.release(&ticket).await;
-            }
-        }
+        leave_in_flight(&a, &parasite, 1000).await;
         let keys = a.call_keys(&parasite, "t").unwrap();
-        // The background finishes what the callers left (real I/O, no virtual time passes).
-        let settled = || async {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let s = a.store().inspect(&keys).await.unwrap();
-                // Nothing stored for the tool means nothing was ever charged there.
-                let done = s[0]
-                    .as_ref()
-                    .is_none_or(|t| t.in_flight == 0.0 && t.total == 0.0);
-                if done || Instant::now() > deadline {
-                    return s;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        let check = |state: [Option<tower_fairshare::admission::engine::NodeState>; 3]| {
-            // Nothing stored means nothing was ever charged there: nothing to leak.
-            if let Some(tool) = &state[0] {
-                assert_eq!(tool.in_flight, 0.0, "permits leaked: {tool:?}");
-                assert_eq!(tool.total, 0.0, "units leaked: {tool:?}");
-                assert!(
-                    tool.budgets.iter().all(|b| b.used == 0.0),
-                    "budget leaked: {tool:?}"
-                );
-            }
-            if let Some(tenant) = &state[1] {
-                assert_eq!(tenant.total, 0.0, "the parasite's units leaked: {tenant:?}");
-            }
-        };
         // (A caller gone before its call was decided is never decided: only those decided
         // first had anything to give back.)
-        check(settled().await.levels);
+        nothing_charged(settled(&a, &keys).await.levels);
         // Redis stalls: 20 decisions sent meanwhile hit the 50 ms timeout, and run once it
         // answers again. The tool fails open, so each of those calls runs unmetered.
         let mut conn = server.conn();
@@ -1151,7 +1201,7 @@ fn dropped_and_timed_out_decisions_give_back_every_permit_and_unit() {
         // Once Redis answers, calls whose callers left before they were decided are dropped;
         // any decided after its caller left is given back. Either way nothing stays charged.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        check(settled().await.levels);
+        nothing_charged(settled(&a, &keys).await.levels);
         // Every other tenant is admitted at once: all 8 permits of the tool are free.
         let mut held = Vec::new();
         for i in 0..8 {
@@ -1219,20 +1269,17 @@ fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy
     let ttl = Duration::from_secs(5);
     rt.block_on(async {
         let clock = ManualClock::new(EPOCH);
-        let replica = |clock: &ManualClock| {
-            let (url, policy, clock) = (server.url(), policy.clone(), clock.clone());
-            async move {
-                let store = RedisStore::builder(url)
-                    .injected_clock()
-                    .refusal_cache(false)
-                    .permit_ttl(ttl)
-                    .connect()
-                    .await
-                    .unwrap();
-                Limiter::with_store(policy, store, clock)
-            }
+        let replica = || async {
+            let store = RedisStore::builder(server.url())
+                .injected_clock()
+                .refusal_cache(false)
+                .permit_ttl(ttl)
+                .connect()
+                .await
+                .unwrap();
+            Limiter::with_store(policy.clone(), store, clock.clone())
         };
-        let doomed = replica(&clock).await;
+        let doomed = replica().await;
         for i in 0..4 {
             doomed
                 .admit(&Caller::new(format!("d{i}")), "t", Cost(1.0))
@@ -1241,57 +1288,28 @@ fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy
         }
         // Killed: its tickets are never released, nothing renews its permits.
         drop(doomed);
-        let live = replica(&clock).await;
-        let (x, y) = (Caller::new("x"), Caller::new("y"));
+        let live = replica().await;
         // `x` holds a call all along (renewed); `y` comes and goes every 100 ms.
+        let x = Caller::new("x");
         let long = live.admit(&x, "t", Cost(1.0)).await.unwrap();
-        let mut freed_at = None;
-        for step in 1..=80u64 {
-            clock.set(EPOCH.saturating_add(Duration::from_millis(100 * step)));
-            if step % 10 == 0 {
-                live.store()
-                    .renew_permits(tower_fairshare::Clock::now(live.clock()))
-                    .await
-                    .unwrap();
-            }
-            match live.admit(&y, "t", Cost(1.0)).await {
-                Ok(t) => {
-                    if freed_at.is_none() {
-                        // 1 + 4 dead permits: the 6th call fits only once the dead ones lapse.
-                        let second = live.admit(&Caller::new("z"), "t", Cost(1.0)).await;
-                        if let Ok(t2) = second {
-                            freed_at = Some(Duration::from_millis(100 * step));
-                            live.release(&t2).await;
-                        }
-                    }
-                    live.release(&t).await;
-                }
-                Err(r) => {
-                    assert_eq!(r.reason, Reason::ConcurrencyExceeded);
-                }
-            }
-        }
+        let freed_at = when_dead_permits_lapse(&live, &clock).await;
         let freed_at = freed_at.expect("the dead replica's permits never lapsed");
         assert!(
             freed_at >= ttl && freed_at <= ttl + Duration::from_millis(100),
             "freed at {freed_at:?}, permit TTL {ttl:?}"
         );
         // `x`'s call, 8 s old, still holds its permit: renewed, it counts.
-        let keys = live.call_keys(&x, "t").unwrap();
         assert_eq!(live.store().permits_held(), 1);
         let mut held = Vec::new();
         for i in 0..4 {
-            held.push(
-                live.admit(&Caller::new(format!("n{i}")), "t", Cost(1.0))
-                    .await
-                    .unwrap(),
-            );
+            let t = live
+                .admit(&Caller::new(format!("n{i}")), "t", Cost(1.0))
+                .await;
+            held.push(t.unwrap());
         }
+        let fifth = live.admit(&Caller::new("n4"), "t", Cost(1.0)).await;
         assert_eq!(
-            live.admit(&Caller::new("n4"), "t", Cost(1.0))
-                .await
-                .unwrap_err()
-                .reason,
+            fifth.unwrap_err().reason,
             Reason::ConcurrencyExceeded,
             "the renewed permit stopped counting"
         );
@@ -1300,9 +1318,44 @@ fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy
             live.release(t).await;
         }
         assert_eq!(live.store().permits_held(), 0);
+        let keys = live.call_keys(&x, "t").unwrap();
         let state = live.store().inspect(&keys).await.unwrap();
         assert_eq!(state[0].as_ref().map_or(0.0, |s| s.in_flight), 0.0);
     });
+}
+
+/// Eight seconds of `y` calling every 100 ms on `live` (its permits renewed every second),
+/// beside one call held and four dead permits of the cap of 5: when a second call beside
+/// `y`'s first fits, i.e. the dead permits have lapsed.
+async fn when_dead_permits_lapse(
+    live: &Limiter<RedisStore, ManualClock>,
+    clock: &ManualClock,
+) -> Option<Duration> {
+    let y = Caller::new("y");
+    let mut freed_at = None;
+    for step in 1..=80u64 {
+        clock.set(EPOCH.saturating_add(Duration::from_millis(100 * step)));
+        if step % 10 == 0 {
+            let now = tower_fairshare::Clock::now(live.clock());
+            live.store().renew_permits(now).await.unwrap();
+        }
+        let t = match live.admit(&y, "t", Cost(1.0)).await {
+            Ok(t) => t,
+            Err(r) => {
+                assert_eq!(r.reason, Reason::ConcurrencyExceeded);
+                continue;
+            }
+        };
+        if freed_at.is_none() {
+            // 1 + 4 dead permits: the 6th call fits only once the dead ones lapse.
+            if let Ok(t2) = live.admit(&Caller::new("z"), "t", Cost(1.0)).await {
+                freed_at = Some(Duration::from_millis(100 * step));
+                live.release(&t2).await;
+            }
+        }
+        live.release(&t).await;
+    }
+    freed_at
 }
 
 /// A replica starts while Redis is down: every call follows its tool's `on_store_error`
@@ -1766,23 +1819,9 @@ floor = 50
             let limiter = Limiter::with_store(policy.clone(), store, clock.clone());
             for _ in 0..64 {
                 let (limiter, clock, busy_at) = (limiter.clone(), clock.clone(), busy_at.clone());
-                handles.push(tokio::spawn(async move {
-                    let busy = Caller::new("busy");
-                    loop {
-                        let t = tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros();
-                        // Replica 0 dies halfway through the third second, holding its lease.
-                        if t >= end || (r == 0 && t >= 2 * second + second / 2) {
-                            break;
-                        }
-                        if let Ok(ticket) = limiter.admit(&busy, "t", Cost(1.0)).await {
-                            busy_at
-                                .lock()
-                                .unwrap()
-                                .push(ticket.admission().unwrap().at.as_micros());
-                        }
-                        clock.advance(Duration::from_micros(10));
-                    }
-                }));
+                // Replica 0 dies halfway through the third second, holding its lease.
+                let until = if r == 0 { 2 * second + second / 2 } else { end };
+                handles.push(tokio::spawn(busy_until(limiter, clock, until, busy_at)));
             }
             if r == 0 {
                 // Its leases are never given back: as if the process died.
@@ -1790,22 +1829,14 @@ floor = 50
             }
             // The quiet tenant: a call every 25 ms of virtual time (40 a second; floor 50),
             // from each replica in turn.
-            let (limiter, clock, quiet) = (limiter.clone(), clock.clone(), quiet.clone());
-            handles.push(tokio::spawn(async move {
-                let caller = Caller::new("quiet");
-                let mut next = r as u64 * 25_000;
-                while next < end {
-                    if tower_fairshare::Clock::now(&clock).as_micros() - EPOCH.as_micros() < next {
-                        tokio::task::yield_now().await;
-                        continue;
-                    }
-                    match limiter.admit(&caller, "t", Cost(1.0)).await {
-                        Ok(_) => quiet.lock().unwrap().0 += 1,
-                        Err(e) => quiet.lock().unwrap().1.push(e.to_string()),
-                    }
-                    next += 100_000;
-                }
-            }));
+            let (clock, quiet) = (clock.clone(), quiet.clone());
+            handles.push(tokio::spawn(quiet_every_100ms(
+                limiter,
+                clock,
+                r * 25_000,
+                end,
+                quiet,
+            )));
         }
         for h in handles {
             h.await.unwrap();
