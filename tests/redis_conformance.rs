@@ -126,97 +126,111 @@ mod leased {
 /// second, ten seconds, minute, hour or day. Draws that are not valid policies (floors or
 /// ceilings that do not fit) are drawn again: every case runs a valid one.
 fn policy() -> impl Strategy<Value = String> {
-    let budgets = |scale: u32| {
-        prop::sample::subsequence(vec!["hour", "day", "month"], 0..=3).prop_flat_map(move |ps| {
-            let n = ps.len();
-            (Just(ps), prop::collection::vec(1u32..40, n)).prop_map(move |(ps, maxes)| {
-                if ps.is_empty() {
-                    return String::new();
-                }
-                let items: Vec<String> = ps
-                    .iter()
-                    .zip(maxes)
-                    .map(|(p, m)| format!("{{ period = \"{p}\", max = {} }}", m * scale))
-                    .collect();
-                format!("budgets = [{}]\n", items.join(", "))
-            })
-        })
-    };
-    let opt = |key: &'static str, values: std::ops::Range<u32>| {
-        prop::option::weighted(0.4, values).prop_map(move |v| match v {
-            Some(v) => format!("{key} = {v}\n"),
-            None => String::new(),
-        })
-    };
-    let level = move |scale: u32| {
-        (
-            1u32..6,
-            prop::option::weighted(0.5, 1u32..4),
-            opt("burst", 2..12),
-            opt("max_concurrency", 1..4),
-            budgets(scale),
-            prop::option::weighted(0.4, 0u32..3),
-        )
-            .prop_map(move |(w, floor, burst, cap, budgets, ceiling)| {
-                let floor = floor.map_or(0, |f| f * scale / 10);
-                let mut out = format!("weight = {w}\n{burst}{cap}{budgets}");
-                if floor > 0 {
-                    out.push_str(&format!("floor = {floor}\n"));
-                }
-                if let Some(c) = ceiling {
-                    out.push_str(&format!("ceiling = {}\n", floor + (c + 1) * scale / 4));
-                }
-                out
-            })
-    };
-    let tool = move |name: &'static str| {
-        (
-            (10u32..60).prop_map(|l| l * 10),
-            prop_oneof![Just("1s"), Just("10s"), Just("1m"), Just("1h"), Just("1d")],
-            opt("burst", 20..60),
-            opt("max_concurrency", 2..12),
-            budgets(400),
-            prop::bool::weighted(0.3),
-            (level(8), level(8), level(4), level(2), prop::option::of(level(2))),
-            (1u32..4, 1u32..4),
-        )
-            .prop_map(
-                move |(limit, per, burst, cap, budgets, untenanted, levels, maxes)| {
-                    let (a, b, x, default_instance, default_of_default) = levels;
-                    let mut t = format!(
-                        "[[tool]]\nname = \"{name}\"\nunit = \"tokens\"\nlease = \"off\"\nrate = {{ limit = {limit}, per = \"{per}\" }}\n{burst}{cap}{budgets}"
-                    );
-                    if untenanted {
-                        t.push_str("require_tenant = false\n");
-                    }
-                    t.push_str(&format!(
-                        "[tool.default_tenant]\nweight = 1\nmax_tenants = {}\n",
-                        maxes.0
-                    ));
-                    if let Some(d) = default_of_default {
-                        // Template instances of template tenants: no floor (it needs a bound).
-                        let d: String = d.lines().filter(|l| !l.starts_with("floor")).map(|l| format!("{l}\n")).collect();
-                        t.push_str(&format!("[tool.default_tenant.default_instance]\n{d}"));
-                    }
-                    t.push_str(&format!("[tool.tenants.A]\n{a}"));
-                    t.push_str(&format!("[tool.tenants.A.instances.x]\n{x}"));
-                    let di: String = default_instance
-                        .lines()
-                        .filter(|l| !l.starts_with("floor"))
-                        .map(|l| format!("{l}\n"))
-                        .collect();
-                    t.push_str(&format!(
-                        "[tool.tenants.A.default_instance]\n{di}max_instances = {}\n",
-                        maxes.1
-                    ));
-                    t.push_str(&format!("[tool.tenants.B]\n{b}"));
-                    t
-                },
-            )
-    };
     (tool("t"), tool("u"))
         .prop_map(|(t, u)| format!("{t}\n{u}"))
         .prop_filter("a valid policy", |text| Policy::from_toml_str(text).is_ok())
+}
+
+/// A `budgets = [...]` line of some of hour, day and month, each of up to 40 × `scale`; or
+/// nothing.
+fn budgets(scale: u32) -> impl Strategy<Value = String> {
+    prop::sample::subsequence(vec!["hour", "day", "month"], 0..=3).prop_flat_map(move |ps| {
+        let n = ps.len();
+        (Just(ps), prop::collection::vec(1u32..40, n)).prop_map(move |(ps, maxes)| {
+            if ps.is_empty() {
+                return String::new();
+            }
+            let items: Vec<String> = ps
+                .iter()
+                .zip(maxes)
+                .map(|(p, m)| format!("{{ period = \"{p}\", max = {} }}", m * scale))
+                .collect();
+            format!("budgets = [{}]\n", items.join(", "))
+        })
+    })
+}
+
+/// `key = v` for a `v` of `values`, or (more often) nothing.
+fn opt(key: &'static str, values: std::ops::Range<u32>) -> impl Strategy<Value = String> {
+    prop::option::weighted(0.4, values).prop_map(move |v| match v {
+        Some(v) => format!("{key} = {v}\n"),
+        None => String::new(),
+    })
+}
+
+/// A tenant's or an instance's settings, its floor and ceiling in proportion to `scale`.
+fn level(scale: u32) -> impl Strategy<Value = String> {
+    (
+        1u32..6,
+        prop::option::weighted(0.5, 1u32..4),
+        opt("burst", 2..12),
+        opt("max_concurrency", 1..4),
+        budgets(scale),
+        prop::option::weighted(0.4, 0u32..3),
+    )
+        .prop_map(move |(w, floor, burst, cap, budgets, ceiling)| {
+            let floor = floor.map_or(0, |f| f * scale / 10);
+            let mut out = format!("weight = {w}\n{burst}{cap}{budgets}");
+            if floor > 0 {
+                out.push_str(&format!("floor = {floor}\n"));
+            }
+            if let Some(c) = ceiling {
+                out.push_str(&format!("ceiling = {}\n", floor + (c + 1) * scale / 4));
+            }
+            out
+        })
+}
+
+/// A level's settings without its floor (a template caller's: a floor needs a bound).
+fn without_floor(level: &str) -> String {
+    level
+        .lines()
+        .filter(|l| !l.starts_with("floor"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// The tool `name`: listed tenants A (with an instance `x` and template instances) and B,
+/// template tenants (maybe with template instances of their own).
+fn tool(name: &'static str) -> impl Strategy<Value = String> {
+    (
+        (10u32..60).prop_map(|l| l * 10),
+        prop_oneof![Just("1s"), Just("10s"), Just("1m"), Just("1h"), Just("1d")],
+        opt("burst", 20..60),
+        opt("max_concurrency", 2..12),
+        budgets(400),
+        prop::bool::weighted(0.3),
+        (level(8), level(8), level(4), level(2), prop::option::of(level(2))),
+        (1u32..4, 1u32..4),
+    )
+        .prop_map(
+            move |(limit, per, burst, cap, budgets, untenanted, levels, maxes)| {
+                let (a, b, x, default_instance, default_of_default) = levels;
+                let mut t = format!(
+                    "[[tool]]\nname = \"{name}\"\nunit = \"tokens\"\nlease = \"off\"\nrate = {{ limit = {limit}, per = \"{per}\" }}\n{burst}{cap}{budgets}"
+                );
+                if untenanted {
+                    t.push_str("require_tenant = false\n");
+                }
+                t.push_str(&format!(
+                    "[tool.default_tenant]\nweight = 1\nmax_tenants = {}\n",
+                    maxes.0
+                ));
+                if let Some(d) = default_of_default {
+                    let d = without_floor(&d);
+                    t.push_str(&format!("[tool.default_tenant.default_instance]\n{d}"));
+                }
+                t.push_str(&format!("[tool.tenants.A]\n{a}"));
+                t.push_str(&format!("[tool.tenants.A.instances.x]\n{x}"));
+                let di = without_floor(&default_instance);
+                t.push_str(&format!(
+                    "[tool.tenants.A.default_instance]\n{di}max_instances = {}\n",
+                    maxes.1
+                ));
+                t.push_str(&format!("[tool.tenants.B]\n{b}"));
+                t
+            },
+        )
 }
 
 fn callers() -> Vec<Caller> {
