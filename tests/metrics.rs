@@ -305,9 +305,6 @@ fn requests_that_name_no_tool_are_counted() {
 /// name, every other caller `other`), for the same traffic.
 #[test]
 fn the_console_counts_refusals_as_the_metrics_do() {
-    use http_body_util::BodyExt;
-    use tower::ServiceExt;
-
     let recorder = PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     let state = metrics::with_local_recorder(&recorder, || {
@@ -343,14 +340,7 @@ fn the_console_counts_refusals_as_the_metrics_do() {
                 held.push(t);
             }
         }
-        let res = now(console.oneshot(
-            http::Request::get("/fairshare/state")
-                .body(String::new())
-                .unwrap(),
-        ))
-        .unwrap();
-        let body = now(res.into_body().collect()).unwrap().to_bytes();
-        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+        console_state(console)
     });
     let text = handle.render();
     let compared = refusals_counted_alike(&state, &text);
@@ -370,6 +360,18 @@ fn the_console_counts_refusals_as_the_metrics_do() {
     );
     assert!(text.contains("tenant=\"made-up-1\""), "{text}");
     assert!(!text.contains("tenant=\"made-up-2\""), "{text}");
+}
+
+/// What the console's `/fairshare/state` answers now.
+fn console_state(console: tower_fairshare::Console<MemoryStore, ManualClock>) -> serde_json::Value {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let get = http::Request::get("/fairshare/state")
+        .body(String::new())
+        .unwrap();
+    let res = now(console.oneshot(get)).unwrap();
+    let body = now(res.into_body().collect()).unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
 }
 
 /// Each tenant's refusals by reason in the console's `state` are the decision metrics' in
@@ -562,9 +564,6 @@ fn lease_metrics_add_up_for_a_call_charged_to_two_tools() {
 /// calls used to be counted as 16 decisions, naming whoever called twice.)
 #[test]
 fn callers_with_a_quota_under_one_call_are_not_named_for_calling_twice() {
-    use http_body_util::BodyExt;
-    use tower::ServiceExt;
-
     let recorder = PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     let state = metrics::with_local_recorder(&recorder, || {
@@ -604,14 +603,7 @@ fn callers_with_a_quota_under_one_call_are_not_named_for_calling_twice() {
         for _ in 0..40 {
             let _ = now(limiter.admit(&loud, "web_search", Cost(1.0)));
         }
-        let res = now(console.oneshot(
-            http::Request::get("/fairshare/state")
-                .body(String::new())
-                .unwrap(),
-        ))
-        .unwrap();
-        let body = now(res.into_body().collect()).unwrap().to_bytes();
-        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+        console_state(console)
     });
     let busy: Vec<&str> = state["tools"][0]["busiest"]["tenants"]
         .as_array()
