@@ -212,6 +212,14 @@ pub struct Event {
     pub reason: Option<Reason>,
 }
 
+/// Calls of `source` admitted in second `w` of a run.
+fn admitted_in_second(events: &[Event], source: usize, w: u64) -> f64 {
+    events
+        .iter()
+        .filter(|e| e.source == source && e.admitted && e.at / SECOND == w)
+        .count() as f64
+}
+
 /// Drives `loads` for `periods` periods of length `period_us`, in time order (ties by
 /// source), releasing permits at once. Returns every call.
 pub async fn drive<S: Store>(
@@ -1181,12 +1189,7 @@ pub fn newcomers_share<F: Factory>(f: &F) {
             }
             let (limiter, clock) = harness(&policy, f.store_in(&rt));
             let events = rt.block_on(drive(&limiter, &clock, "t", &loads, SECOND, 5));
-            let got = |i: usize, w: u64| {
-                events
-                    .iter()
-                    .filter(|e| e.source == i && e.admitted && e.at / SECOND == w)
-                    .count() as f64
-            };
+            let got = |i: usize, w: u64| admitted_in_second(&events, i, w);
             for i in 1..=first {
                 check(got(i, 0) >= 0.5 * share(first), || {
                     format!(
@@ -1298,12 +1301,7 @@ pub fn plans_share_case<F: Factory>(
     let rt = runtime();
     let (limiter, clock) = harness(&policy, f.store_in(&rt));
     let events = rt.block_on(drive(&limiter, &clock, "t", &loads, SECOND, 5));
-    let got = |i: usize, w: u64| {
-        events
-            .iter()
-            .filter(|e| e.source == i && e.admitted && e.at / SECOND == w)
-            .count() as f64
-    };
+    let got = |i: usize, w: u64| admitted_in_second(&events, i, w);
     let rows: Vec<[f64; 5]> = (0..owed.len())
         .map(|i| std::array::from_fn(|w| got(i, w as u64)))
         .collect();
