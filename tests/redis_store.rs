@@ -1261,6 +1261,24 @@ max_concurrency = 5
 /// A replica killed while its calls held permits: its permits stop counting within the permit
 /// TTL by themselves, although the tool stays busy (another replica admits and releases calls
 /// all along); a live replica that renews its permits keeps them past the TTL.
+/// A replica on `url` with an injected clock, no refusal cache and permits that lapse after
+/// `ttl`.
+async fn short_lived_permits(
+    url: String,
+    policy: &Policy,
+    clock: &ManualClock,
+    ttl: Duration,
+) -> Limiter<RedisStore, ManualClock> {
+    let store = RedisStore::builder(url)
+        .injected_clock()
+        .refusal_cache(false)
+        .permit_ttl(ttl)
+        .connect()
+        .await
+        .unwrap();
+    Limiter::with_store(policy.clone(), store, clock.clone())
+}
+
 #[test]
 fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy() {
     let server = RedisServer::start();
@@ -1269,16 +1287,7 @@ fn a_dead_replicas_permits_lapse_within_the_permit_ttl_while_the_tool_stays_busy
     let ttl = Duration::from_secs(5);
     rt.block_on(async {
         let clock = ManualClock::new(EPOCH);
-        let replica = || async {
-            let store = RedisStore::builder(server.url())
-                .injected_clock()
-                .refusal_cache(false)
-                .permit_ttl(ttl)
-                .connect()
-                .await
-                .unwrap();
-            Limiter::with_store(policy.clone(), store, clock.clone())
-        };
+        let replica = || short_lived_permits(server.url(), &policy, &clock, ttl);
         let doomed = replica().await;
         for i in 0..4 {
             doomed
@@ -1539,19 +1548,7 @@ fn reading_a_state_counts_only_permits_that_have_not_lapsed() {
     let ttl = Duration::from_secs(5);
     rt.block_on(async {
         let clock = ManualClock::new(EPOCH);
-        let replica = || {
-            let (url, policy, clock) = (server.url(), policy.clone(), clock.clone());
-            async move {
-                let store = RedisStore::builder(url)
-                    .injected_clock()
-                    .refusal_cache(false)
-                    .permit_ttl(ttl)
-                    .connect()
-                    .await
-                    .unwrap();
-                Limiter::with_store(policy, store, clock)
-            }
-        };
+        let replica = || short_lived_permits(server.url(), &policy, &clock, ttl);
         let d = Caller::new("d");
         let doomed = replica().await;
         doomed.admit(&d, "t", Cost(1.0)).await.unwrap();
