@@ -10,7 +10,8 @@
 //! `FS_TOOL=saturated` cycles over the saturated policy's 120 tenants,
 //! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own;
 //! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
-//! (`benches/sketch/mod.rs`) instead of the crate. `FS_LAYER=bare|admitted|headers` makes N
+//! (`benches/sketch/mod.rs`) instead of the crate; `FS_TOOL=governor` (`chained`) checks
+//! governor's keyed limiter on one key (three chained, on one caller), the baselines. `FS_LAYER=bare|admitted|headers` makes N
 //! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
 //! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
 //! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=refused` through the layer,
@@ -27,7 +28,7 @@ use tower_fairshare::Cost;
 mod common;
 #[path = "sketch/mod.rs"]
 mod sketch;
-use common::{callers, limiter, now, saturated};
+use common::{callers, generous_quota, limiter, now, saturated, Chained};
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
@@ -197,6 +198,9 @@ fn main() {
             return;
         }
         let tool = std::env::var("FS_TOOL").unwrap_or_else(|_| "search".to_owned());
+        if baseline(&tool, n) {
+            return;
+        }
         if let Some(work) = match tool.as_str() {
             "sketch" => Some(true),
             "sketch-bare" => Some(false),
@@ -263,4 +267,29 @@ fn main() {
     }
     benches();
     Criterion::default().configure_from_args().final_summary();
+}
+
+/// `FS_TOOL=governor` (`chained`): `n` checks of governor's keyed limiter on one key (of the
+/// three chained governors on one caller), the baselines of `benches/compare.rs`, counted as
+/// the crate's decisions are. Whether `tool` names one.
+fn baseline(tool: &str, n: u64) -> bool {
+    let mut admitted = 0u64;
+    match tool {
+        "governor" => {
+            let gov: common::Keyed<u64> = governor::RateLimiter::keyed(generous_quota());
+            for _ in 0..n {
+                admitted += u64::from(gov.check_key(std::hint::black_box(&0u64)).is_ok());
+            }
+        }
+        "chained" => {
+            let chained = Chained::new(generous_quota());
+            let keys = Chained::keys(&callers("tenant", 1));
+            for _ in 0..n {
+                admitted += u64::from(chained.check(std::hint::black_box(&keys[0])));
+            }
+        }
+        _ => return false,
+    }
+    assert_eq!(admitted, n);
+    true
 }

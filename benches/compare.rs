@@ -27,7 +27,6 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
 use std::hint::black_box;
-use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -99,7 +98,7 @@ static ALLOCATOR: Counting = Counting;
 mod common;
 #[path = "sketch/mod.rs"]
 mod sketch;
-use common::{callers, limiter, now, saturated};
+use common::{callers, generous_quota, limiter, now, saturated, Chained};
 
 /// Runs `iters` calls of `f(thread, k)` split over `threads` scoped threads and returns the
 /// wall time of all of them: criterion divides by `iters`, so the figure is wall time per call,
@@ -124,56 +123,12 @@ fn threaded(iters: u64, threads: u64, f: impl Fn(usize, usize) + Sync) -> Durati
 // ---------------------------------------------------------------------------------------------
 // 1. One decision in memory.
 
-type Keyed<K> = governor::RateLimiter<
-    K,
-    governor::state::keyed::DefaultKeyedStateStore<K>,
-    governor::clock::DefaultClock,
->;
-
-/// Three keyed governors chained, as a user limits tool, tenant and instance without a nested
-/// limiter: each call checks the tool's, then the tenant's, then the tenant's instance's.
-struct Chained {
-    tool: Keyed<String>,
-    tenant: Keyed<String>,
-    instance: Keyed<(String, String)>,
-}
-
-/// A caller's keys for [`Chained`]: (tool, tenant, (tenant, instance)).
-type ChainedKey = (String, String, (String, String));
-
-impl Chained {
-    fn new(quota: Quota) -> Self {
-        Chained {
-            tool: RateLimiter::keyed(quota),
-            tenant: RateLimiter::keyed(quota),
-            instance: RateLimiter::keyed(quota),
-        }
-    }
-
-    fn keys(callers: &[Caller]) -> Vec<ChainedKey> {
-        callers
-            .iter()
-            .map(|c| {
-                let tenant = c.tenant().unwrap_or_default().to_owned();
-                let instance = c.instance().unwrap_or_default().to_owned();
-                ("search".to_owned(), tenant.clone(), (tenant, instance))
-            })
-            .collect()
-    }
-
-    fn check(&self, k: &ChainedKey) -> bool {
-        self.tool.check_key(&k.0).is_ok()
-            && self.tenant.check_key(&k.1).is_ok()
-            && self.instance.check_key(&k.2).is_ok()
-    }
-}
-
 /// A group of benches timed on the wall clock.
 type Group<'a> = criterion::BenchmarkGroup<'a, criterion::measurement::WallTime>;
 
 fn decisions(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
-    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+    let quota = generous_quota();
     governor_decisions(&mut g, quota);
     chained_decisions(&mut g, quota);
     fairshare_decisions(&mut g);
@@ -606,7 +561,7 @@ fn memory(n: usize) {
     let (fleet, _) = store_bytes(n, fleet_tenants);
     let elapsed = start.elapsed();
 
-    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+    let quota = generous_quota();
     let mut gov = Some(RateLimiter::keyed(quota));
     let governor = live_bytes_after(|| {
         let gov = gov.as_ref().expect("built above");

@@ -167,3 +167,56 @@ pub fn now<F: std::future::IntoFuture>(f: F) -> F::Output {
         Poll::Pending => panic!("every future in this bench is ready at once"),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The baselines: what a user composes from governor instead.
+
+pub type Keyed<K> = governor::RateLimiter<
+    K,
+    governor::state::keyed::DefaultKeyedStateStore<K>,
+    governor::clock::DefaultClock,
+>;
+
+/// Three keyed governors chained, as a user limits tool, tenant and instance without a nested
+/// limiter: each call checks the tool's, then the tenant's, then the tenant's instance's.
+pub struct Chained {
+    pub tool: Keyed<String>,
+    pub tenant: Keyed<String>,
+    pub instance: Keyed<(String, String)>,
+}
+
+/// A caller's keys for [`Chained`]: (tool, tenant, (tenant, instance)).
+pub type ChainedKey = (String, String, (String, String));
+
+impl Chained {
+    pub fn new(quota: governor::Quota) -> Self {
+        Chained {
+            tool: governor::RateLimiter::keyed(quota),
+            tenant: governor::RateLimiter::keyed(quota),
+            instance: governor::RateLimiter::keyed(quota),
+        }
+    }
+
+    pub fn keys(callers: &[Caller]) -> Vec<ChainedKey> {
+        callers
+            .iter()
+            .map(|c| {
+                let tenant = c.tenant().unwrap_or_default().to_owned();
+                let instance = c.instance().unwrap_or_default().to_owned();
+                ("search".to_owned(), tenant.clone(), (tenant, instance))
+            })
+            .collect()
+    }
+
+    pub fn check(&self, k: &ChainedKey) -> bool {
+        self.tool.check_key(&k.0).is_ok()
+            && self.tenant.check_key(&k.1).is_ok()
+            && self.instance.check_key(&k.2).is_ok()
+    }
+}
+
+/// A quota no decision of a bench reaches: every call is admitted, as by the crate's
+/// generous policies.
+pub fn generous_quota() -> governor::Quota {
+    governor::Quota::per_second(std::num::NonZeroU32::new(1_000_000_000).expect("non-zero"))
+}
