@@ -171,18 +171,20 @@ pub fn now<F: std::future::IntoFuture>(f: F) -> F::Output {
 // ---------------------------------------------------------------------------------------------
 // The baselines: what a user composes from governor instead.
 
-pub type Keyed<K> = governor::RateLimiter<
+/// governor's keyed limiter, on quanta's clock (governor's default) or `C`.
+pub type Keyed<K, C = governor::clock::DefaultClock> = governor::RateLimiter<
     K,
     governor::state::keyed::DefaultKeyedStateStore<K>,
-    governor::clock::DefaultClock,
+    C,
+    governor::middleware::NoOpMiddleware<<C as governor::clock::Clock>::Instant>,
 >;
 
 /// Three keyed governors chained, as a user limits tool, tenant and instance without a nested
 /// limiter: each call checks the tool's, then the tenant's, then the tenant's instance's.
-pub struct Chained {
-    pub tool: Keyed<String>,
-    pub tenant: Keyed<String>,
-    pub instance: Keyed<(String, String)>,
+pub struct Chained<C: governor::clock::Clock = governor::clock::DefaultClock> {
+    pub tool: Keyed<String, C>,
+    pub tenant: Keyed<String, C>,
+    pub instance: Keyed<(String, String), C>,
 }
 
 /// A caller's keys for [`Chained`]: (tool, tenant, (tenant, instance)).
@@ -190,11 +192,7 @@ pub type ChainedKey = (String, String, (String, String));
 
 impl Chained {
     pub fn new(quota: governor::Quota) -> Self {
-        Chained {
-            tool: governor::RateLimiter::keyed(quota),
-            tenant: governor::RateLimiter::keyed(quota),
-            instance: governor::RateLimiter::keyed(quota),
-        }
+        Chained::with_clock(quota, governor::clock::DefaultClock::default())
     }
 
     pub fn keys(callers: &[Caller]) -> Vec<ChainedKey> {
@@ -206,6 +204,17 @@ impl Chained {
                 ("search".to_owned(), tenant.clone(), (tenant, instance))
             })
             .collect()
+    }
+}
+
+impl<C: governor::clock::Clock + Clone> Chained<C> {
+    /// Chained governors reading `clock`.
+    pub fn with_clock(quota: governor::Quota, clock: C) -> Self {
+        Chained {
+            tool: governor::RateLimiter::dashmap_with_clock(quota, clock.clone()),
+            tenant: governor::RateLimiter::dashmap_with_clock(quota, clock.clone()),
+            instance: governor::RateLimiter::dashmap_with_clock(quota, clock),
+        }
     }
 
     pub fn check(&self, k: &ChainedKey) -> bool {
