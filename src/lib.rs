@@ -50,14 +50,18 @@
 //! **burst** (the most it takes at one instant above its floor). A call passes only if it
 //! passes every level — tool, tenant, instance, every calendar budget, every concurrency cap
 //! — and a refusal charges nothing anywhere. Idle share is lent to busy callers, highest
-//! weight first, each up to its ceiling. See [`admission::engine`] for the algorithm and the
-//! README for what the property tests prove.
+//! weight first, each up to its ceiling. See [`admission::engine`] for the algorithm and
+//! `docs/semantics.md` in the repository for what the property tests prove.
 //!
 //! ## Features
 //!
-//! * `memory` (default) — the in-process [`MemoryStore`].
-//! * `redis` — `RedisStore`: state shared by every replica, one Lua round trip a decision.
+//! * `memory` (default) — the in-process [`MemoryStore`] (always built; the feature names it).
+//! * `redis` — `RedisStore`: state shared by every replica; a tool's calls decided in batches,
+//!   one round trip a batch (a caller alone: one a call).
+//! * `redis-tls` — `rediss://` for `RedisStore`, with a private CA and client certificates.
 //! * `redis-bb8` — a bb8 pool for `RedisStore`.
+//! * `quanta` — a faster [`SystemClock`] (the CPU's time-stamp counter between wall-clock
+//!   reads).
 //! * `metrics` — counters, gauges and histograms through the `metrics` facade
 //!   ([`telemetry`]).
 //! * `axum`, `tonic` — `IntoResponse` / `From<Refusal> for Status` for handlers that call the
