@@ -11,12 +11,13 @@
 //! most calls refused; `FS_CALLERS=N` cycles over N callers, each a tenant of its own;
 //! `FS_TOOL=sketch` and `FS_TOOL=sketch-bare` decide with the sketch of an exact decision
 //! (`benches/sketch/mod.rs`) instead of the crate; `FS_TOOL=governor` (`chained`) checks
-//! governor's keyed limiter on one key (three chained, on one caller), the baselines. `FS_LAYER=bare|admitted|headers` makes N
-//! calls through a bare service or through `FairShareLayer` over it (without or with RateLimit
-//! headers) instead, each request built and its response dropped; `FS_LAYER=unmatched` (and
-//! `bare-unmatched`) the same for a path no tool matches; `FS_LAYER=refused` through the layer,
-//! each call refused (429); `FS_LAYER=model` makes N model calls
-//! through `model_calls()` (one tool; `model-two`: charged to two, a request and its tokens).
+//! governor's keyed limiter on one key (three chained, on one caller), the baselines.
+//! `FS_LAYER=bare|admitted|headers` makes N calls through a bare service or through
+//! `FairShareLayer` over it (without or with RateLimit headers) instead, each request built
+//! and its response dropped; `FS_LAYER=unmatched` (and `bare-unmatched`) the same for a path no
+//! tool matches; `FS_LAYER=refused` through the layer, each call refused (429);
+//! `FS_LAYER=model` makes N model calls through `model_calls()` (one tool; `model-two`: charged
+//! to two, a request and its tokens).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

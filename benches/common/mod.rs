@@ -182,19 +182,21 @@ pub type Keyed<K, C = governor::clock::DefaultClock> = governor::RateLimiter<
 /// Three keyed governors chained, as a user limits tool, tenant and instance without a nested
 /// limiter: each call checks the tool's, then the tenant's, then the tenant's instance's.
 pub struct Chained<C: governor::clock::Clock = governor::clock::DefaultClock> {
-    pub tool: Keyed<String, C>,
-    pub tenant: Keyed<String, C>,
-    pub instance: Keyed<(String, String), C>,
+    tool: Keyed<String, C>,
+    tenant: Keyed<String, C>,
+    instance: Keyed<(String, String), C>,
 }
 
 /// A caller's keys for [`Chained`]: (tool, tenant, (tenant, instance)).
 pub type ChainedKey = (String, String, (String, String));
 
 impl Chained {
+    /// Chained governors on governor's default clock.
     pub fn new(quota: governor::Quota) -> Self {
         Chained::with_clock(quota, governor::clock::DefaultClock::default())
     }
 
+    /// Each caller's keys: the tool (`search`), its tenant, its tenant and instance.
     pub fn keys(callers: &[Caller]) -> Vec<ChainedKey> {
         callers
             .iter()
@@ -217,6 +219,7 @@ impl<C: governor::clock::Clock + Clone> Chained<C> {
         }
     }
 
+    /// Whether all three admit the call (the tool's first; one that refuses ends the check).
     pub fn check(&self, k: &ChainedKey) -> bool {
         self.tool.check_key(&k.0).is_ok()
             && self.tenant.check_key(&k.1).is_ok()
