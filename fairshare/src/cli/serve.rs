@@ -25,6 +25,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 use tokio::net::TcpListener;
 use tower_fairshare::{Caller, Clock, FairShareLayer, Limiter, Policy, Store};
 
@@ -286,18 +287,7 @@ async fn authenticate(State(keys): State<Arc<Keys>>, mut req: Request, next: Nex
 /// limiter's metrics and keeps the recorder's histograms drained. `None` (with the reason on
 /// stderr) when another recorder is installed already.
 pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
-    // The decision latency as a Prometheus histogram (the exporter's default is a summary,
-    // which cannot be aggregated over replicas): 1 µs to 1 s.
-    const BUCKETS: [f64; 13] = [
-        1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0,
-    ];
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full(tower_fairshare::telemetry::DECISION_SECONDS.to_owned()),
-            &BUCKETS,
-        )
-        .expect("the buckets are not empty");
-    match builder.install_recorder() {
+    match prometheus_builder().install_recorder() {
         Ok(handle) => {
             tower_fairshare::telemetry::describe_metrics();
             let upkeep = handle.clone();
@@ -315,6 +305,30 @@ pub(crate) fn install_prometheus() -> Option<PrometheusHandle> {
             None
         }
     }
+}
+
+/// How long a series may go without an update before `/metrics` drops it.
+const METRICS_IDLE: Duration = Duration::from_secs(600);
+
+/// The exporter `fairshare serve` installs. The decision latency is a Prometheus histogram
+/// (the exporter's default is a summary, which cannot be aggregated over replicas): 1 µs to
+/// 1 s. Counters and gauges not updated for [`METRICS_IDLE`] are dropped: a caller named
+/// among a tool's busiest for a while, then quiet, leaves `/metrics` instead of staying in it
+/// for the life of the process (busy callers that come and go would grow it without bound).
+fn prometheus_builder() -> PrometheusBuilder {
+    const BUCKETS: [f64; 13] = [
+        1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0,
+    ];
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(tower_fairshare::telemetry::DECISION_SECONDS.to_owned()),
+            &BUCKETS,
+        )
+        .expect("the buckets are not empty")
+        .idle_timeout(
+            MetricKindMask::COUNTER | MetricKindMask::GAUGE,
+            Some(METRICS_IDLE),
+        )
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets calls in flight finish
@@ -403,6 +417,14 @@ mod tests {
         rate = { limit = 600, per = "1m" }
         [tool.default_tenant]
     "#;
+
+    #[test]
+    fn metrics_idle_for_ten_minutes_leave_the_exporter() {
+        let shown = format!("{:?}", prometheus_builder());
+        assert!(shown.contains("idle_timeout: Some(600s)"), "{shown}");
+        let mask = format!("{:?}", MetricKindMask::COUNTER | MetricKindMask::GAUGE);
+        assert!(shown.contains(&format!("recency_mask: {mask}")), "{shown}");
+    }
 
     async fn start(limits: Limits, app: Option<Router>) -> std::net::SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -164,7 +164,7 @@ impl Replicas {
 
     /// Follows what `found` says against what was said before: a warning for a new
     /// disagreement, an error once one outlasts the grace time (and every grace time after),
-    /// a line when the replicas agree again; the gauge for each.
+    /// a line when the replicas agree again; the gauge of each tool found, set at every check.
     fn follow(&self, found: Vec<PolicyDisagreement>) {
         let mut following = lock(&self.disagreeing);
         let now = Instant::now();
@@ -183,13 +183,15 @@ impl Replicas {
                     fingerprints = %described(&d),
                     "replicas sharing this Redis enforce different policies for this tool (a rolling reload in progress?); each decides by its own until they agree"
                 );
-                crate::telemetry::policy_mismatch(&d.tool, true);
                 Disagreeing {
                     since: now,
                     said_loudly: None,
                     latest: d.clone(),
                 }
             });
+            // Set at every check while it lasts: an exporter that drops series not updated
+            // for a while keeps this one.
+            crate::telemetry::policy_mismatch(&d.tool, true);
             entry.latest = d;
             let due = entry
                 .said_loudly
@@ -279,3 +281,69 @@ impl Shared {
 
 /// The formats this version reads and writes.
 pub(super) const FORMATS: [u8; 2] = [OLDEST_FORMAT, FORMAT];
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::sync::Arc;
+
+    use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
+
+    use super::*;
+
+    /// A recorder that counts how often `fairshare_policy_mismatch` is set.
+    struct MismatchSets(Arc<AtomicUsize>);
+
+    impl metrics::GaugeFn for MismatchSets {
+        fn increment(&self, _: f64) {}
+        fn decrement(&self, _: f64) {}
+        fn set(&self, _: f64) {
+            self.0.fetch_add(1, Relaxed);
+        }
+    }
+
+    impl metrics::Recorder for MismatchSets {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            match key.name() == crate::telemetry::POLICY_MISMATCH {
+                true => Gauge::from_arc(Arc::new(MismatchSets(self.0.clone()))),
+                false => Gauge::noop(),
+            }
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// An exporter that drops series not updated for a while (as `fairshare serve`'s does)
+    /// must not drop the gauge of a disagreement that lasts: every check that still finds it
+    /// sets the gauge again.
+    #[test]
+    fn a_lasting_disagreement_sets_its_gauge_at_every_check() {
+        let replicas = Replicas::new(1, FORMATS, Duration::from_secs(30));
+        let found = PolicyDisagreement {
+            tool: "search".into(),
+            fingerprint: Some(1),
+            replicas: vec![(Some(1), 1), (Some(2), 1)],
+            for_how_long: Duration::ZERO,
+            past_grace: false,
+        };
+        let sets = Arc::new(AtomicUsize::new(0));
+        let recorder = MismatchSets(sets.clone());
+        metrics::with_local_recorder(&recorder, || {
+            for _ in 0..3 {
+                replicas.follow(vec![found.clone()]);
+            }
+        });
+        assert_eq!(
+            sets.load(Relaxed),
+            3,
+            "the gauge set at each of three checks"
+        );
+    }
+}
